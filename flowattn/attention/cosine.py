@@ -1,0 +1,123 @@
+"""Scaled cosine similarity attention (LipsFormer, Qi et al. 2023, §3.3 and Theorem 1)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
+from ..validation import check_sets
+from .dot_product import merge_heads, split_heads
+from .l2 import square_weight
+from .masking import attention_mask, zero_padded
+
+__all__ = ["ScaledCosineMHA"]
+
+
+class ScaledCosineMHA(nn.Module):
+    r"""Scaled cosine similarity attention (SCSA) of LipsFormer (Qi et al. 2023, eq. (6)).
+
+    .. math::
+        \hat q_i = \frac{x_i^\top W^Q}{\sqrt{\|x_i^\top W^Q\|^2 + \epsilon}}\ (\text{same for }
+        \hat k, \hat v), \qquad \mathrm{SCSA}(X) = \nu\, \mathrm{softmax}(\tau \hat Q \hat K^\top)
+        \hat V,
+
+    per head, then [heads] W^O. Normalising queries, keys and values makes the map Lipschitz for
+    any bounded weights; :meth:`lipschitz_bound` gives Theorem 1 of the paper per head
+    (width d), combined over heads as max_h (inf-norm) or sqrt(sum_h) (2-norm) and multiplied by
+    the norm of W^O. The theorem writes ||W^K||_inf and ||W^Q||_inf without fixing the
+    transposition convention; we take the larger of ||W||_inf and ||W^T||_inf, so the
+    certificate holds under either reading. The bound grows like N^2 / sqrt(epsilon): it is a
+    certificate, not a useful normaliser.
+
+    Dropout: ``dropout`` acts on the attention weights in training mode and, as for
+    :class:`~flowattn.attention.L2MHA`, voids the certificate while active.
+
+    Arguments:
+        dim: model width D.
+        heads: number of heads H.
+        tau: the fixed temperature tau (10 in the LipsFormer code).
+        eps: smoothing epsilon of the normalisation.
+        nu: output scale nu.
+        dropout: attention-weight dropout probability (training only).
+
+    Example:
+        >>> attn = ScaledCosineMHA(dim=16, heads=4)
+        >>> attn(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 16])
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        tau: float = 10.0,
+        eps: float = 1e-6,
+        nu: float = 1.0,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if dim % heads != 0:
+            raise ValueError(f"heads={heads} must divide dim={dim}")
+        if tau <= 0 or eps <= 0 or nu <= 0:
+            raise ValueError(f"tau, eps and nu must be positive, got {tau}, {eps}, {nu}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+        self.tau, self.eps, self.nu, self.dropout = tau, eps, nu, dropout
+        self.w_q, self.w_k = square_weight(dim), square_weight(dim)
+        self.w_v, self.w_o = square_weight(dim), square_weight(dim)
+
+    def _normalised_heads(self, x: Tensor, w: Tensor) -> Tensor:
+        h = split_heads(x @ w, self.heads)
+        return h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + self.eps)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        mask = check_sets(x, mask, self.dim)
+        q, k, v = (self._normalised_heads(x, w) for w in (self.w_q, self.w_k, self.w_v))
+        heads = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if mask is None else attention_mask(mask, causal, x.shape[1], x.device),
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal and mask is None,
+            scale=self.tau,
+        )
+        return zero_padded(self.nu * merge_heads(heads) @ self.w_o, mask)
+
+    def head_weights(self, w: Tensor) -> Tensor:
+        """(D, D) -> (H, D, d): the column block of each head."""
+        return w.reshape(self.dim, self.heads, self.head_dim).permute(1, 0, 2)
+
+    def lipschitz_bound(self, n: int | Tensor, norm="inf") -> Tensor:
+        """Theorem 1 of Qi et al. (2023) for sets of ``n`` elements, combined over heads."""
+        if self.training and self.dropout > 0:
+            raise ValueError(
+                "attention dropout is active (training mode, dropout > 0): the certificate does "
+                "not hold; call .eval() or use dropout=0"
+            )
+        norm = _norm_name(norm)
+        wq, wk, wv = (self.head_weights(w) for w in (self.w_q, self.w_k, self.w_v))
+        n = torch.as_tensor(n, dtype=wq.dtype, device=wq.device).unsqueeze(-1)  # per head last
+        scale = self.nu * self.eps**-0.5
+        if norm == "inf":
+
+            def both(w: Tensor) -> Tensor:
+                return torch.maximum(matrix_inf_norm(w), matrix_inf_norm(w.transpose(1, 2)))
+
+            root_d = self.head_dim**0.5
+            per_head = (
+                n**2 * root_d * self.tau * scale * both(wk)
+                + n * root_d * self.tau * scale * both(wq)
+                + 2 * n * scale * matrix_inf_norm(wv.transpose(1, 2))
+            )
+            return per_head.amax(-1) * matrix_inf_norm(self.w_o.t())
+        per_head = (
+            2 * n * (n - 1) * self.tau * scale * spectral_norm_exact(wk)
+            + 2 * (n - 1) * self.tau * scale * spectral_norm_exact(wq)
+            + 2 * n * scale * spectral_norm_exact(wv)
+        )
+        return per_head.pow(2).sum(-1).sqrt() * spectral_norm_exact(self.w_o)

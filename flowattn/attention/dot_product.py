@@ -1,0 +1,71 @@
+"""Scaled dot-product multi-head self-attention (Vaswani et al. 2017): the non-Lipschitz baseline."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..validation import check_sets
+from .masking import attention_mask, zero_padded
+
+__all__ = ["DotProductMHA", "split_heads", "merge_heads"]
+
+
+def split_heads(x: Tensor, heads: int) -> Tensor:
+    """(B, N, H d) -> (B, H, N, d)."""
+    b, n, _ = x.shape
+    return x.reshape(b, n, heads, -1).transpose(1, 2)
+
+
+def merge_heads(x: Tensor) -> Tensor:
+    """(B, H, N, d) -> (B, N, H d)."""
+    b, h, n, d = x.shape
+    return x.transpose(1, 2).reshape(b, n, h * d)
+
+
+class DotProductMHA(nn.Module):
+    r"""Multi-head self-attention with dot-product logits.
+
+    .. math:: P^h = \mathrm{softmax}(X W^{Q,h} (X W^{K,h})^\top / \sqrt{d}), \quad
+              F(X) = [P^1 X W^{V,1}, \dots, P^H X W^{V,H}] W^O
+
+    It is **not** Lipschitz (Kim et al. 2021, Thm 3.1): with x_i = 0 the Jacobian block
+    d f_i / d x_i grows with the variance of the other inputs. It is the baseline every
+    Lipschitz variant is compared with. Computed by
+    :func:`torch.nn.functional.scaled_dot_product_attention` (fused kernels where available).
+
+    Arguments:
+        dim: model width D.
+        heads: number of heads H (must divide D).
+        dropout: dropout on the attention weights, in training mode only.
+        bias: whether the projections have biases.
+
+    Example:
+        >>> attn = DotProductMHA(dim=16, heads=4)
+        >>> attn(torch.randn(2, 5, 16)).shape
+        torch.Size([2, 5, 16])
+    """
+
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0, bias: bool = True):
+        super().__init__()
+        if dim % heads != 0:
+            raise ValueError(f"heads={heads} must divide dim={dim}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.dim, self.heads, self.head_dim, self.dropout = dim, heads, dim // heads, dropout
+        self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
+        self.out = nn.Linear(dim, dim, bias=bias)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        mask = check_sets(x, mask, self.dim)
+        q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
+        heads = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=None if mask is None else attention_mask(mask, causal, x.shape[1], x.device),
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal and mask is None,
+        )
+        return zero_padded(self.out(merge_heads(heads)), mask)

@@ -1,0 +1,253 @@
+"""L2 multi-head self-attention and its contractive normalisation (Kim et al. 2021, §3.2 and §4)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..lipschitz import _norm_name, l2_attention_bound
+from ..validation import check_sets
+from .dot_product import merge_heads, split_heads
+from .masking import attention_mask, keys_per_row, masked_mean, zero_padded
+
+__all__ = ["L2MHA", "ContractiveL2MHA"]
+
+
+def square_weight(dim: int) -> nn.Parameter:
+    """A (D, D) parameter with Glorot-uniform initialisation."""
+    w = torch.empty(dim, dim)
+    nn.init.xavier_uniform_(w)
+    return nn.Parameter(w)
+
+
+class L2MHA(nn.Module):
+    r"""L2 multi-head self-attention (Kim et al. 2021, eq. (8) and F(X) of §3.2).
+
+    .. math::
+        P^h_{ij} \propto \exp\!\big(-\|x_i^\top W^{Q,h} - x_j^\top W^{K,h}\|_2^2 / \sqrt{d}\big),
+        \qquad d = D / H.
+
+    With ``tied=True`` (W^{K,h} = W^{Q,h}) each head outputs P^h X A_h W^{V,h} with
+    A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d} and F(X) = [heads] W^O: this map is Lipschitz, with the
+    certified bound of Theorem 3.2 returned by :meth:`lipschitz_bound`. ``tied=False`` gives the
+    untied variant of §5.3 (separate W^K, values X W^V), which is *not* Lipschitz (Lemma F.1).
+
+    Two computations of the same function:
+
+    * ``fused=True`` (default): the logits are rewritten for
+      :func:`~torch.nn.functional.scaled_dot_product_attention` (App. E). With keys k_j, the term
+      ||q_i||^2 is constant along a softmax row and cancels, leaving
+      (2 q_i.k_j - ||k_j||^2)/sqrt(d) = (2/sqrt(d)) [q_i, 1].[k_j, -||k_j||^2/2], an ordinary
+      dot product with one extra coordinate. q and k are first centred on the mean key of each
+      set and head (distances are unchanged), which keeps ||k_j||^2 small and avoids cancellation
+      in float32 and bfloat16. Tied values use X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/sqrt(d),
+      a d x d product instead of D x D.
+    * ``fused=False``: the literal formulas (explicit distance matrix, softmax, A_h). Slow; it is
+      the reference the fused path is tested against.
+
+    Dropout: ``dropout`` acts on the attention weights in training mode. Inverted dropout scales
+    kept weights by 1/(1-p), so a row of P no longer sums to one and the certificate does not
+    hold while it is active: :meth:`lipschitz_bound` refuses to answer in that state.
+
+    Arguments:
+        dim: model width D.
+        heads: number of heads H (must divide D).
+        tied: tie W^K = W^Q (the Lipschitz form).
+        dropout: attention-weight dropout probability (training only).
+        fused: use the fused kernel path.
+
+    Example:
+        >>> attn = L2MHA(dim=16, heads=4)
+        >>> y = attn(torch.randn(2, 5, 16), mask=torch.tensor([[True] * 5, [True] * 3 + [False] * 2]))
+        >>> float(attn.lipschitz_bound(5)) > 0
+        True
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        tied: bool = True,
+        dropout: float = 0.0,
+        fused: bool = True,
+    ):
+        super().__init__()
+        if dim % heads != 0:
+            raise ValueError(f"heads={heads} must divide dim={dim}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+        self.dim, self.heads, self.head_dim = dim, heads, dim // heads
+        self.tied, self.dropout, self.fused = tied, dropout, fused
+        self.w_q = square_weight(dim)
+        self.w_k = None if tied else square_weight(dim)
+        self.w_v = square_weight(dim)
+        self.w_o = square_weight(dim)
+
+    # Per-head weights in the paper's row convention: W^{.,h} in R^{D x d}.
+    def head_weights(self, w: Tensor) -> Tensor:
+        """(D, D) -> (H, D, d): the column block of each head."""
+        return w.reshape(self.dim, self.heads, self.head_dim).permute(1, 0, 2)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        mask = check_sets(x, mask, self.dim)
+        q = split_heads(x @ self.w_q, self.heads)
+        k = q if self.tied else split_heads(x @ self.w_k, self.heads)
+        if self.tied:
+            # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d)
+            wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
+            v = q @ (wq.transpose(1, 2) @ wv) / math.sqrt(self.head_dim)
+        else:
+            v = split_heads(x @ self.w_v, self.heads)
+        dropout = self.dropout if self.training else 0.0
+        attend = self._fused if self.fused else self._reference
+        heads = attend(q, k, v, x, mask, causal, dropout)
+        return zero_padded(merge_heads(heads) @ self.w_o, mask)
+
+    def _fused(self, q, k, v, x, mask, causal, dropout) -> Tensor:
+        centre = masked_mean(k, mask, dim=2)
+        q, k = q - centre, k - centre
+        ones = torch.ones_like(q[..., :1])
+        q_aug = torch.cat([q, ones], dim=-1)
+        k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)
+        allowed = None if mask is None else attention_mask(mask, causal, x.shape[1], x.device)
+        # Equal query and value widths keep SDPA on its fused CPU kernel: pad v by one zero.
+        heads = F.scaled_dot_product_attention(
+            q_aug,
+            k_aug,
+            F.pad(v, (0, 1)),
+            attn_mask=allowed,
+            dropout_p=dropout,
+            is_causal=causal and mask is None,
+            scale=2.0 / math.sqrt(self.head_dim),
+        )
+        return heads[..., :-1]
+
+    def _reference(self, q, k, v, x, mask, causal, dropout) -> Tensor:
+        # eq. (14) of App. E taken literally: ||q_i||^2 - 2 q_i.k_j + ||k_j||^2
+        sq_dist = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
+        sq_dist = sq_dist + k.pow(2).sum(-1).unsqueeze(-2)
+        logits = -sq_dist / math.sqrt(self.head_dim)
+        allowed = attention_mask(mask, causal, x.shape[1], x.device)
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed, -math.inf)
+        p = F.dropout(torch.softmax(logits, dim=-1), dropout, training=dropout > 0)
+        if not self.tied:
+            return p @ v
+        wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
+        a = wq @ wq.transpose(1, 2) / math.sqrt(self.head_dim)  # A_h, (H, D, D)
+        return p @ (x.unsqueeze(1) @ a @ wv)  # P^h X A_h W^{V,h}
+
+    def lipschitz_bound(self, n: int | Tensor, norm="inf") -> Tensor:
+        """Certified bound on Lip_p(F) for sets of ``n`` elements (Kim et al. 2021, Thm 3.2).
+
+        ``n`` may be a tensor of per-row counts (the number of keys each query sees under a
+        mask, App. G); the result then has its shape. Differentiable in the weights.
+        """
+        if not self.tied:
+            raise ValueError(
+                "untied L2 attention is not Lipschitz (Kim et al. 2021, Lemma F.1): "
+                "use tied=True for a certified bound"
+            )
+        if self.training and self.dropout > 0:
+            raise ValueError(
+                "attention dropout is active (training mode, dropout > 0): rescaled attention "
+                "rows void the certificate; call .eval() or use dropout=0"
+            )
+        wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
+        return l2_attention_bound(n, wq, wv, self.w_o, norm)
+
+
+class ContractiveL2MHA(nn.Module):
+    r"""Contractive L2 self-attention: f(X) = c F(X) / Lip_p-bound(F) (Kim et al. 2021, §4, §5.3).
+
+    F is tied :class:`L2MHA`; the bound of Theorem 3.2 is evaluated for the actual number of
+    elements and gradients flow through the denominator (the paper found stopping them slightly
+    worse). With ``norm="inf"`` (the default, the tighter bound) each output row i is divided by
+    the bound for the n_i keys it sees (present elements; those up to i if causal): the
+    inf-norm of the Jacobian is the largest block-row sum, and App. G bounds block row i with
+    N = n_i. With ``norm=2`` each set is divided by the bound for its number of present elements.
+    Either way Lip_p(f) <= c < 1 for every input, so x + f(x) is invertible.
+
+    Dropout: attention-weight dropout is refused (it voids the bound). ``output_dropout`` is
+    classic dropout on f's output: a binary mask in training (a diagonal 0/1 matrix, norm <= 1)
+    and multiplication by 1 - p at evaluation, both contractions, so the certificate holds in
+    both modes (Kim et al. 2021, §4).
+
+    Arguments:
+        dim: model width D.
+        heads: number of heads H.
+        coeff: the contraction coefficient c, in (0, 1).
+        norm: "inf" or 2, the norm in which f is certified.
+        output_dropout: classic dropout probability on the output.
+        fused: use the fused kernel path of :class:`L2MHA`.
+
+    Example:
+        >>> f = ContractiveL2MHA(dim=8, heads=2, coeff=0.9)
+        >>> float(f.lipschitz_bound(10))
+        0.9
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        coeff: float = 0.9,
+        norm="inf",
+        output_dropout: float = 0.0,
+        fused: bool = True,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if not 0.0 < coeff < 1.0:
+            raise ValueError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
+        if dropout != 0.0:
+            raise ValueError(
+                "ContractiveL2MHA does not take attention dropout: rescaled attention rows void "
+                "the certified bound; use output_dropout (classic dropout) instead"
+            )
+        if not 0.0 <= output_dropout < 1.0:
+            raise ValueError(f"output_dropout must lie in [0, 1), got {output_dropout}")
+        self.coeff, self.norm, self.output_dropout = coeff, _norm_name(norm), output_dropout
+        self.attention = L2MHA(dim, heads, tied=True, dropout=0.0, fused=fused)
+        self.dim, self.heads = dim, heads
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        y = self.attention(x, mask, causal)  # validates the input
+        batch, length = x.shape[:2]
+        if self.norm == "inf":
+            n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
+            denominator = self.attention.lipschitz_bound(n, "inf").unsqueeze(-1)
+        else:
+            n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
+            denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
+        y = self.coeff * y / denominator
+        return self._classic_dropout(y)
+
+    def _classic_dropout(self, y: Tensor) -> Tensor:
+        p = self.output_dropout
+        if p == 0.0:
+            return y
+        if self.training:
+            return y * (torch.rand_like(y) >= p).to(y.dtype)
+        return y * (1.0 - p)
+
+    def lipschitz_bound(self, n: int | Tensor, norm=None) -> Tensor:
+        """Certified Lipschitz constant of f for sets of ``n`` elements.
+
+        In the module's own norm this is ``coeff``. In the other norm, f = S F with S diagonal,
+        ||S||_p <= coeff / bound_own(1) (the bound grows with N), so
+        Lip_other(f) <= coeff * bound_other(n) / bound_own(1): valid, though loose.
+        """
+        norm = self.norm if norm is None else _norm_name(norm)
+        w = self.attention.w_q
+        coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
+        if norm == self.norm:
+            return coeff.expand(torch.as_tensor(n).shape)
+        return coeff * self.attention.lipschitz_bound(n, norm) / self.attention.lipschitz_bound(
+            1, self.norm
+        )

@@ -1,0 +1,62 @@
+"""Padding and causal masks for attention, and the per-row counts the bounds depend on."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["attention_mask", "keys_per_row", "zero_padded", "masked_mean"]
+
+
+def attention_mask(mask: Tensor | None, causal: bool, length: int, device) -> Tensor | None:
+    """Boolean (B or 1, 1, N, N) mask, True where query i may attend to key j.
+
+    Key j is visible to query i when j is present (and j <= i if causal). Every element also
+    attends to itself, present or not: Kim et al. (2021, App. G) need (i, i) unmasked for the
+    bounds, and it keeps the softmax of a padded query finite (its output is zeroed afterwards).
+    Returns ``None`` when nothing is masked.
+    """
+    if mask is None and not causal:
+        return None
+    eye = torch.eye(length, dtype=torch.bool, device=device)
+    allowed = torch.ones(length, length, dtype=torch.bool, device=device)
+    if causal:
+        allowed = torch.tril(allowed)
+    allowed = allowed[None, None]
+    if mask is not None:
+        allowed = allowed & mask[:, None, None, :]
+    return allowed | eye
+
+
+def keys_per_row(mask: Tensor | None, causal: bool, batch: int, length: int, device) -> Tensor:
+    """Number of keys each query row attends to, shape (B, N) (long).
+
+    A padded query attends only to itself (count 1); its output is zero anyway.
+    """
+    if mask is None:
+        mask = torch.ones(batch, length, dtype=torch.bool, device=device)
+    if causal:
+        counts = mask.long().cumsum(dim=1)
+    else:
+        counts = mask.long().sum(dim=1, keepdim=True).expand(batch, length)
+    return torch.where(mask, counts, torch.ones_like(counts))
+
+
+def zero_padded(y: Tensor, mask: Tensor | None) -> Tensor:
+    """Zero the rows of padded elements of a (B, N, D) tensor."""
+    if mask is None:
+        return y
+    return y * mask.unsqueeze(-1).to(y.dtype)
+
+
+def masked_mean(x: Tensor, mask: Tensor | None, dim: int) -> Tensor:
+    """Mean of ``x`` along the element dimension ``dim`` over present elements (keepdim).
+
+    ``mask`` is (B, N) and is broadcast against ``x`` with the element axis at ``dim``.
+    """
+    if mask is None:
+        return x.mean(dim=dim, keepdim=True)
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = mask.shape[0], mask.shape[1]
+    w = mask.reshape(shape).to(x.dtype)
+    return (x * w).sum(dim=dim, keepdim=True) / w.sum(dim=dim, keepdim=True)

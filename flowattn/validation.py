@@ -1,0 +1,73 @@
+"""Input checks shared by every public entry point: errors are raised where data enters."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_sets", "check_finite", "present_counts"]
+
+
+def check_finite(x: Tensor, name: str = "x") -> None:
+    """Raise a ``ValueError`` if ``x`` holds NaN or Inf values."""
+    if not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).sum().item()
+        raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN or Inf)")
+
+
+def check_sets(
+    x: Tensor,
+    mask: Tensor | None = None,
+    dim: int | None = None,
+    name: str = "x",
+) -> Tensor | None:
+    """Validate a batch of sets or sequences ``x`` of shape (B, N, D) and its padding mask.
+
+    Arguments:
+        x: the batch, shape (B, N, D), floating point, finite.
+        mask: optional bool tensor (B, N), True where an element is present. Every set must
+            contain at least one present element.
+        dim: the expected feature width D, if the caller has one.
+        name: the argument's name, used in error messages.
+
+    Returns:
+        The mask (``None`` stays ``None``), moved to ``x``'s device.
+
+    Raises:
+        ValueError: naming the wrong rank, width, dtype, non-finite values, mask shape or
+            dtype, or an empty set.
+    """
+    if not isinstance(x, Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise ValueError(f"{name} must have shape (B, N, D), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+    if dim is not None and x.shape[-1] != dim:
+        raise ValueError(f"{name} has width D={x.shape[-1]}, but the module expects D={dim}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} holds empty sets (N=0): shape {tuple(x.shape)}")
+    check_finite(x, name)
+    if mask is None:
+        return None
+    if not isinstance(mask, Tensor):
+        raise ValueError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"mask must have dtype torch.bool (True = present), got {mask.dtype}")
+    if mask.shape != x.shape[:2]:
+        raise ValueError(
+            f"mask must have shape (B, N) = {tuple(x.shape[:2])}, got {tuple(mask.shape)}"
+        )
+    mask = mask.to(x.device)
+    empty = ~mask.any(dim=1)
+    if empty.any():
+        rows = empty.nonzero().flatten().tolist()[:8]
+        raise ValueError(f"mask leaves set(s) {rows} empty: every set needs a present element")
+    return mask
+
+
+def present_counts(mask: Tensor | None, batch: int, length: int, device=None) -> Tensor:
+    """Number of present elements per set, shape (B,), as a long tensor."""
+    if mask is None:
+        return torch.full((batch,), length, dtype=torch.long, device=device)
+    return mask.sum(dim=1)
