@@ -187,8 +187,8 @@ def l2_attention_bound(
 
         Lip_inf <= (4 phi^{-1}(N-1) + 1/sqrt(d)) ||W^O^T||_inf
                    max_h ||W^{Q,h}||_inf ||W^{Q,h}^T||_inf  max_h ||W^{V,h}^T||_inf
-        Lip_2   <= sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1) sqrt(sum_h ||W^{Q,h}||_2^2 ||W^{V,h}||_2^2)
-                   ||W^O||_2
+        Lip_2   <= sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1)
+                   sqrt(sum_h ||W^{Q,h}||_2^2 ||W^{V,h}||_2^2) ||W^O||_2
 
     With masking (App. G) the bound holds with N the number of unmasked inputs of a row, so
     ``n`` may be a tensor of per-row counts; the result then has its shape.
@@ -201,11 +201,10 @@ def l2_attention_bound(
         norm: "inf" or 2.
 
     Example:
-        >>> h, d = 1, 1
         >>> eye = torch.eye(1, dtype=torch.float64)
         >>> b = l2_attention_bound(2, eye[None], eye[None], eye)
         >>> round(float(b), 6)  # 4 W0(1/e) + 1
-        2.113429
+        2.113858
     """
     norm = _norm_name(norm)
     heads, dim, head_dim = w_q.shape
@@ -266,9 +265,17 @@ def centernorm_lipschitz_bound(weight: Tensor | None, dim: int, norm="inf") -> T
 def jacobian(f: Callable[[Tensor], Tensor], x: Tensor, create_graph: bool = False) -> Tensor:
     """Full Jacobian of a map on one set: f: R^{N x D} -> R^{N' x D'}, as a 2-D matrix.
 
-    Returns the (N' D') x (N D) matrix d vec f(X) / d vec X (row-major vec).
+    Returns the (N' D') x (N D) matrix d vec f(X) / d vec X (row-major vec). With
+    ``create_graph=True`` the Jacobian is itself differentiable; attention inside ``f`` then runs
+    on the composite kernel (see :func:`flowattn.attention.twice_differentiable`).
     """
-    jac = torch.autograd.functional.jacobian(f, x, create_graph=create_graph, vectorize=True)
+    if create_graph:  # fused attention kernels have no double backward
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.MATH]):
+            jac = torch.autograd.functional.jacobian(f, x, create_graph=True, vectorize=True)
+    else:
+        jac = torch.autograd.functional.jacobian(f, x, vectorize=True)
     out_numel = jac.numel() // x.numel()
     return jac.reshape(out_numel, x.numel())
 

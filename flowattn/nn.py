@@ -2,13 +2,41 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["LipSwish", "SpectralLinear", "LipschitzMLP", "LIPSWISH_MAX_SLOPE"]
+__all__ = [
+    "LipSwish",
+    "SpectralLinear",
+    "LipschitzMLP",
+    "LIPSWISH_MAX_SLOPE",
+    "frozen_power_iteration",
+]
+
+_FROZEN: ContextVar[bool] = ContextVar("flowattn_frozen_power_iteration", default=False)
+
+
+@contextmanager
+def frozen_power_iteration() -> Iterator[None]:
+    """Within this context, :class:`SpectralLinear` layers do not update their power iteration.
+
+    A training-mode layer changes its normalisation a little on every call; an iterative inverse
+    or repeated evaluation of one residual map must see one fixed function.
+
+    Example:
+        >>> with frozen_power_iteration():
+        ...     pass
+    """
+    token = _FROZEN.set(True)
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
 
 # sup_u d/du [u sigmoid(u)] = 1.0998393... (attained near u = 2.40), rounded up. The same holds
 # for every beta > 0, because d/dx [x sigmoid(beta x)] is a function of u = beta x alone; the
@@ -57,7 +85,8 @@ class SpectralLinear(nn.Module):
     W_eff = W / max(1, sigma / coeff). sigma comes from
 
     * training mode (``mode="power"`` or ``"auto"``): ``n_power_iterations`` steps of power
-      iteration with persistent vectors ``u``, ``v`` (buffers, saved in the state dict). Power
+      iteration with persistent vectors ``u``, ``v`` (buffers, saved in the state dict), run
+      on every call except inside :func:`frozen_power_iteration`. Power
       iteration *underestimates* sigma, so ||W_eff||_2 may exceed ``coeff`` by the estimate's
       error; :meth:`lipschitz_bound` reports the exact value, which is the certified one.
     * evaluation mode with ``mode="auto"``, or always with ``mode="exact"``: the exact largest
@@ -130,7 +159,7 @@ class SpectralLinear(nn.Module):
         """The spectral-norm value used for normalisation (differentiable w.r.t. the weight)."""
         if self._uses_exact():
             return torch.linalg.matrix_norm(self.weight, ord=2)
-        if update and self.training:
+        if update and self.training and not _FROZEN.get():
             with torch.no_grad():
                 self._power_iteration(self.n_power_iterations)
         # u^T W v is differentiable; u, v are constants (Miyato et al. 2018).

@@ -3,10 +3,15 @@
 All modules are batch-first and share one call signature, ``forward(x, mask=None, causal=False)``
 with ``x`` of shape (B, N, D) and ``mask`` a bool (B, N) tensor, True where an element is present.
 Modules with a certified bound expose it as ``lipschitz_bound(n, ...)``.
+
+The fused CPU attention kernels cannot be differentiated twice: code that differentiates a
+derivative through these modules (Hutchinson log-det training, CNF divergences, Jacobian-norm
+optimisation) runs them inside ``with twice_differentiable():``.
 """
 
 from .cosine import ScaledCosineMHA
 from .dot_product import DotProductMHA
-from .l2 import ContractiveL2MHA, L2MHA
+from .kernels import twice_differentiable
+from .l2 import L2MHA, ContractiveL2MHA
 
-__all__ = ["DotProductMHA", "L2MHA", "ContractiveL2MHA", "ScaledCosineMHA"]
+__all__ = ["DotProductMHA", "L2MHA", "ContractiveL2MHA", "ScaledCosineMHA", "twice_differentiable"]

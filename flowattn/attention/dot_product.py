@@ -1,4 +1,4 @@
-"""Scaled dot-product multi-head self-attention (Vaswani et al. 2017): the non-Lipschitz baseline."""
+"""Scaled dot-product multi-head self-attention, the non-Lipschitz baseline."""
 
 from __future__ import annotations
 

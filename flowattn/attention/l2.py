@@ -1,4 +1,4 @@
-"""L2 multi-head self-attention and its contractive normalisation (Kim et al. 2021, §3.2 and §4)."""
+"""L2 multi-head self-attention and its contractive form (Kim et al. 2021, §3.2 and §4)."""
 
 from __future__ import annotations
 
@@ -61,7 +61,8 @@ class L2MHA(nn.Module):
 
     Example:
         >>> attn = L2MHA(dim=16, heads=4)
-        >>> y = attn(torch.randn(2, 5, 16), mask=torch.tensor([[True] * 5, [True] * 3 + [False] * 2]))
+        >>> mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
+        >>> y = attn(torch.randn(2, 5, 16), mask=mask)
         >>> float(attn.lipschitz_bound(5)) > 0
         True
     """
@@ -187,7 +188,7 @@ class ContractiveL2MHA(nn.Module):
 
     Example:
         >>> f = ContractiveL2MHA(dim=8, heads=2, coeff=0.9)
-        >>> float(f.lipschitz_bound(10))
+        >>> round(float(f.lipschitz_bound(10)), 6)
         0.9
     """
 

@@ -117,7 +117,8 @@ class _Dynamics(nn.Module):
                 )
         if not bool(torch.isfinite(f).all()):
             raise ODESolverError(
-                f"ODE solve failed: non-finite vector field (NaN or Inf) at t={float(t):.6g}",
+                "ODE solve failed: non-finite vector field (NaN or Inf) at "
+                f"t={float(t.detach()):.6g}",
                 "non-finite vector field",
             )
         if not create_graph:
@@ -136,13 +137,14 @@ class _Dynamics(nn.Module):
     def callback_step(self, t0: Tensor, y0, dt: Tensor) -> None:
         if not _all_finite(y0):
             raise ODESolverError(
-                f"ODE solve failed: non-finite state (NaN or Inf) at t={float(t0):.6g}",
+                f"ODE solve failed: non-finite state (NaN or Inf) at t={float(t0.detach()):.6g}",
                 "non-finite state",
             )
         if not bool(t0 + dt > t0):
             raise ODESolverError(
-                f"ODE solve failed: step size underflow at t={float(t0):.6g} (dt={float(dt):.3g});"
-                " the vector field is too stiff there or the solution blows up",
+                f"ODE solve failed: step size underflow at t={float(t0.detach()):.6g} "
+                f"(dt={float(dt.detach()):.3g}); the vector field is too stiff there or the "
+                "solution blows up",
                 "step size underflow",
             )
 
@@ -287,7 +289,9 @@ class CNF(Transform):
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
         if solver in FIXED_GRID_SOLVERS and "step_size" not in (solver_options or {}):
-            raise ValueError(f"fixed-grid solver {solver!r} needs solver_options={{'step_size': h}}")
+            raise ValueError(
+                f"fixed-grid solver {solver!r} needs solver_options={{'step_size': h}}"
+            )
         self.field = field
         self.t1, self.solver, self.atol, self.rtol = float(t1), solver, atol, rtol
         self.adjoint, self.seminorm = adjoint, seminorm

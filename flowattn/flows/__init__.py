@@ -1,0 +1,29 @@
+"""Normalizing flows over sets and sequences: invertible residual flows with Lipschitz branches."""
+
+from .actnorm import ActNorm
+from .base import sample_standard_normal, set_dims, standard_normal_log_prob, subtract_mean
+from .builders import SetFlow, sequence_flow, set_flow
+from .inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse, residual_inverse
+from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
+from .residual import InvertibleResidual, TransformerResidualPair
+
+__all__ = [
+    "ActNorm",
+    "InverseNotConverged",
+    "InvertibleResidual",
+    "SetFlow",
+    "TransformerResidualPair",
+    "anderson_inverse",
+    "exact_logdet",
+    "fixed_point_inverse",
+    "memory_efficient_logdet",
+    "residual_inverse",
+    "roulette_logdet",
+    "sample_standard_normal",
+    "sequence_flow",
+    "series_logdet",
+    "set_dims",
+    "set_flow",
+    "standard_normal_log_prob",
+    "subtract_mean",
+]

@@ -1,0 +1,319 @@
+"""flowattn.attention: the fused path, certified bounds, Thm 3.1, masks, equivariance, errors."""
+
+import math
+
+import pytest
+import torch
+
+from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
+from flowattn.lipschitz import jacobian_norm, lipschitz_lower_bound
+
+DIM, HEADS = 4, 2
+
+
+def make(cls, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return cls(DIM, HEADS, **kwargs).double()
+
+
+def one_set_map(module, mask=None, causal=False):
+    """The module as a map on one set (n, D) -> (n, D), over its present elements only."""
+    if mask is None:
+        return lambda x: module(x[None], None, causal)[0]
+    present = mask.nonzero().flatten()
+
+    def f(x):
+        full = torch.zeros(mask.shape[0], x.shape[1], dtype=x.dtype).index_copy(0, present, x)
+        return module(full[None], mask[None], causal)[0, present]
+
+    return f
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+# ----------------------------------------------------------------------------- fused == reference
+
+
+@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_path_equals_reference_path_outputs_and_gradients(tied, causal, masked):
+    module = make(L2MHA, tied=tied)
+    x = randn(3, 6, DIM, seed=1) * 2
+    mask = None
+    if masked:
+        mask = torch.ones(3, 6, dtype=torch.bool)
+        mask[1, 3:] = False
+        mask[2, 1] = False
+    weights = randn(3, 6, DIM, seed=2)
+    results = []
+    for fused in (True, False):
+        module.fused = fused
+        module.zero_grad()
+        xg = x.clone().requires_grad_()
+        y = module(xg, mask, causal)
+        (y * weights).sum().backward()
+        results.append((y, xg.grad, [p.grad.clone() for p in module.parameters()]))
+    (y1, gx1, gp1), (y2, gx2, gp2) = results
+    assert (y1 - y2).abs().max() <= 1e-10
+    assert (gx1 - gx2).abs().max() <= 1e-10
+    for a, b in zip(gp1, gp2, strict=True):
+        assert (a - b).abs().max() <= 1e-10
+
+
+def test_fused_path_is_accurate_in_float32_far_from_the_origin():
+    # A large common offset leaves every distance unchanged; the centred fused path must not
+    # lose the digits that ||q||^2 - 2 q.k + ||k||^2 would lose in float32.
+    module = make(L2MHA)
+    x = randn(2, 8, DIM, seed=3) + 1e3
+    exact = module(x)  # float64
+    module.float()
+    y32 = module(x.float()).double()
+    rel = (y32 - exact).norm() / exact.norm()
+    assert rel < 1e-4, rel.item()
+
+
+def test_fused_path_is_usable_in_bfloat16():
+    module = make(L2MHA).bfloat16()
+    xb = (randn(2, 16, DIM, seed=4) + 5.0).bfloat16()
+    yb = module(xb).double()
+    exact = module.double()(xb.double())  # float64 on the same quantised input and weights
+    rel = (yb - exact).norm() / exact.norm()
+    assert torch.isfinite(yb).all()
+    assert rel < 0.05, rel.item()
+
+
+# ----------------------------------------------------------------------------- certified bounds
+
+
+@pytest.mark.parametrize("p", ["inf", 2])
+def test_l2mha_jacobian_norm_never_exceeds_theorem_3_2(p):
+    module = make(L2MHA, seed=5)
+    n = 5
+    bound = module.lipschitz_bound(n, p).item()
+    f = one_set_map(module)
+    for seed in range(5):
+        for scale in (1.0, 100.0):
+            x = scale * randn(n, DIM, seed=seed)
+            assert jacobian_norm(f, x, p).item() <= bound
+    best, _ = lipschitz_lower_bound(f, (n, DIM), p, restarts=3, steps=40)
+    assert 0 < best <= bound
+
+
+@pytest.mark.parametrize("p", ["inf", 2])
+@pytest.mark.parametrize("causal", [False, True])
+def test_contractive_l2mha_is_certified_below_coeff(p, causal):
+    coeff = 0.9
+    module = make(ContractiveL2MHA, seed=6, coeff=coeff, norm=p)
+    assert module.lipschitz_bound(5).item() == pytest.approx(coeff)
+    f = one_set_map(module, causal=causal)
+    for seed in range(4):
+        for scale in (1.0, 100.0):
+            assert jacobian_norm(f, scale * randn(5, DIM, seed=seed), p).item() <= coeff
+    best, _ = lipschitz_lower_bound(f, (5, DIM), p, restarts=3, steps=40)
+    assert 0 < best <= coeff
+
+
+@pytest.mark.parametrize("p", ["inf", 2])
+def test_contractive_l2mha_stays_below_coeff_on_padded_sets(p):
+    module = make(ContractiveL2MHA, seed=7, coeff=0.95, norm=p)
+    mask = torch.tensor([True, False, True, True, False, True])
+    for causal in (False, True):
+        f = one_set_map(module, mask, causal)
+        best, _ = lipschitz_lower_bound(f, (4, DIM), p, restarts=2, steps=40)
+        assert 0 < best <= 0.95
+
+
+def test_contractive_bound_in_the_other_norm_is_valid():
+    module = make(ContractiveL2MHA, seed=8, norm="inf")
+    f = one_set_map(module)
+    best, _ = lipschitz_lower_bound(f, (5, DIM), 2, restarts=2, steps=40)
+    assert best <= module.lipschitz_bound(5, norm=2).item()
+
+
+def test_masked_rows_are_normalised_by_their_own_key_count():
+    # With the inf-norm each row is divided by the bound for the keys it sees: row 0 of a causal
+    # set sees only itself, so f_0 = coeff * F_0 / bound(1).
+    module = make(ContractiveL2MHA, seed=9, coeff=0.5)
+    x = randn(1, 5, DIM, seed=9)
+    raw = module.attention(x, causal=True)
+    y = module(x, causal=True)
+    for i in range(5):
+        expected = 0.5 * raw[0, i] / module.attention.lipschitz_bound(i + 1, "inf")
+        torch.testing.assert_close(y[0, i], expected, rtol=1e-12, atol=1e-14)
+
+
+def test_contractive_denominator_receives_gradients():
+    module = make(ContractiveL2MHA, seed=10, coeff=0.9)
+    x = randn(1, 4, DIM, seed=10)
+    w = module.attention.w_q
+    torch.autograd.gradcheck(module, (x.clone().requires_grad_(),), eps=1e-6, atol=1e-7)
+    # the weight gradient includes the term through the bound in the denominator
+    y = module(x).sum()
+    (g,) = torch.autograd.grad(y, w)
+    with torch.no_grad():
+        delta = torch.zeros_like(w)
+        delta[0, 1] = 1e-6
+        w.add_(delta)
+        up = module(x).sum()
+        w.sub_(2 * delta)
+        down = module(x).sum()
+        w.add_(delta)
+    assert math.isclose(g[0, 1].item(), ((up - down) / 2e-6).item(), rel_tol=1e-5, abs_tol=1e-8)
+
+
+@pytest.mark.parametrize("p", ["inf", 2])
+def test_scaled_cosine_jacobian_never_exceeds_theorem_1(p):
+    module = make(ScaledCosineMHA, seed=11, eps=1e-2)
+    f = one_set_map(module)
+    bound = module.lipschitz_bound(4, p).item()
+    for seed in range(3):
+        for scale in (0.01, 1.0, 100.0):
+            assert jacobian_norm(f, scale * randn(4, DIM, seed=seed), p).item() <= bound
+    best, _ = lipschitz_lower_bound(f, (4, DIM), p, restarts=2, steps=40)
+    assert best <= bound
+
+
+# ----------------------------------------------------------------------------- Theorem 3.1
+
+
+def test_dot_product_attention_is_not_lipschitz_but_l2_is():
+    # Kim et al. (2021), Thm 3.1: with x_1 = 0 the row P_1 is uniform and d f_1 / d x_1 grows
+    # with the variance of the other inputs.
+    dp = make(DotProductMHA, seed=12, bias=False)
+    l2 = make(L2MHA, seed=12)
+    base = randn(6, DIM, seed=12)
+    base[0] = 0.0
+    dp_norms, l2_norms = [], []
+    for spread in (1.0, 10.0, 100.0, 1000.0):
+        x = base * spread
+        dp_norms.append(jacobian_norm(one_set_map(dp), x, "inf").item())
+        l2_norms.append(jacobian_norm(one_set_map(l2), x, "inf").item())
+    # grows without bound
+    assert all(b > 5 * a for a, b in zip(dp_norms[:-1], dp_norms[1:], strict=True))
+    assert dp_norms[-1] > 1e4 * dp_norms[0]
+    assert max(l2_norms) <= l2.lipschitz_bound(6, "inf").item()
+
+
+# ----------------------------------------------------------------------------- sets and masks
+
+ALL_MODULES = [
+    (DotProductMHA, {}),
+    (L2MHA, {}),
+    (L2MHA, {"tied": False}),
+    (ContractiveL2MHA, {}),
+    (ContractiveL2MHA, {"norm": 2}),
+    (ScaledCosineMHA, {}),
+]
+
+
+@pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
+def test_permuting_the_set_permutes_the_output(cls, kwargs):
+    module = make(cls, seed=13, **kwargs)
+    x = randn(2, 7, DIM, seed=13)
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(module(x[:, perm]), module(x)[:, perm], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_batch_matches_each_set_alone(cls, kwargs, causal):
+    module = make(cls, seed=14, **kwargs)
+    lengths = [5, 2, 4]
+    sets = [randn(n, DIM, seed=20 + n) for n in lengths]
+    x = torch.full((3, 5, DIM), 123.0, dtype=torch.float64)  # junk in the padding
+    mask = torch.zeros(3, 5, dtype=torch.bool)
+    for b, s in enumerate(sets):
+        x[b, : len(s)] = s
+        mask[b, : len(s)] = True
+    y = module(x, mask, causal)
+    for b, s in enumerate(sets):
+        alone = module(s[None], None, causal)[0]
+        torch.testing.assert_close(y[b, : len(s)], alone, rtol=1e-12, atol=1e-12)
+        assert (y[b, len(s):] == 0).all()
+
+
+def test_causal_outputs_do_not_depend_on_the_future():
+    module = make(L2MHA, seed=15)
+    x = randn(1, 6, DIM, seed=15)
+    y = module(x, causal=True)
+    x2 = x.clone()
+    x2[0, 4:] += 10.0
+    torch.testing.assert_close(module(x2, causal=True)[0, :4], y[0, :4], rtol=0, atol=1e-14)
+
+
+# ----------------------------------------------------------------------------- dropout rules
+
+
+def test_contractive_module_refuses_attention_dropout():
+    with pytest.raises(ValueError, match="output_dropout"):
+        ContractiveL2MHA(DIM, HEADS, dropout=0.1)
+
+
+def test_output_dropout_keeps_the_certificate_in_training_and_evaluation():
+    module = make(ContractiveL2MHA, seed=16, coeff=0.9, output_dropout=0.3)
+    x = randn(5, DIM, seed=16)
+    module.train()
+    for seed in range(5):
+        torch.manual_seed(seed)
+        state = torch.get_rng_state()
+
+        def f(x, state=state):
+            torch.set_rng_state(state)  # the same dropout mask on every Jacobian column
+            return module(x[None])[0]
+
+        assert jacobian_norm(f, x, "inf").item() <= 0.9
+    module.eval()
+    assert jacobian_norm(one_set_map(module), x, "inf").item() <= 0.9 * 0.7 + 1e-12
+
+
+def test_l2mha_bound_refused_while_attention_dropout_is_active():
+    module = make(L2MHA, dropout=0.1)
+    with pytest.raises(ValueError, match="dropout"):
+        module.lipschitz_bound(4)
+    module.eval()
+    assert module.lipschitz_bound(4).item() > 0
+
+
+def test_untied_l2mha_has_no_bound():
+    with pytest.raises(ValueError, match="not Lipschitz"):
+        make(L2MHA, tied=False).lipschitz_bound(4)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
+def test_bad_input_raises_a_value_error_naming_the_problem(cls, kwargs):
+    module = make(cls, **kwargs)
+    good = randn(2, 3, DIM)
+    nan = good.clone()
+    nan[0, 1, 2] = float("nan")
+    inf = good.clone()
+    inf[1, 0, 0] = float("inf")
+    cases = [
+        (good[0], None, "shape"),
+        (randn(2, 3, DIM + 1), None, "width"),
+        (nan, None, "non-finite"),
+        (inf, None, "non-finite"),
+        (good, torch.ones(2, 4, dtype=torch.bool), "mask must have shape"),
+        (good, torch.ones(2, 3), "dtype"),
+        (good, torch.tensor([[True, True, True], [False, False, False]]), "empty"),
+        (good.long(), None, "floating point"),
+    ]
+    for x, mask, message in cases:
+        with pytest.raises(ValueError, match=message):
+            module(x, mask)
+
+
+def test_bad_constructor_arguments_are_rejected():
+    with pytest.raises(ValueError, match="divide"):
+        L2MHA(6, 4)
+    with pytest.raises(ValueError, match="coeff"):
+        ContractiveL2MHA(4, 2, coeff=1.0)
+    with pytest.raises(ValueError, match="norm"):
+        ContractiveL2MHA(4, 2, norm=1)
+    with pytest.raises(ValueError, match="dropout"):
+        DotProductMHA(4, 2, dropout=1.5)

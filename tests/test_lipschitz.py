@@ -1,0 +1,153 @@
+"""flowattn.lipschitz: Lambert W, matrix norms, norm-layer bounds and the measurement tools."""
+
+import math
+
+import pytest
+import torch
+
+from flowattn.lipschitz import (
+    PowerIteration,
+    centernorm_lipschitz_bound,
+    jacobian,
+    jacobian_norm,
+    lambertw0,
+    layernorm_lipschitz_bound,
+    lipschitz_lower_bound,
+    matrix_inf_norm,
+    phi_inverse,
+    power_iteration,
+    spectral_norm_exact,
+)
+
+scipy_special = pytest.importorskip("scipy.special", reason="scipy is the Lambert W oracle")
+
+
+def test_lambertw0_matches_scipy_to_1e12_relative_on_0_to_1e6():
+    x = torch.cat(
+        [
+            torch.zeros(1, dtype=torch.float64),
+            torch.logspace(-300, -1, 200, dtype=torch.float64),
+            torch.linspace(0, 10, 2001, dtype=torch.float64),
+            torch.logspace(1, 6, 2000, dtype=torch.float64),
+        ]
+    )
+    ours = lambertw0(x)
+    exact = torch.from_numpy(scipy_special.lambertw(x.numpy(), 0).real)
+    rel = ((ours - exact).abs() / exact.abs().clamp_min(1e-300)).max().item()
+    assert rel <= 1e-12, rel
+    assert ours[0] == 0
+
+
+def test_lambertw0_solves_its_defining_equation():
+    x = torch.logspace(-5, 6, 100, dtype=torch.float64)
+    w = lambertw0(x)
+    torch.testing.assert_close(w * torch.exp(w), x, rtol=1e-13, atol=0)
+
+
+def test_lambertw0_rejects_negative_input():
+    with pytest.raises(ValueError, match="x >= 0"):
+        lambertw0(torch.tensor([-0.1]))
+
+
+def test_phi_inverse_solves_x_exp_x_plus_one_equals_n_minus_one():
+    for n in [2, 8, 128, 1000]:
+        x = phi_inverse(n - 1).item()
+        assert math.isclose(x * math.exp(x + 1), n - 1, rel_tol=1e-12)
+    # the reference values of REFERENCE §1 (approximate there)
+    assert abs(phi_inverse(127).item() - 2.81) < 0.02
+    assert abs(phi_inverse(255).item() - 3.34) < 0.02
+
+
+def test_matrix_norms_match_numpy():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    assert math.isclose(matrix_inf_norm(w).item(), w.abs().sum(1).max().item())
+    assert math.isclose(
+        spectral_norm_exact(w).item(), torch.linalg.svdvals(w)[0].item(), rel_tol=1e-12
+    )
+
+
+def test_power_iteration_converges_to_the_largest_singular_value_from_below():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(20, 12, generator=g, dtype=torch.float64)
+    sigma, u, v = power_iteration(w, tol=1e-12, max_iter=2000, generator=g)
+    exact = torch.linalg.svdvals(w)[0]
+    assert sigma <= exact * (1 + 1e-12)
+    assert math.isclose(sigma.item(), exact.item(), rel_tol=1e-6)
+
+
+def test_power_iteration_module_keeps_its_vector_and_carries_gradients():
+    w = torch.diag(torch.tensor([3.0, 1.0, 0.5, 0.1], dtype=torch.float64)).requires_grad_()
+    est = PowerIteration(4).double()
+    first = est(w)
+    second = est(w)
+    assert math.isclose(second.item(), 3.0, rel_tol=1e-6)
+    assert abs(est.u[0].item()) > 1 - 1e-6  # the stored vector is the top singular vector
+    second.backward()
+    assert w.grad[0, 0].abs() > 0.99  # d sigma / d W = u v^T
+    assert first.item() <= 3.0 + 1e-9
+
+
+def test_jacobian_of_a_linear_map_is_its_matrix():
+    g = torch.Generator().manual_seed(2)
+    m = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    x = torch.randn(3, 2, generator=g, dtype=torch.float64)
+
+    def f(x):
+        return (m @ x.reshape(-1)).reshape(3, 2)
+
+    torch.testing.assert_close(jacobian(f, x), m)
+    assert math.isclose(jacobian_norm(f, x, "inf").item(), matrix_inf_norm(m).item())
+    assert math.isclose(jacobian_norm(f, x, 2).item(), spectral_norm_exact(m).item())
+
+
+def test_lipschitz_lower_bound_recovers_the_constant_of_a_known_map():
+    # f(x) = 3 tanh(x) elementwise: Lip = 3, reached at x = 0 only.
+    best, x = lipschitz_lower_bound(lambda x: 3 * torch.tanh(x), (2, 2), "inf", restarts=3,
+                                    steps=200)
+    assert 2.9 < best <= 3.0 + 1e-12
+    assert x.shape == (2, 2)
+
+
+@pytest.mark.parametrize("dim", [2, 3, 8])
+@pytest.mark.parametrize("p", ["inf", 2])
+def test_layernorm_jacobian_never_exceeds_its_bound(dim, p):
+    g = torch.Generator().manual_seed(dim)
+    ln = torch.nn.LayerNorm(dim, eps=1e-2).double()
+    with torch.no_grad():
+        ln.weight.copy_(torch.randn(dim, generator=g, dtype=torch.float64))
+    bound = layernorm_lipschitz_bound(ln.weight, dim, ln.eps, p).item()
+
+    def f(x):
+        return ln(x)
+
+    for scale in [1e-3, 0.1, 1.0, 100.0]:
+        for _ in range(5):
+            x = scale * torch.randn(1, dim, generator=g, dtype=torch.float64)
+            assert jacobian_norm(f, x, p).item() <= bound * (1 + 1e-12)
+    best, _ = lipschitz_lower_bound(f, (1, dim), p, restarts=3, steps=60, generator=g)
+    assert best <= bound * (1 + 1e-12)
+
+
+@pytest.mark.parametrize("p", ["inf", 2])
+def test_centernorm_constant_equals_its_jacobian_norm(p):
+    dim = 6
+    g = torch.Generator().manual_seed(3)
+    gamma = torch.randn(dim, generator=g, dtype=torch.float64)
+
+    def centernorm(x):
+        return gamma * dim / (dim - 1) * (x - x.mean(-1, keepdim=True))
+
+    x = torch.randn(1, dim, generator=g, dtype=torch.float64)
+    measured = jacobian_norm(centernorm, x, p).item()
+    bound = centernorm_lipschitz_bound(gamma, dim, p).item()
+    assert measured <= bound * (1 + 1e-12)
+    if p == "inf":  # the inf-norm value is attained exactly
+        assert math.isclose(measured, bound, rel_tol=1e-12)
+
+
+def test_bad_norm_names_are_rejected():
+    with pytest.raises(ValueError, match="norm must be"):
+        centernorm_lipschitz_bound(None, 4, norm=1)
+    with pytest.raises(ValueError, match="D >= 2"):
+        centernorm_lipschitz_bound(None, 1)

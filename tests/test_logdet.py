@@ -1,0 +1,307 @@
+"""Tests for flowattn.flows.logdet: exact, series and roulette log-determinants and gradients."""
+
+import pytest
+import torch
+
+from flowattn.attention import ContractiveL2MHA
+from flowattn.flows.logdet import (
+    exact_logdet,
+    memory_efficient_logdet,
+    project,
+    roulette_logdet,
+    roulette_tail_probability,
+    sample_roulette_lengths,
+    series_logdet,
+)
+from flowattn.nn import LipschitzMLP
+
+DT = torch.float64
+
+
+class DenseBranch(torch.nn.Module):
+    """g(x) = c tanh(vec(x) W + b): couples every coordinate of a set (a full Jacobian)."""
+
+    def __init__(self, n: int, d: int, c: float = 0.5, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randn(n * d, n * d, generator=gen, dtype=DT)
+        self.weight = torch.nn.Parameter(c * w / torch.linalg.matrix_norm(w, ord=2))
+        self.bias = torch.nn.Parameter(0.1 * torch.randn(n * d, generator=gen, dtype=DT))
+
+    def forward(self, x, mask=None, causal=False):
+        return torch.tanh(x.reshape(x.shape[0], -1) @ self.weight + self.bias).reshape(x.shape)
+
+
+def brute_jacobian(fn, x):
+    """(B, N D, N D) Jacobians of a per-set map, one set at a time (no batched VJPs)."""
+    B, N, D = x.shape
+    jacs = [
+        torch.autograd.functional.jacobian(lambda s: fn(s.unsqueeze(0)).squeeze(0), x[b])
+        for b in range(B)
+    ]
+    return torch.stack(jacs).reshape(B, N * D, N * D)
+
+
+def brute_logdet(fn, x):
+    jac = brute_jacobian(fn, x)
+    eye = torch.eye(jac.shape[-1], dtype=DT)
+    return torch.linalg.slogdet(eye + jac)[1], jac
+
+
+def _with_graph(fn, x):
+    x = x.clone().requires_grad_(True)
+    return fn(x), x
+
+
+def test_exact_full_logdet_matches_brute_force_jacobian_in_any_dimension():
+    torch.manual_seed(0)
+    branch = DenseBranch(4, 3, c=0.8)
+    x = torch.randn(5, 4, 3, dtype=DT)
+    gx, xr = _with_graph(branch, x)
+    ref, _ = brute_logdet(branch, x)
+    assert (exact_logdet(gx, xr, chunk_size=5) - ref).abs().max() < 1e-8
+    assert ref.abs().min() > 1e-2  # the test is not trivially zero
+
+
+def test_exact_causal_block_path_matches_brute_force_for_causal_attention():
+    torch.manual_seed(1)
+    att = ContractiveL2MHA(4, 2, coeff=0.9).double()
+    x = torch.randn(3, 6, 4, dtype=DT)
+
+    def fn(z):
+        return att(z, causal=True)
+
+    ref, jac = brute_logdet(fn, x)
+    blocks = jac.reshape(3, 6, 4, 6, 4)
+    upper = torch.triu(torch.ones(6, 6, dtype=torch.bool), diagonal=1)
+    # block lower-triangular (up to rounding: the kernel centres queries over the sequence)
+    assert blocks.permute(0, 1, 3, 2, 4)[:, upper].abs().max() < 1e-14
+    gx, xr = _with_graph(fn, x)
+    assert (exact_logdet(gx, xr, structure="causal", chunk_size=7) - ref).abs().max() < 1e-8
+    assert ref.abs().min() > 1e-3
+
+
+def test_exact_pointwise_path_matches_brute_force_for_mlp():
+    torch.manual_seed(2)
+    mlp = LipschitzMLP(3, 16, coeff=0.9).double().eval()
+    x = torch.randn(4, 5, 3, dtype=DT)
+    ref, _ = brute_logdet(mlp, x)
+    gx, xr = _with_graph(mlp, x)
+    assert (exact_logdet(gx, xr, structure="pointwise") - ref).abs().max() < 1e-8
+
+
+def test_exact_logdet_excludes_padded_elements():
+    torch.manual_seed(3)
+    att = ContractiveL2MHA(2, 1, coeff=0.9).double()
+    x = torch.randn(2, 5, 2, dtype=DT)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    x_pad = x.clone()
+    x_pad[0, 3:] = 50.0  # padded values must not matter
+    for structure in ("full", "causal"):
+        causal = structure == "causal"
+        gx, xr = _with_graph(lambda z: project(att(z, mask, causal), mask), x_pad)
+        got = exact_logdet(gx, xr, mask, structure)
+        alone = [
+            brute_logdet(lambda z: att(z, causal=causal), x[0:1, :3])[0],
+            brute_logdet(lambda z: att(z, causal=causal), x[1:2])[0],
+        ]
+        assert (got - torch.cat(alone)).abs().max() < 1e-8
+
+
+def test_exact_zero_com_logdet_is_the_determinant_on_the_subspace():
+    torch.manual_seed(4)
+    n, d = 4, 3
+    branch = DenseBranch(n, d, c=0.7, seed=4)
+    x = torch.randn(2, n, d, dtype=DT)
+    x = x - x.mean(dim=1, keepdim=True)
+
+    def fn(z):
+        return project(branch(z), zero_com=True)
+
+    gx, xr = _with_graph(fn, x)
+    got = exact_logdet(gx, xr, zero_com=True)
+    # orthonormal basis U of {sum_i x_i = 0} in R^(n d); the restricted Jacobian is U^T J U
+    centre = torch.eye(n, dtype=DT) - 1.0 / n
+    q, _ = torch.linalg.qr(torch.kron(centre, torch.eye(d, dtype=DT)))
+    eigvals, eigvecs = torch.linalg.eigh(torch.kron(centre, torch.eye(d, dtype=DT)))
+    basis = eigvecs[:, eigvals > 0.5]
+    assert basis.shape[1] == (n - 1) * d
+    jac = brute_jacobian(fn, x)
+    restricted = basis.T @ jac @ basis
+    ref = torch.linalg.slogdet(torch.eye((n - 1) * d, dtype=DT) + restricted)[1]
+    assert (got - ref).abs().max() < 1e-8
+    del q
+
+
+def _mean_and_se(draws):
+    return draws.mean(dim=0), draws.std(dim=0) / draws.shape[0] ** 0.5
+
+
+@pytest.mark.parametrize("probe", ["rademacher", "gaussian"])
+def test_truncated_series_expectation_equals_truncated_trace_sum(probe):
+    torch.manual_seed(5)
+    branch = DenseBranch(3, 2, c=0.9, seed=5)
+    x = torch.randn(2, 3, 2, dtype=DT)
+    jac = brute_jacobian(branch, x)
+    target = torch.zeros(2, dtype=DT)
+    power = torch.eye(6, dtype=DT).expand(2, 6, 6)
+    for k in range(1, 3):  # E[estimate] = sum_{k<=2} (-1)^(k+1) tr(J^k) / k
+        power = power @ jac
+        target += (-1) ** (k + 1) * power.diagonal(dim1=1, dim2=2).sum(-1) / k
+    gx, xr = _with_graph(branch, x.repeat(2000, 1, 1))
+    gen = torch.Generator().manual_seed(0)
+    draws = series_logdet(gx, xr, 2, n_samples=1, probe=probe, generator=gen).reshape(2000, 2)
+    mean, se = _mean_and_se(draws)
+    assert ((mean - target).abs() < 4 * se).all(), (mean, target, se)
+    exact = brute_logdet(branch, x)[0]
+    assert ((target - exact).abs() > 8 * se).any()  # the test separates biased from unbiased
+
+
+@pytest.mark.parametrize(
+    "distribution,param,n_exact", [("geometric", 0.5, 2), ("poisson", 2.0, 1), ("geometric", 0.3, 0)]
+)
+def test_roulette_estimator_is_unbiased_with_per_sample_lengths(distribution, param, n_exact):
+    torch.manual_seed(6)
+    branch = DenseBranch(3, 2, c=0.6, seed=6)
+    x = torch.randn(2, 3, 2, dtype=DT)
+    exact = brute_logdet(branch, x)[0]
+    gx, xr = _with_graph(branch, x.repeat(3000, 1, 1))
+    gen = torch.Generator().manual_seed(1)
+    draws = roulette_logdet(
+        gx, xr, n_exact, distribution=distribution, param=param, lengths="sample", generator=gen
+    ).reshape(3000, 2)
+    mean, se = _mean_and_se(draws)
+    assert ((mean - exact).abs() < 4 * se).all(), (mean, exact, se)
+    assert (se < 0.05).all()
+
+
+def test_roulette_estimator_is_unbiased_with_per_batch_lengths():
+    torch.manual_seed(7)
+    branch = DenseBranch(2, 2, c=0.6, seed=7)
+    x = torch.randn(1, 2, 2, dtype=DT)
+    exact = brute_logdet(branch, x)[0]
+    gx, xr = _with_graph(branch, x.repeat(20, 1, 1))
+    gen = torch.Generator().manual_seed(2)
+    # one length per call: average over calls (20 probes per call share the length)
+    draws = torch.stack([roulette_logdet(gx, xr, 1, generator=gen).mean() for _ in range(300)])
+    mean, se = _mean_and_se(draws)
+    assert (mean - exact).abs() < 4 * se
+
+
+def test_roulette_weights_and_lengths_follow_the_stated_laws():
+    assert roulette_tail_probability("geometric", 0.5, 1) == 1.0
+    assert roulette_tail_probability("geometric", 0.5, 3) == pytest.approx(0.25)
+    assert roulette_tail_probability("poisson", 2.0, 2) == pytest.approx(1 - torch.exp(
+        torch.tensor(-2.0)).item())
+    gen = torch.Generator().manual_seed(0)
+    geo = sample_roulette_lengths("geometric", 0.5, (20000,), gen)
+    assert geo.min() >= 1 and abs(geo.double().mean().item() - 2.0) < 0.05
+    poi = sample_roulette_lengths("poisson", 2.0, (20000,), gen)
+    assert poi.min() >= 1 and abs(poi.double().mean().item() - 3.0) < 0.05
+    a = sample_roulette_lengths("geometric", 0.5, (10,), torch.Generator().manual_seed(3))
+    b = sample_roulette_lengths("geometric", 0.5, (10,), torch.Generator().manual_seed(3))
+    assert torch.equal(a, b)  # reproducible from a seeded generator
+
+
+def _exact_grad(branch, x):
+    gx, xr = _with_graph(branch, x)
+    logdet = exact_logdet(gx, xr, create_graph=True)
+    return torch.autograd.grad(logdet.sum(), [branch.weight, branch.bias])
+
+
+@pytest.mark.parametrize("grad", ["neumann", "backprop"])
+def test_roulette_gradient_is_unbiased_for_the_exact_gradient(grad):
+    torch.manual_seed(8)
+    branch = DenseBranch(2, 2, c=0.5, seed=8)
+    x = torch.randn(1, 2, 2, dtype=DT)
+    exact = torch.cat([g.flatten() for g in _exact_grad(branch, x)])
+    gen = torch.Generator().manual_seed(4)
+    draws = []
+    for _ in range(250):
+        gx, xr = _with_graph(branch, x)
+        est = roulette_logdet(gx, xr, 1, grad=grad, generator=gen, create_graph=True)
+        grads = torch.autograd.grad(est.sum(), [branch.weight, branch.bias])
+        draws.append(torch.cat([g.flatten() for g in grads]))
+    mean, se = _mean_and_se(torch.stack(draws))
+    assert ((mean - exact).abs() < 4 * se + 1e-12).all()
+    assert (exact.abs() > 1e-3).sum() > 5
+
+
+def test_neumann_series_gradient_converges_to_exact_gradient_with_many_terms():
+    torch.manual_seed(9)
+    branch = DenseBranch(2, 3, c=0.4, seed=9)
+    x = torch.randn(3, 2, 3, dtype=DT)
+    exact = torch.cat([g.flatten() for g in _exact_grad(branch, x)])
+    # Gaussian probes, many of them: the truncation bias (0.4^30) is far below the noise
+    gx, xr = _with_graph(branch, x.repeat(400, 1, 1))
+    est = series_logdet(gx, xr, 30, n_samples=1, probe="gaussian", grad="neumann",
+                        generator=torch.Generator().manual_seed(5), create_graph=True)
+    grads = torch.autograd.grad(est.sum() / 400, [branch.weight, branch.bias])
+    got = torch.cat([g.flatten() for g in grads])
+    assert (got - exact).abs().max() < 0.1 * exact.abs().max()
+
+
+def test_exact_logdet_gradients_pass_gradcheck():
+    torch.manual_seed(10)
+    branch = DenseBranch(2, 2, c=0.6, seed=10)
+    x = torch.randn(2, 2, 2, dtype=DT, requires_grad=True)
+
+    def f(z, w):
+        gx = torch.tanh(z.reshape(2, -1) @ w + branch.bias).reshape(z.shape)
+        return exact_logdet(gx, z, create_graph=True)
+
+    w = branch.weight.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(f, (x, w))
+
+    def g(z, w):  # backprop series with a fixed probe draw is a deterministic function
+        gx = torch.tanh(z.reshape(2, -1) @ w + branch.bias).reshape(z.shape)
+        gen = torch.Generator().manual_seed(0)
+        return series_logdet(gx, z, 4, n_samples=2, generator=gen, create_graph=True)
+
+    assert torch.autograd.gradcheck(g, (x, w))
+
+
+def test_memory_efficient_gradients_equal_plain_gradients():
+    torch.manual_seed(11)
+    branch = DenseBranch(3, 2, c=0.6, seed=11)
+    x = torch.randn(4, 3, 2, dtype=DT, requires_grad=True)
+    params = [branch.weight, branch.bias]
+
+    def logdet_fn(gx, z, cg):
+        gen = torch.Generator().manual_seed(7)
+        return roulette_logdet(gx, z, 2, grad="neumann", generator=gen, create_graph=cg)
+
+    gx, xr = branch(x), x
+    y_plain = xr + gx
+    ld_plain = logdet_fn(gx, xr, True)
+    loss = (y_plain**2).sum() - ld_plain.mean()
+    ref = torch.autograd.grad(loss, [x, *params])
+    y, ld = memory_efficient_logdet(branch, x, logdet_fn, params)
+    assert torch.allclose(y, y_plain) and torch.allclose(ld, ld_plain)
+    got = torch.autograd.grad((y**2).sum() - ld.mean(), [x, *params])
+    for a, b in zip(got, ref, strict=True):
+        assert torch.allclose(a, b, atol=1e-12, rtol=1e-10)
+    y, ld = memory_efficient_logdet(branch, x, logdet_fn, params)
+    weights = torch.arange(4, dtype=DT)
+    with pytest.raises(RuntimeError, match="same loss weight"):
+        torch.autograd.grad((ld * weights).sum(), params)
+
+
+def test_estimators_reject_bad_arguments():
+    branch = DenseBranch(2, 2)
+    x = torch.randn(2, 2, 2, dtype=DT, requires_grad=True)
+    gx = branch(x)
+    with pytest.raises(ValueError, match="probe"):
+        series_logdet(gx, x, 2, probe="uniform")
+    with pytest.raises(ValueError, match="n_terms"):
+        series_logdet(gx, x, 0)
+    with pytest.raises(ValueError, match="structure"):
+        exact_logdet(gx, x, structure="banded")
+    with pytest.raises(ValueError, match="geometric"):
+        roulette_logdet(gx, x, distribution="uniform")
+    with pytest.raises(ValueError, match="lengths"):
+        roulette_logdet(gx, x, lengths="token")
+    with pytest.raises(ValueError, match="require grad"):
+        exact_logdet(gx.detach(), x.detach())
+    with pytest.raises(ValueError, match="shape"):
+        exact_logdet(gx, x[:1])

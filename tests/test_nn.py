@@ -1,0 +1,110 @@
+"""Tests for flowattn.nn: LipSwish, SpectralLinear and the LipschitzMLP branch."""
+
+import pytest
+import torch
+
+from flowattn.nn import LIPSWISH_MAX_SLOPE, LipschitzMLP, LipSwish, SpectralLinear
+
+
+def _slope(beta: float) -> torch.Tensor:
+    x = torch.linspace(-30, 30, 600001, dtype=torch.float64)
+    s = torch.sigmoid(beta * x)
+    return (s + beta * x * s * (1 - s)) / 1.1
+
+
+@pytest.mark.parametrize("beta", [0.1, 1.0, 7.0])
+def test_lipswish_slope_is_below_certified_bound_and_bound_is_tight(beta):
+    slope = _slope(beta)
+    assert slope.abs().max() <= LIPSWISH_MAX_SLOPE / 1.1
+    assert slope.abs().max() >= 0.9998  # the constant 1.09984 / 1.1 is not loose
+
+
+def test_lipswish_certified_bound_is_below_one_and_activation_has_learnable_beta():
+    act = LipSwish()
+    assert act.lipschitz_bound() < 1
+    assert torch.nn.functional.softplus(act.rho).item() == pytest.approx(1.0, abs=1e-4)
+    assert act.rho.requires_grad
+
+
+def test_spectral_linear_eval_normalises_to_exact_coeff():
+    torch.manual_seed(0)
+    lin = SpectralLinear(6, 5, coeff=0.7).double()
+    with torch.no_grad():
+        lin.weight.mul_(10)
+    lin.eval()
+    sigma = torch.linalg.matrix_norm(lin.effective_weight(), ord=2)
+    assert abs(sigma.item() - 0.7) < 1e-12
+    assert abs(lin.lipschitz_bound().item() - 0.7) < 1e-12
+
+
+def test_spectral_linear_power_iteration_persists_and_converges_in_training():
+    torch.manual_seed(1)
+    lin = SpectralLinear(8, 8, coeff=0.9).double()
+    with torch.no_grad():
+        lin.weight.mul_(5)
+    lin.train()
+    u0 = lin.u.clone()
+    lin(torch.randn(2, 8, dtype=torch.float64))
+    assert not torch.equal(u0, lin.u)  # the buffer is updated in place by a training call
+    for _ in range(200):
+        lin(torch.randn(2, 8, dtype=torch.float64))
+    exact = torch.linalg.matrix_norm(lin.weight, ord=2)
+    estimate = lin.sigma(update=False)
+    assert estimate <= exact + 1e-12  # power iteration never overestimates
+    assert (exact - estimate) / exact < 1e-6
+    # the certificate is the exact norm of the applied matrix, an upper bound on the estimate
+    assert lin.lipschitz_bound() >= 0.9 * estimate / exact - 1e-12
+    assert "u" in lin.state_dict() and "v" in lin.state_dict()
+
+
+def test_spectral_linear_certificate_is_an_upper_bound_even_when_power_iteration_lags():
+    torch.manual_seed(2)
+    lin = SpectralLinear(10, 10, coeff=0.9, n_power_iterations=1).double().train()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(10, 10, dtype=torch.float64) * 3)
+        lin.u.copy_(torch.nn.functional.normalize(torch.randn(10, dtype=torch.float64), dim=0))
+        lin.v.copy_(torch.nn.functional.normalize(torch.randn(10, dtype=torch.float64), dim=0))
+    applied = lin.effective_weight(update=False)
+    true_norm = torch.linalg.matrix_norm(applied, ord=2)
+    assert true_norm > 0.9  # a lagging estimate under-normalises ...
+    assert abs(lin.lipschitz_bound() - true_norm) < 1e-12  # ... and the certificate says so
+
+
+def test_lipschitz_mlp_bound_below_coeff_and_above_measured_jacobian_norm():
+    torch.manual_seed(3)
+    mlp = LipschitzMLP(3, [16, 16], coeff=0.9).double().eval()
+    for layer in mlp.layers:
+        with torch.no_grad():
+            layer.weight.mul_(4)  # force every layer onto its normalisation
+    bound = mlp.lipschitz_bound(7)
+    assert bound < 0.9 + 1e-9
+    x = (torch.randn(256, 1, 3, dtype=torch.float64) * 2).requires_grad_(True)
+    out = mlp(x)
+    # pointwise map: the VJP with e_d summed over the batch gives row d of every Jacobian
+    rows = [torch.autograd.grad(out[..., d].sum(), x, retain_graph=True)[0] for d in range(3)]
+    jac = torch.cat(rows, dim=1)  # (256, 3, 3)
+    measured = torch.linalg.matrix_norm(jac, ord=2).max()
+    assert measured <= bound
+
+
+def test_lipschitz_mlp_is_pointwise_and_zeroes_padded_rows():
+    torch.manual_seed(4)
+    mlp = LipschitzMLP(2, 8, coeff=0.8).double()
+    x = torch.randn(3, 5, 2, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    out = mlp(x, mask=mask)
+    assert (out[~mask] == 0).all()
+    alone = mlp(x[:1, :3])
+    assert torch.allclose(out[:1, :3], alone, atol=1e-14)
+    assert LipschitzMLP.jacobian_structure == "pointwise"
+
+
+def test_lipschitz_mlp_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="coeff"):
+        LipschitzMLP(2, 8, coeff=1.0)
+    with pytest.raises(ValueError, match="hidden"):
+        LipschitzMLP(2, [], coeff=0.5)
+    with pytest.raises(ValueError, match="width"):
+        LipschitzMLP(2, 8)(torch.randn(1, 3, 4))
+    with pytest.raises(ValueError, match="mode"):
+        SpectralLinear(2, 2, mode="fast")
