@@ -1,0 +1,85 @@
+"""Built-in data sets by name, and users' own ``.npz`` files, as train/validation/test splits."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from .particles import particle_data
+from .sets import DataError, SetData, load_npz
+from .synthetic import cluster_sets, gaussian_sets
+
+__all__ = ["DATASETS", "load_dataset", "split_sets"]
+
+DEFAULT_SIZES = {
+    "dw4": {"train": 100_000, "val": 1_000, "test": 10_000},
+    "lj13": {"train": 10_000, "val": 1_000, "test": 2_000},
+    "gaussian-sets": {"train": 5_000, "val": 500, "test": 2_000},
+    "cluster-sets": {"train": 5_000, "val": 500, "test": 2_000},
+}
+
+
+def _synthetic(make: Callable[..., SetData]) -> Callable[..., dict[str, SetData]]:
+    def build(sizes: dict[str, int], seed: int, cache_dir=None, progress=False):
+        out = {}
+        for index, (split, count) in enumerate(sizes.items()):
+            g = torch.Generator().manual_seed(seed * 1000 + index)
+            data = make(count, generator=g)
+            data.name = f"{data.name}/{split}"
+            out[split] = data
+        return out
+
+    return build
+
+
+def _particles(name: str) -> Callable[..., dict[str, SetData]]:
+    def build(sizes: dict[str, int], seed: int, cache_dir=None, progress=False):
+        return particle_data(name, sizes, seed, cache_dir, progress=progress)
+
+    return build
+
+
+DATASETS: dict[str, Callable[..., dict[str, SetData]]] = {
+    "dw4": _particles("dw4"),
+    "lj13": _particles("lj13"),
+    "gaussian-sets": _synthetic(gaussian_sets),
+    "cluster-sets": _synthetic(cluster_sets),
+}
+
+
+def split_sets(data: SetData, val_fraction: float, seed: int) -> dict[str, SetData]:
+    """Shuffle (seeded) and split one collection into train and validation parts."""
+    if len(data) < 2:
+        raise DataError(f"{data.name}: need at least 2 sets to split, got {len(data)}")
+    order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed))
+    n_val = min(max(1, round(val_fraction * len(data))), len(data) - 1)
+    return {"train": data.subset(order[n_val:], f"{data.name}/train"),
+            "val": data.subset(order[:n_val], f"{data.name}/val")}
+
+
+def load_dataset(
+    name_or_path: str,
+    sizes: dict[str, int] | None = None,
+    seed: int = 0,
+    cache_dir: str | Path | None = None,
+    progress: bool = False,
+) -> dict[str, SetData]:
+    """Train/val(/test) splits of a built-in data set, or of a user's ``.npz`` file.
+
+    A built-in name gives independent ``train``, ``val`` and ``test`` splits (sizes from
+    ``sizes``, else the defaults); an ``.npz`` path is shuffled and split 90/10 into ``train``
+    and ``val``.
+
+    Raises:
+        DataError: an unknown name (the message lists the known ones) or an unusable file.
+    """
+    if name_or_path in DATASETS:
+        wanted = dict(DEFAULT_SIZES[name_or_path])
+        wanted.update(sizes or {})
+        return DATASETS[name_or_path](wanted, seed, cache_dir, progress)
+    if name_or_path.endswith(".npz") or Path(name_or_path).exists():
+        return split_sets(load_npz(name_or_path), 0.1, seed)
+    known = ", ".join(sorted(DATASETS))
+    raise DataError(f"unknown data set {name_or_path!r}: use one of {known} or a .npz path")

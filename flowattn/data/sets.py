@@ -1,0 +1,170 @@
+"""Collections of sets: the container, `.npz` input and output, splits and mini-batches."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+__all__ = ["DataError", "SetData", "load_npz", "save_npz"]
+
+
+class DataError(ValueError):
+    """A data set that cannot be used, with a one-line reason naming what is wrong."""
+
+
+@dataclass
+class SetData:
+    """M sets of up to N elements in R^D, padded to (M, N, D), with an optional padding mask.
+
+    Arguments:
+        x: (M, N, D) float tensor; padded entries are zero.
+        mask: (M, N) bool tensor, True where an element is present, or None (all present).
+        name: where the data came from.
+        zero_com: whether the sets live in the zero-centre-of-mass subspace (particle systems):
+            flows fitted to them keep sum_i x_i = 0 and report NLL in the E-NF convention.
+        true_log_prob: the closed-form log-density (x, mask) -> (M,) when it is known.
+        meta: free-form description (sampler settings, generator parameters).
+    """
+
+    x: Tensor
+    mask: Tensor | None = None
+    name: str = "sets"
+    zero_com: bool = False
+    true_log_prob: Callable[[Tensor, Tensor | None], Tensor] | None = None
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        validate(self.x, self.mask, self.name)
+        if self.mask is not None and bool(self.mask.all()):
+            self.mask = None
+
+    def __len__(self) -> int:
+        return self.x.shape[0]
+
+    @property
+    def set_size(self) -> int:
+        return self.x.shape[1]
+
+    @property
+    def dim(self) -> int:
+        return self.x.shape[2]
+
+    def sizes(self) -> Tensor:
+        """Number of present elements of each set, shape (M,)."""
+        if self.mask is None:
+            return torch.full((len(self),), self.set_size, dtype=torch.long)
+        return self.mask.sum(1)
+
+    def subset(self, index: Tensor, name: str | None = None) -> SetData:
+        """The sets at ``index`` (a long tensor), sharing everything else."""
+        return SetData(
+            self.x[index],
+            None if self.mask is None else self.mask[index],
+            name or self.name,
+            self.zero_com,
+            self.true_log_prob,
+            dict(self.meta),
+        )
+
+    def batches(
+        self, batch_size: int, generator: torch.Generator | None = None, drop_last: bool = False
+    ) -> Iterator[tuple[Tensor, Tensor | None]]:
+        """Mini-batches (x, mask); shuffled when a generator is given."""
+        m = len(self)
+        order = torch.arange(m) if generator is None else torch.randperm(m, generator=generator)
+        stop = m - m % batch_size if drop_last and m >= batch_size else m
+        for start in range(0, stop, batch_size):
+            idx = order[start : start + batch_size]
+            yield self.x[idx], None if self.mask is None else self.mask[idx]
+
+    def mean_true_nll(self) -> float | None:
+        """Average -log p_true over the sets, when the density is known in closed form."""
+        if self.true_log_prob is None:
+            return None
+        return float(-self.true_log_prob(self.x, self.mask).mean())
+
+
+def validate(x, mask, name: str = "data") -> None:
+    """Raise :class:`DataError` unless ``x`` (M, N, D) and ``mask`` (M, N) form usable sets."""
+    if not isinstance(x, Tensor):
+        raise DataError(f"{name}: x must be an array, got {type(x).__name__}")
+    if x.dim() != 3:
+        raise DataError(f"{name}: x must have shape (M, N, D), got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise DataError(f"{name}: x must be floating point, got dtype {x.dtype}")
+    if x.numel() == 0:
+        raise DataError(f"{name}: x is empty, shape {tuple(x.shape)}")
+    if mask is not None:
+        if mask.dtype != torch.bool:
+            raise DataError(f"{name}: mask must be boolean (True = present), got {mask.dtype}")
+        if mask.shape != x.shape[:2]:
+            raise DataError(f"{name}: mask must have shape (M, N) = {tuple(x.shape[:2])}, "
+                            f"got {tuple(mask.shape)}")
+        empty = ~mask.any(1)
+        if empty.any():
+            rows = empty.nonzero().flatten()[:5].tolist()
+            raise DataError(f"{name}: sets {rows} have no present element")
+    finite = torch.isfinite(x)
+    if mask is not None:
+        finite = finite | ~mask[..., None]  # padding may hold anything; it is ignored
+    if not finite.all():
+        bad = (~finite).any(-1).any(-1).nonzero().flatten()[:5].tolist()
+        raise DataError(f"{name}: x holds NaN or Inf values (sets {bad})")
+
+
+def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> SetData:
+    """Load sets from an ``.npz`` file with ``x`` (M, N, D) and optional ``mask`` (M, N).
+
+    Raises:
+        DataError: a missing file or key, a wrong rank or shape, non-finite values, a mask that is
+            not boolean or not (M, N), an empty array or an empty set.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file")
+    try:
+        with np.load(path, allow_pickle=False) as archive:
+            keys = set(archive.files)
+            if "x" not in keys:
+                raise DataError(f"{path}: missing key 'x' (found {sorted(keys) or 'no arrays'})")
+            x_np = archive["x"]
+            mask_np = archive["mask"] if "mask" in keys else None
+    except DataError:
+        raise
+    except Exception as err:  # not a zip, corrupt, pickled objects...
+        raise DataError(f"{path}: not a readable .npz file ({err})") from None
+    if not np.issubdtype(x_np.dtype, np.floating):
+        raise DataError(f"{path}: x must be floating point, got dtype {x_np.dtype}")
+    x = torch.from_numpy(np.ascontiguousarray(x_np)).to(dtype)
+    mask = None
+    if mask_np is not None:
+        if mask_np.dtype != np.bool_:
+            raise DataError(f"{path}: mask must be boolean (True = present), got {mask_np.dtype}")
+        mask = torch.from_numpy(np.ascontiguousarray(mask_np))
+    data = SetData(x, mask, name=path.stem)  # validates
+    if data.mask is not None:  # padding may hold anything in the file; zero it here
+        data.x = torch.where(data.mask[..., None], data.x, torch.zeros_like(data.x))
+    return data
+
+
+def save_npz(path: str | os.PathLike, x: Tensor, mask: Tensor | None = None) -> None:
+    """Write sets to ``path`` atomically: a temporary file in the same folder, then a rename."""
+    path = Path(path)
+    arrays = {"x": x.detach().cpu().numpy()}
+    if mask is not None:
+        arrays["mask"] = mask.detach().cpu().numpy().astype(bool)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            np.savez(handle, **arrays)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,213 @@
+"""flowattn.data: closed-form densities, .npz input, particle energies and the sampler."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.distributions import MultivariateNormal
+
+from flowattn.data import (
+    PARTICLE_SYSTEMS,
+    DataError,
+    SetData,
+    cluster_sets,
+    cluster_sets_log_prob,
+    dw4_energy,
+    gaussian_sets,
+    gaussian_sets_log_prob,
+    lj13_energy,
+    load_dataset,
+    load_npz,
+    metropolis,
+    particle_data,
+    save_npz,
+)
+
+# ----------------------------------------------------------------------------- known densities
+
+
+def test_gaussian_sets_density_equals_the_multivariate_normal_it_defines():
+    sigma, tau, dim = 0.7, 1.3, 2
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 6, dim, generator=g, dtype=torch.float64)
+    mask = torch.ones(5, 6, dtype=torch.bool)
+    mask[1, 4:] = False
+    mask[3, 2:] = False
+    ours = gaussian_sets_log_prob(x, mask, sigma, tau)
+    for b in range(5):
+        n = int(mask[b].sum())
+        ones = torch.ones(n, n, dtype=torch.float64)
+        cov = sigma**2 * torch.eye(n, dtype=torch.float64) + tau**2 * ones
+        mvn = MultivariateNormal(torch.zeros(n, dtype=torch.float64), cov)
+        expected = sum(mvn.log_prob(x[b, :n, d]) for d in range(dim))
+        assert math.isclose(ours[b].item(), expected.item(), rel_tol=1e-12)
+
+
+def test_cluster_sets_density_equals_the_mixture_it_defines():
+    k, radius, scale = 3, 2.0, 0.4
+    data = cluster_sets(6, min_size=2, max_size=5, clusters=k, radius=radius, scale=scale,
+                        generator=torch.Generator().manual_seed(1))
+    x = data.x.double()
+    ours = cluster_sets_log_prob(x, data.mask, k, radius, scale)
+    for b in range(6):
+        pts = x[b, data.mask[b]]
+        terms = []
+        for c in range(k):
+            angle = 2 * math.pi * c / k
+            centre = torch.tensor([radius * math.cos(angle), radius * math.sin(angle)],
+                                  dtype=torch.float64)
+            normal = torch.distributions.Normal(centre, scale)
+            terms.append(normal.log_prob(pts).sum())
+        expected = torch.logsumexp(torch.stack(terms), 0) - math.log(k)
+        assert math.isclose(ours[b].item(), expected.item(), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("make", [gaussian_sets, cluster_sets])
+def test_true_densities_are_exchangeable_and_ignore_padding(make):
+    data = make(20, generator=torch.Generator().manual_seed(2))
+    lp = data.true_log_prob(data.x, data.mask)
+    perm = torch.randperm(data.set_size, generator=torch.Generator().manual_seed(3))
+    mask = None if data.mask is None else data.mask[:, perm]
+    torch.testing.assert_close(data.true_log_prob(data.x[:, perm], mask), lp)
+    if data.mask is not None:
+        junk = data.x + 100.0 * (~data.mask[..., None])
+        torch.testing.assert_close(data.true_log_prob(junk, data.mask), lp)
+
+
+def test_cluster_sets_have_variable_sizes_within_range():
+    data = cluster_sets(500, min_size=3, max_size=8, generator=torch.Generator().manual_seed(4))
+    sizes = data.sizes()
+    assert sizes.min() == 3 and sizes.max() == 8
+
+
+# ----------------------------------------------------------------------------- .npz files
+
+
+def test_npz_round_trip_with_mask(tmp_path):
+    x = torch.randn(4, 3, 2)
+    mask = torch.tensor([[True, True, False]] * 4)
+    x = x * mask[..., None]
+    save_npz(tmp_path / "d.npz", x, mask)
+    data = load_npz(tmp_path / "d.npz")
+    torch.testing.assert_close(data.x, x)
+    assert torch.equal(data.mask, mask)
+    assert [p.name for p in tmp_path.iterdir()] == ["d.npz"]  # no temporary left behind
+
+
+def _write(path, **arrays):
+    np.savez(path, **arrays)
+    return path
+
+
+@pytest.mark.parametrize(
+    "arrays,message",
+    [
+        ({"y": np.zeros((2, 3, 2))}, "missing key 'x'"),
+        ({"x": np.zeros((2, 3))}, r"shape \(M, N, D\)"),
+        ({"x": np.full((2, 3, 2), np.nan)}, "NaN or Inf"),
+        ({"x": np.array([[[np.inf, 0.0]]])}, "NaN or Inf"),
+        ({"x": np.zeros((2, 3, 2)), "mask": np.ones((2, 4), bool)}, "mask must have shape"),
+        ({"x": np.zeros((2, 3, 2)), "mask": np.ones((2, 3))}, "boolean"),
+        ({"x": np.zeros((0, 3, 2))}, "empty"),
+        ({"x": np.zeros((2, 3, 2)), "mask": np.zeros((2, 3), bool)}, "no present element"),
+        ({"x": np.zeros((2, 3, 2), dtype=np.int64)}, "floating point"),
+    ],
+)
+def test_malformed_npz_raises_a_one_line_data_error(tmp_path, arrays, message):
+    path = _write(tmp_path / "bad.npz", **arrays)
+    with pytest.raises(DataError, match=message) as err:
+        load_npz(path)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_or_corrupt_file_raises_data_error(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_npz(tmp_path / "absent.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(DataError, match="not a readable"):
+        load_npz(tmp_path / "junk.npz")
+
+
+def test_nan_in_padding_is_allowed_and_zeroed(tmp_path):
+    x = np.ones((2, 3, 2))
+    x[0, 2] = np.nan
+    mask = np.array([[True, True, False], [True, True, True]])
+    data = load_npz(_write(tmp_path / "p.npz", x=x, mask=mask))
+    assert torch.isfinite(data.x).all() and (data.x[0, 2] == 0).all()
+
+
+def test_unknown_dataset_name_lists_the_known_ones():
+    with pytest.raises(DataError, match="dw4"):
+        load_dataset("dw5")
+
+
+def test_npz_path_is_split_into_train_and_validation(tmp_path):
+    save_npz(tmp_path / "s.npz", torch.randn(50, 4, 3))
+    splits = load_dataset(str(tmp_path / "s.npz"))
+    assert len(splits["train"]) == 45 and len(splits["val"]) == 5
+
+
+def test_set_data_rejects_inconsistent_arrays():
+    with pytest.raises(DataError, match="mask must have shape"):
+        SetData(torch.zeros(2, 3, 1), torch.ones(3, 2, dtype=torch.bool))
+
+
+# ----------------------------------------------------------------------------- particles
+
+
+def _random_rotation(dim, g):
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+@pytest.mark.parametrize("energy,n,dim", [(dw4_energy, 4, 2), (lj13_energy, 13, 3)])
+def test_energies_are_invariant_to_rotation_translation_and_permutation(energy, n, dim):
+    g = torch.Generator().manual_seed(5)
+    x = 2 * torch.randn(3, n, dim, generator=g, dtype=torch.float64)
+    e = energy(x)
+    rot = _random_rotation(dim, g)
+    shift = torch.randn(1, 1, dim, generator=g, dtype=torch.float64)
+    perm = torch.randperm(n, generator=g)
+    torch.testing.assert_close(energy(x @ rot.T + shift), e)
+    torch.testing.assert_close(energy(x[:, perm]), e)
+
+
+def test_dw4_pair_energy_has_its_minima_at_the_double_well():
+    # 0.9 u^4 - 4 u^2 is minimal at u^2 = 4 / 1.8, value -4^2 / (4 * 0.9)
+    u = math.sqrt(4 / 1.8)
+    x = torch.tensor([[[0.0, 0.0], [4 + u, 0.0]]], dtype=torch.float64)
+    assert math.isclose(dw4_energy(x).item(), -16 / 3.6, rel_tol=1e-12)
+
+
+def test_lj13_pair_minimum_is_at_unit_distance():
+    def pair(r):
+        x = torch.zeros(1, 2, 3, dtype=torch.float64)
+        x[0, 1, 0] = r
+        return lj13_energy(x).item() - 0.5 * 2 * (r / 2) ** 2
+
+    assert math.isclose(pair(1.0), -2.0, rel_tol=1e-12)
+    assert pair(0.98) > pair(1.0) and pair(1.02) > pair(1.0)
+
+
+def test_metropolis_reproduces_the_dw4_equilibrium_mean_energy():
+    system = PARTICLE_SYSTEMS["dw4"]
+    x, stats = metropolis(system, 6000, chains=300, generator=torch.Generator().manual_seed(6))
+    assert x.shape == (6000, 4, 2)
+    torch.testing.assert_close(x.sum(1), torch.zeros(6000, 2, dtype=torch.float64),
+                               atol=1e-12, rtol=0)
+    energy = dw4_energy(x)
+    assert abs(energy.mean().item() - system.mean_energy) < 0.25, energy.mean().item()
+    assert 0.2 < stats["acceptance"] < 0.5
+
+
+def test_particle_data_is_cached_and_zero_centred(tmp_path):
+    sizes = {"train": 50, "test": 20}
+    first = particle_data("dw4", sizes, seed=1, cache_dir=tmp_path, chains=10)
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert len(files) == 2
+    second = particle_data("dw4", sizes, seed=1, cache_dir=tmp_path, chains=10)
+    torch.testing.assert_close(first["train"].x, second["train"].x)
+    assert first["train"].zero_com and not torch.equal(first["train"].x[:20],
+                                                       first["test"].x)
+    assert first["test"].x.sum(1).abs().max() < 1e-5
