@@ -1,4 +1,4 @@
-"""Lipschitz-constrained building blocks: LipSwish, spectrally normalised linear maps, MLP branch."""
+"""Lipschitz-constrained building blocks: LipSwish, spectrally normalised linear maps, MLPs."""
 
 from __future__ import annotations
 
@@ -140,17 +140,19 @@ class SpectralLinear(nn.Module):
         v = F.normalize(torch.randn(in_features, generator=gen), dim=0)
         self.register_buffer("u", u)
         self.register_buffer("v", v)
-        with torch.no_grad():
-            self._power_iteration(20)
+        self._power_iteration(20)
 
     def _power_iteration(self, steps: int) -> None:
-        w = self.weight.detach()
-        u, v = self.u.to(w.dtype), self.v.to(w.dtype)
-        for _ in range(steps):
-            v = F.normalize(w.t().mv(u), dim=0, eps=1e-12)
-            u = F.normalize(w.mv(v), dim=0, eps=1e-12)
-        self.u.copy_(u)
-        self.v.copy_(v)
+        with torch.no_grad():
+            w = self.weight
+            u, v = self.u, self.v
+            for _ in range(steps):
+                v = torch.mv(w.t(), u)
+                v = v / torch.linalg.vector_norm(v).clamp_min(1e-12)
+                u = torch.mv(w, v)
+                u = u / torch.linalg.vector_norm(u).clamp_min(1e-12)
+            self.u.copy_(u)
+            self.v.copy_(v)
 
     def _uses_exact(self) -> bool:
         return self.mode == "exact" or (self.mode == "auto" and not self.training)
@@ -160,10 +162,9 @@ class SpectralLinear(nn.Module):
         if self._uses_exact():
             return torch.linalg.matrix_norm(self.weight, ord=2)
         if update and self.training and not _FROZEN.get():
-            with torch.no_grad():
-                self._power_iteration(self.n_power_iterations)
+            self._power_iteration(self.n_power_iterations)
         # u^T W v is differentiable; u, v are constants (Miyato et al. 2018).
-        return torch.dot(self.u.to(self.weight.dtype), self.weight.mv(self.v.to(self.weight.dtype)))
+        return torch.dot(self.u, torch.mv(self.weight, self.v))
 
     def effective_weight(self, update: bool = False) -> Tensor:
         """W / max(1, sigma / coeff), the matrix actually applied."""

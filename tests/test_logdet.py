@@ -99,12 +99,13 @@ def test_exact_logdet_excludes_padded_elements():
     x_pad[0, 3:] = 50.0  # padded values must not matter
     for structure in ("full", "causal"):
         causal = structure == "causal"
-        gx, xr = _with_graph(lambda z: project(att(z, mask, causal), mask), x_pad)
+
+        def fn(z, m=None, causal=causal):
+            return project(att(z, m, causal), m)
+
+        gx, xr = _with_graph(lambda z, fn=fn: fn(z, mask), x_pad)
         got = exact_logdet(gx, xr, mask, structure)
-        alone = [
-            brute_logdet(lambda z: att(z, causal=causal), x[0:1, :3])[0],
-            brute_logdet(lambda z: att(z, causal=causal), x[1:2])[0],
-        ]
+        alone = [brute_logdet(fn, x[0:1, :3])[0], brute_logdet(fn, x[1:2])[0]]
         assert (got - torch.cat(alone)).abs().max() < 1e-8
 
 
@@ -141,24 +142,25 @@ def _mean_and_se(draws):
 def test_truncated_series_expectation_equals_truncated_trace_sum(probe):
     torch.manual_seed(5)
     branch = DenseBranch(3, 2, c=0.9, seed=5)
-    x = torch.randn(2, 3, 2, dtype=DT)
+    x = 0.2 * torch.randn(2, 3, 2, dtype=DT)  # near-linear regime: large traces of J^k
     jac = brute_jacobian(branch, x)
     target = torch.zeros(2, dtype=DT)
     power = torch.eye(6, dtype=DT).expand(2, 6, 6)
     for k in range(1, 3):  # E[estimate] = sum_{k<=2} (-1)^(k+1) tr(J^k) / k
         power = power @ jac
         target += (-1) ** (k + 1) * power.diagonal(dim1=1, dim2=2).sum(-1) / k
-    gx, xr = _with_graph(branch, x.repeat(2000, 1, 1))
+    gx, xr = _with_graph(branch, x.repeat(4000, 1, 1))
     gen = torch.Generator().manual_seed(0)
-    draws = series_logdet(gx, xr, 2, n_samples=1, probe=probe, generator=gen).reshape(2000, 2)
+    draws = series_logdet(gx, xr, 2, n_samples=4, probe=probe, generator=gen).reshape(4000, 2)
     mean, se = _mean_and_se(draws)
     assert ((mean - target).abs() < 4 * se).all(), (mean, target, se)
     exact = brute_logdet(branch, x)[0]
-    assert ((target - exact).abs() > 8 * se).any()  # the test separates biased from unbiased
+    assert ((target - exact).abs() > 6 * se).all()  # the test separates biased from unbiased
 
 
 @pytest.mark.parametrize(
-    "distribution,param,n_exact", [("geometric", 0.5, 2), ("poisson", 2.0, 1), ("geometric", 0.3, 0)]
+    "distribution,param,n_exact",
+    [("geometric", 0.5, 2), ("poisson", 2.0, 1), ("geometric", 0.3, 0)],
 )
 def test_roulette_estimator_is_unbiased_with_per_sample_lengths(distribution, param, n_exact):
     torch.manual_seed(6)
@@ -305,3 +307,15 @@ def test_estimators_reject_bad_arguments():
         exact_logdet(gx.detach(), x.detach())
     with pytest.raises(ValueError, match="shape"):
         exact_logdet(gx, x[:1])
+
+
+def test_neumann_value_is_the_honest_estimate_of_the_same_draw():
+    torch.manual_seed(12)
+    branch = DenseBranch(3, 2, c=0.6, seed=12)
+    x = torch.randn(4, 3, 2, dtype=DT)
+    values = []
+    for grad in ("backprop", "neumann"):
+        gx, xr = _with_graph(branch, x)
+        gen = torch.Generator().manual_seed(3)
+        values.append(roulette_logdet(gx, xr, 2, grad=grad, generator=gen, create_graph=True))
+    assert torch.allclose(values[0], values[1], atol=1e-13)

@@ -23,6 +23,19 @@ def square_weight(dim: int) -> nn.Parameter:
     return nn.Parameter(w)
 
 
+def _first_present(k: Tensor, mask: Tensor | None) -> Tensor:
+    """The key of each sequence's first present element, (B, H, 1, d).
+
+    Under a causal mask every row sees it, so centring on it keeps outputs exactly independent
+    of later elements (a mean over the whole sequence would not, by rounding).
+    """
+    if mask is None:
+        return k[:, :, :1]
+    first = mask.to(torch.int8).argmax(dim=1)  # index of the first True
+    index = first.view(-1, 1, 1, 1).expand(k.shape[0], k.shape[1], 1, k.shape[3])
+    return k.gather(2, index)
+
+
 class L2MHA(nn.Module):
     r"""L2 multi-head self-attention (Kim et al. 2021, eq. (8) and F(X) of §3.2).
 
@@ -42,8 +55,9 @@ class L2MHA(nn.Module):
       ||q_i||^2 is constant along a softmax row and cancels, leaving
       (2 q_i.k_j - ||k_j||^2)/sqrt(d) = (2/sqrt(d)) [q_i, 1].[k_j, -||k_j||^2/2], an ordinary
       dot product with one extra coordinate. q and k are first centred on the mean key of each
-      set and head (distances are unchanged), which keeps ||k_j||^2 small and avoids cancellation
-      in float32 and bfloat16. Tied values use X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/sqrt(d),
+      set and head (on the first element's key under a causal mask, which every row sees);
+      distances are unchanged, ||k_j||^2 stays small and float32 and bfloat16 avoid
+      cancellation. Tied values use X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/sqrt(d),
       a d x d product instead of D x D.
     * ``fused=False``: the literal formulas (explicit distance matrix, softmax, A_h). Slow; it is
       the reference the fused path is tested against.
@@ -109,7 +123,7 @@ class L2MHA(nn.Module):
         return zero_padded(merge_heads(heads) @ self.w_o, mask)
 
     def _fused(self, q, k, v, x, mask, causal, dropout) -> Tensor:
-        centre = masked_mean(k, mask, dim=2)
+        centre = _first_present(k, mask) if causal else masked_mean(k, mask, dim=2)
         q, k = q - centre, k - centre
         ones = torch.ones_like(q[..., :1])
         q_aug = torch.cat([q, ones], dim=-1)

@@ -110,7 +110,12 @@ class SetFlow(nn.Module):
         if mask is not None:
             mask = mask.to(ref.device)
         z = sample_standard_normal(
-            (num_samples, set_size, self.dim), mask, self.zero_com, generator, ref.device, ref.dtype
+            (num_samples, set_size, self.dim),
+            mask,
+            self.zero_com,
+            generator,
+            ref.device,
+            ref.dtype,
         )
         return z, mask
 

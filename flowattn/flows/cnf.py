@@ -30,7 +30,8 @@ class ODESolverError(RuntimeError):
       is too stiff, or the solution blows up, at the reported time);
     * ``"non-finite state"``: the state became NaN or Inf;
     * ``"non-finite vector field"``: the field returned NaN or Inf;
-    * ``"too many steps"``: the solve needed more than ``max_steps`` steps.
+    * ``"too many steps"``: the solve needed more than ``max_steps`` steps;
+    * ``"solver assertion"``: any other internal check of torchdiffeq failed (message kept).
     """
 
     def __init__(self, message: str, cause: str):
@@ -322,6 +323,8 @@ class CNF(Transform):
     # ------------------------------------------------------------------ input handling
 
     def _resolve_mask(self, inputs: Tensor, context, mask: Tensor | None) -> Tensor | None:
+        if not isinstance(inputs, Tensor):
+            raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
         if context is not None:
             is_mask = (
                 isinstance(context, Tensor)
@@ -339,8 +342,6 @@ class CNF(Transform):
             if mask is not None and not torch.equal(mask.to(context.device), context):
                 raise ValueError("mask and context are both given and differ")
             mask = context
-        if not isinstance(inputs, Tensor):
-            raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
         if inputs.dim() == 3:
             return check_sets(inputs, mask, getattr(self.field, "dim", None), name="inputs")
         if inputs.dim() < 2:
@@ -433,6 +434,7 @@ class CNF(Transform):
         if self.zero_com:
             self._check_centred(inputs, mask)
         out = self._solve(inputs, mask, reverse=False, regularize=self.regularize)
+        out = (_keep_padding(out[0], inputs, mask),) + out[1:]
         if self.regularize:
             self.kinetic_energy, self.jacobian_frobenius = out[2], out[3]
         else:
@@ -447,7 +449,7 @@ class CNF(Transform):
         if self.zero_com:
             self._check_centred(inputs, mask)
         out = self._solve(inputs, mask, reverse=True, regularize=False)
-        return out[0], out[1]
+        return _keep_padding(out[0], inputs, mask), out[1]
 
     # ------------------------------------------------------------------ densities
 
@@ -476,6 +478,17 @@ class CNF(Transform):
         base = standard_normal_log_prob(z, mask, self.zero_com)
         x, logabsdet = self.inverse(z, mask=mask)
         return x, base - logabsdet
+
+
+def _keep_padding(z: Tensor, inputs: Tensor, mask: Tensor | None) -> Tensor:
+    """Return padded elements exactly as they came in.
+
+    Their velocity is zero, so only the solver's dense-output interpolation could move them,
+    by rounding errors.
+    """
+    if mask is None:
+        return z
+    return torch.where(mask.unsqueeze(-1), z, inputs)
 
 
 def _translate(error: AssertionError) -> Exception:

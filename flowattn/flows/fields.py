@@ -131,7 +131,7 @@ class AttentionField(_StackedAttentionField):
         >>> z = torch.randn(3, 5, 2)
         >>> field(torch.tensor(0.5), z).shape
         torch.Size([3, 5, 2])
-        >>> float(field.lipschitz_bound(5)) > 0
+        >>> field.lipschitz_bound(5).item() > 0
         True
     """
 

@@ -52,7 +52,9 @@ def _prepare(y: Tensor, x0: Tensor | None, mask: Tensor | None, zero_com: bool):
         x = y.clone()
     else:
         if x0.shape != y.shape:
-            raise ValueError(f"x0 must have the shape of y {tuple(y.shape)}, got {tuple(x0.shape)}")
+            raise ValueError(
+                f"x0 must have the shape of y {tuple(y.shape)}, got {tuple(x0.shape)}"
+            )
         x = x0.detach().clone()
     if mask is not None:
         # padded coordinates are fixed points x = y (the branch output is zero there)
@@ -284,13 +286,15 @@ def residual_inverse(
     def implicit_grad(u: Tensor) -> Tensor:
         # Solve w + w J = u, i.e. w <- u - w J (J^T has the same contraction rate). gx is
         # already the masked / projected branch, so w J is the VJP of the restricted map.
+        if u is None:
+            return u
         w = u
         scale = float(torch.clamp(u.detach().abs().amax(), min=1e-30))
         delta = float("inf")
         for _ in range(max_iter):
             wj = torch.autograd.grad(gx, x_req, w, retain_graph=True)[0]
             w_new = u - wj
-            delta = float((w_new - w).abs().amax()) / scale
+            delta = float((w_new - w).detach().abs().amax()) / scale
             w = w_new
             if delta <= tol:
                 return w

@@ -386,7 +386,8 @@ def roulette_logdet(
 
     Example:
         >>> x = torch.randn(2, 3, 2, requires_grad=True)
-        >>> roulette_logdet(0.3 * torch.sin(x), x, generator=torch.Generator().manual_seed(0)).shape
+        >>> gen = torch.Generator().manual_seed(0)
+        >>> roulette_logdet(0.3 * torch.sin(x), x, generator=gen).shape
         torch.Size([2])
     """
     _check_pair(gx, x)
@@ -410,7 +411,7 @@ def roulette_logdet(
     )
     k = torch.arange(1, K + 1)
     active = (k.unsqueeze(0) <= (n_exact_terms + extra).unsqueeze(1)).to(torch.float64)
-    coeffs = (active * base * weights).expand(B, K) if lengths == "batch" else active * base * weights
+    coeffs = (active * base * weights).expand(B, K)  # (1, K) rows broadcast for "batch"
     coeffs = coeffs.to(device=x.device, dtype=x.dtype)
     probes = sample_probes((n_samples, *x.shape), probe, generator, x.device, x.dtype)
     probes = project(probes, mask, zero_com)
@@ -418,7 +419,7 @@ def roulette_logdet(
 
 
 class _MemoryEfficientLogDet(torch.autograd.Function):
-    """Computes y = x + g(x) and the log-det, taking the log-det's gradients in the forward pass."""
+    """y = x + g(x) and the log-det, with the log-det's gradients taken in the forward pass."""
 
     @staticmethod
     def forward(ctx, branch_and_logdet, x, *params):  # noqa: D401

@@ -8,6 +8,7 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
+from flowattn.attention import twice_differentiable
 from flowattn.flows.inverse import INVERSE_METHODS, residual_inverse
 from flowattn.flows.logdet import (
     exact_logdet,
@@ -16,6 +17,7 @@ from flowattn.flows.logdet import (
     roulette_logdet,
     series_logdet,
 )
+from flowattn.nn import frozen_power_iteration
 from flowattn.validation import check_sets
 
 __all__ = ["InvertibleResidual", "TransformerResidualPair", "mask_from_context", "branch_bound"]
@@ -88,6 +90,10 @@ class InvertibleResidual(Transform):
     ``lipschitz_bound(n)`` < 1; it is checked at construction (on ``check_size`` elements), in
     evaluation mode and before every inverse (on the actual N). It may declare
     ``jacobian_structure = "pointwise"`` (block-diagonal Jacobian: exact log-det from D VJPs).
+    Training differentiates VJPs of the branch (double backward): the branch must be twice
+    differentiable. The block evaluates it inside
+    :func:`flowattn.attention.twice_differentiable`, so attention branches keep their fused
+    path (the fused CPU kernels alone have no double backward).
 
     Log-determinant (``logdet``):
         ``"exact"`` -- full Jacobian by batched VJPs, or the block-triangular path for causal /
@@ -180,11 +186,15 @@ class InvertibleResidual(Transform):
         if probe not in ("rademacher", "gaussian"):
             raise ValueError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
         if inverse_method not in INVERSE_METHODS:
-            raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {inverse_method!r}")
+            raise ValueError(
+                f"inverse_method must be one of {INVERSE_METHODS}, got {inverse_method!r}"
+            )
         if roulette not in ("geometric", "poisson"):
             raise ValueError(f"roulette must be 'geometric' or 'poisson', got {roulette!r}")
         if roulette_lengths not in ("batch", "sample"):
-            raise ValueError(f"roulette_lengths must be 'batch' or 'sample', got {roulette_lengths!r}")
+            raise ValueError(
+                f"roulette_lengths must be 'batch' or 'sample', got {roulette_lengths!r}"
+            )
         for name, value, low in (
             ("n_terms", n_terms, 1),
             ("n_exact_terms", n_exact_terms, 0),
@@ -221,7 +231,7 @@ class InvertibleResidual(Transform):
     # -- helpers -------------------------------------------------------------------------------
     @property
     def structure(self) -> str:
-        """Jacobian structure used by the exact path: ``"full"``, ``"causal"`` or ``"pointwise"``."""
+        """Jacobian structure of the exact path: ``"full"``, ``"causal"`` or ``"pointwise"``."""
         if self.zero_com:
             return "full"
         if getattr(self.branch, "jacobian_structure", "full") == "pointwise":
@@ -229,7 +239,13 @@ class InvertibleResidual(Transform):
         return "causal" if self.causal else "full"
 
     def _g(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        out = self.branch(x, mask=mask, causal=self.causal)
+        if torch.is_grad_enabled():
+            # log-det gradients differentiate VJPs of the branch: a second derivative, which
+            # fused attention kernels do not provide.
+            with twice_differentiable():
+                out = self.branch(x, mask=mask, causal=self.causal)
+        else:
+            out = self.branch(x, mask=mask, causal=self.causal)
         if out.shape != x.shape:
             raise ValueError(
                 f"branch {type(self.branch).__name__} returned shape {tuple(out.shape)} "
@@ -297,29 +313,33 @@ class InvertibleResidual(Transform):
         logdet_fn = self._logdet_fn(x_in.shape, mask)
         params = [p for p in self.branch.parameters() if p.requires_grad]
         need_graph = torch.is_grad_enabled() and (x_in.requires_grad or len(params) > 0)
-        if need_graph and self.memory_efficient:
-            y, logdet = memory_efficient_logdet(
-                lambda x: self._g(x, mask), x_in, logdet_fn, params
-            )
-        else:
-            with torch.enable_grad():
-                x = x_in if (need_graph and x_in.requires_grad) else x_in.detach()
-                if not x.requires_grad:
-                    x = x.requires_grad_(True)
-                gx = self._g(x, mask)
-                logdet = logdet_fn(gx, x, need_graph)
-            if need_graph:
-                y = x + gx
-            else:
-                y, logdet = x_in + gx.detach(), logdet.detach()
+        y, logdet = self._forward(x_in, mask, logdet_fn, params, need_graph)
         return (y.squeeze(1) if flat else y), logdet
+
+    def _forward(self, x_in, mask, logdet_fn, params, need_graph):
+        if need_graph and self.memory_efficient:
+            return memory_efficient_logdet(lambda x: self._g(x, mask), x_in, logdet_fn, params)
+        with torch.enable_grad():
+            x = x_in if (need_graph and x_in.requires_grad) else x_in.detach()
+            if not x.requires_grad:
+                x = x.requires_grad_(True)
+            gx = self._g(x, mask)
+            logdet = logdet_fn(gx, x, need_graph)
+        if need_graph:
+            return x + gx, logdet
+        return x_in + gx.detach(), logdet.detach()
 
     def inverse(self, inputs: Tensor, context=None, x0: Tensor | None = None):
         """x with x + g(x) = inputs (per-set convergence), and log|det dx/dy| = -log|det dy/dx|.
 
         ``x0`` is an optional warm start. Raises ``InverseNotConverged`` (a ``RuntimeError``)
         when the solver misses ``inverse_tol`` within ``inverse_max_iter`` iterations.
+        Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted.
         """
+        with frozen_power_iteration():
+            return self._inverse(inputs, context, x0)
+
+    def _inverse(self, inputs: Tensor, context, x0: Tensor | None):
         y_in, flat = self._as_sets(inputs)
         mask = check_sets(y_in, mask_from_context(context, y_in), name="inputs")
         self._check_contractive(y_in.shape[1])
@@ -340,7 +360,9 @@ class InvertibleResidual(Transform):
         logdet_fn = self._logdet_fn(y_in.shape, mask)
         need_graph = torch.is_grad_enabled() and x.requires_grad
         with torch.enable_grad():
-            xr = x if need_graph else x.detach().requires_grad_(True)
+            # A fresh alias: the VJPs of the log-det must not pass through the implicit-gradient
+            # hook that residual_inverse put on x (it only belongs to the outer backward).
+            xr = x.view_as(x) if need_graph else x.detach().requires_grad_(True)
             gx = self._g(xr, mask)
             logdet = logdet_fn(gx, xr, need_graph)
         if not need_graph:
@@ -349,8 +371,9 @@ class InvertibleResidual(Transform):
 
     def extra_repr(self) -> str:
         return (
-            f"logdet={self.logdet!r}, grad={self.grad!r}, memory_efficient={self.memory_efficient}, "
-            f"inverse_method={self.inverse_method!r}, causal={self.causal}, zero_com={self.zero_com}"
+            f"logdet={self.logdet!r}, grad={self.grad!r}, "
+            f"memory_efficient={self.memory_efficient}, inverse_method={self.inverse_method!r}, "
+            f"causal={self.causal}, zero_com={self.zero_com}"
         )
 
 
@@ -386,7 +409,9 @@ class TransformerResidualPair(CompositeTransform):
     """
 
     def __init__(self, attention: nn.Module, mlp: nn.Module, **kwargs) -> None:
-        super().__init__([InvertibleResidual(attention, **kwargs), InvertibleResidual(mlp, **kwargs)])
+        super().__init__(
+            [InvertibleResidual(attention, **kwargs), InvertibleResidual(mlp, **kwargs)]
+        )
 
     @property
     def blocks(self) -> list[InvertibleResidual]:

@@ -1,0 +1,253 @@
+"""Tests for flowattn.flows.residual: InvertibleResidual as an nflows transform."""
+
+import pytest
+import torch
+from nflows.distributions import StandardNormal
+from nflows.flows import Flow
+from nflows.transforms import CompositeTransform
+
+from flowattn.attention import ContractiveL2MHA
+from flowattn.flows import InverseNotConverged, InvertibleResidual, TransformerResidualPair
+from flowattn.flows.logdet import exact_logdet, project
+from flowattn.nn import LipschitzMLP
+
+DT = torch.float64
+
+
+def brute_logdet(transform, x, mask=None):
+    """log|det| of the Jacobian of ``transform`` on each set, by autograd.functional.jacobian."""
+    out = []
+    for b in range(x.shape[0]):
+        n = int(mask[b].sum()) if mask is not None else x.shape[1]
+        xb = x[b : b + 1, :n]
+        jac = torch.autograd.functional.jacobian(lambda s: transform(s)[0], xb)
+        m = xb.numel()
+        out.append(torch.linalg.slogdet(jac.reshape(m, m))[1])
+    return torch.stack(out)
+
+
+class Unbounded(torch.nn.Module):
+    def forward(self, x, mask=None, causal=False):
+        return 0.5 * x
+
+
+class Expanding(Unbounded):
+    def lipschitz_bound(self, n):
+        return 1.2
+
+
+def test_branch_without_bound_or_with_bound_at_least_one_is_rejected():
+    with pytest.raises(ValueError, match="lipschitz_bound"):
+        InvertibleResidual(Unbounded())
+    with pytest.raises(ValueError, match="not contractive"):
+        InvertibleResidual(Expanding())
+    with pytest.raises(ValueError, match="nn.Module"):
+        InvertibleResidual(lambda x: x)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"logdet": "svd"}, "logdet"),
+        ({"grad": "adjoint"}, "grad"),
+        ({"probe": "sphere"}, "probe"),
+        ({"inverse_method": "newton"}, "inverse_method"),
+        ({"n_terms": 0}, "n_terms"),
+        ({"inverse_tol": -1.0}, "inverse_tol"),
+        ({"roulette": "binomial"}, "roulette"),
+    ],
+)
+def test_bad_keywords_are_rejected_by_name(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        InvertibleResidual(LipschitzMLP(2, 8), **kwargs)
+
+
+def test_bad_inputs_raise_clear_errors():
+    block = InvertibleResidual(LipschitzMLP(2, 8), logdet="exact")
+    with pytest.raises(ValueError, match="non-finite"):
+        block(torch.tensor([[[float("nan"), 0.0]]]))
+    with pytest.raises(ValueError, match="shape"):
+        block(torch.randn(2, 3, 2, 1))
+    with pytest.raises(ValueError, match="context"):
+        block(torch.randn(2, 3, 2), context=torch.ones(2, 3))
+    with pytest.raises(ValueError, match="empty"):
+        block(torch.randn(2, 3, 2), context=torch.zeros(2, 3, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_exact_logdet_of_attention_block_matches_brute_force(causal):
+    torch.manual_seed(0)
+    block = InvertibleResidual(ContractiveL2MHA(4, 2, coeff=0.9), logdet="exact", causal=causal)
+    block = block.double()
+    x = torch.randn(3, 5, 4, dtype=DT)
+    _, logdet = block(x)
+    assert (logdet - brute_logdet(block, x)).abs().max() < 1e-8
+    assert block.structure == ("causal" if causal else "full")
+
+
+def test_causal_block_path_equals_full_exact_path():
+    torch.manual_seed(1)
+    att = ContractiveL2MHA(2, 1, coeff=0.9).double()
+    x = torch.randn(2, 7, 2, dtype=DT)
+    mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3], dtype=torch.bool)
+    causal = InvertibleResidual(att, logdet="exact", causal=True)
+    _, fast = causal(x, context=mask)
+    xr = x.clone().requires_grad_(True)
+    gx = project(att(xr, mask, True), mask)
+    ref = exact_logdet(gx, xr, mask, "full")
+    assert (fast - ref).abs().max() < 1e-10
+
+
+def _branches(coeff):
+    return [
+        ("attention", ContractiveL2MHA(4, 2, coeff=coeff)),
+        ("mlp", LipschitzMLP(4, 16, coeff=coeff)),
+    ]
+
+
+@pytest.mark.parametrize("coeff", [0.9, 0.97])
+@pytest.mark.parametrize("method", ["anderson", "fixed-point"])
+def test_round_trips_float32_within_1e_5(coeff, method):
+    torch.manual_seed(2)
+    for _, branch in _branches(coeff):
+        block = InvertibleResidual(branch, inverse_method=method, inverse_tol=1e-7).eval()
+        x = torch.randn(8, 6, 4)
+        mask = torch.ones(8, 6, dtype=torch.bool)
+        mask[::2, 4:] = False
+        with torch.no_grad():
+            y, logdet = block(x, context=mask)
+            x_back, logdet_inv = block.inverse(y, context=mask)
+            y_back, _ = block(block.inverse(x, context=mask)[0], context=mask)
+        assert (x_back - x).abs().max() <= 1e-5
+        assert (y_back - x).abs().max() <= 1e-5
+        assert (logdet + logdet_inv).abs().max() <= 1e-4
+        assert torch.equal(y[~mask], x[~mask])  # padded elements pass through
+
+
+def test_inverse_that_cannot_converge_raises_through_the_block():
+    torch.manual_seed(3)
+    block = InvertibleResidual(ContractiveL2MHA(4, 2, coeff=0.97), inverse_max_iter=1).eval()
+    with pytest.raises(InverseNotConverged) as info:
+        block.inverse(3 * torch.randn(4, 6, 4))
+    assert info.value.iterations == 1
+
+
+def test_eval_mode_logdet_is_deterministic_and_accurate_when_exact_is_infeasible():
+    torch.manual_seed(4)
+    att = ContractiveL2MHA(4, 1, coeff=0.9).double()
+    block = InvertibleResidual(att, exact_max_dim=8, eval_n_samples=64, eval_n_terms=30).eval()
+    x = torch.randn(2, 5, 4, dtype=DT)  # N D = 20 > exact_max_dim: series in eval
+    _, a = block(x)
+    _, b = block(x)
+    assert torch.equal(a, b)
+    exact = brute_logdet(block, x)
+    assert (a - exact).abs().max() < 0.05
+
+
+@pytest.mark.parametrize("logdet", ["series", "roulette"])
+@pytest.mark.parametrize("grad", ["neumann", "backprop"])
+def test_training_estimators_give_gradients_to_branch_parameters(logdet, grad):
+    # float32 attention: the unfused path is twice differentiable
+    torch.manual_seed(5)
+    block = InvertibleResidual(
+        ContractiveL2MHA(4, 2, coeff=0.9), logdet=logdet, grad=grad, n_terms=4,
+        generator=torch.Generator().manual_seed(0),
+    ).train()
+    x = torch.randn(3, 5, 4)
+    y, ld = block(x)
+    loss = (y**2).sum() - ld.sum()
+    loss.backward()
+    grads = [p.grad for p in block.parameters()]
+    assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_memory_efficient_block_matches_plain_block_gradients():
+    torch.manual_seed(6)
+    att = ContractiveL2MHA(4, 2, coeff=0.9).double()
+    kw = dict(logdet="roulette", grad="neumann", n_exact_terms=2)
+    x = torch.randn(3, 5, 4, dtype=DT, requires_grad=True)
+    results = []
+    for me in (False, True):
+        gen = torch.Generator().manual_seed(1)
+        block = InvertibleResidual(att, memory_efficient=me, generator=gen, **kw)
+        y, ld = block(x)
+        loss = (y**2).sum() - ld.mean()
+        results.append(torch.autograd.grad(loss, [x, *att.parameters()]))
+    for a, b in zip(*results, strict=True):
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-12)
+
+
+def test_flat_two_dimensional_inputs_are_sets_of_one_element():
+    torch.manual_seed(7)
+    block = InvertibleResidual(LipschitzMLP(2, 16, coeff=0.9), logdet="exact").eval()
+    x = torch.randn(10, 2, dtype=DT)
+    block = block.double()
+    y, ld = block(x)
+    assert y.shape == (10, 2) and ld.shape == (10,)
+    y3, ld3 = block(x.unsqueeze(1))
+    assert torch.equal(y, y3.squeeze(1)) and torch.equal(ld, ld3)
+    with torch.no_grad():
+        assert (block.inverse(y)[0] - x).abs().max() < 1e-5
+
+
+def test_transformer_pair_logdets_add_and_pair_inverts():
+    torch.manual_seed(8)
+    pair = TransformerResidualPair(
+        ContractiveL2MHA(4, 2, coeff=0.9),
+        LipschitzMLP(4, 16, coeff=0.9),
+        logdet="exact",
+        inverse_tol=1e-13,
+    ).double().eval()
+    x = torch.randn(2, 5, 4, dtype=DT)
+    y, ld = pair(x)
+    att, mlp = pair.blocks
+    h, ld1 = att(x)
+    _, ld2 = mlp(h)
+    assert torch.allclose(ld, ld1 + ld2)
+    assert (ld - brute_logdet(pair, x)).abs().max() < 1e-8
+    with torch.no_grad():
+        assert (pair.inverse(y)[0] - x).abs().max() < 1e-8
+
+
+def test_plain_nflows_flow_composes_for_log_prob_and_sample():
+    torch.manual_seed(9)
+    N, D = 4, 2
+    transform = CompositeTransform(
+        [
+            InvertibleResidual(ContractiveL2MHA(D, 1, coeff=0.9), logdet="exact"),
+            InvertibleResidual(LipschitzMLP(D, 16, coeff=0.9), logdet="exact"),
+        ]
+    )
+    flow = Flow(transform, StandardNormal([N, D])).eval()  # nflows samples in float32
+    x = torch.randn(5, N, D)
+    log_prob = flow.log_prob(x)
+    z, ld = transform(x)
+    expected = -0.5 * (z**2).sum(dim=(1, 2)) - 0.5 * N * D * torch.log(torch.tensor(2 * torch.pi))
+    assert torch.allclose(log_prob, expected + ld, atol=1e-5)
+    assert (ld - brute_logdet(transform, x)).abs().max() < 1e-4
+    with torch.no_grad():
+        samples = flow.sample(6)
+    assert samples.shape == (6, N, D) and torch.isfinite(samples).all()
+    assert torch.isfinite(flow.log_prob(samples)).all()
+
+
+
+def test_inverse_logdet_with_gradients_enabled_equals_the_no_grad_value_and_differentiates():
+    torch.manual_seed(11)
+    block = InvertibleResidual(
+        ContractiveL2MHA(4, 2, coeff=0.9), logdet="exact", inverse_tol=1e-12
+    ).double().eval()
+    z = torch.randn(2, 5, 4, dtype=DT, requires_grad=True)
+    x, logdet_inv = block.inverse(z)
+    with torch.no_grad():
+        x_ng, logdet_ng = block.inverse(z)
+    assert torch.allclose(logdet_inv, logdet_ng, atol=1e-12) and torch.allclose(x, x_ng)
+    # d/dz of log|det dx/dz| through the implicit inverse, against finite differences
+    grad = torch.autograd.grad(logdet_inv.sum(), z)[0]
+    eps, idx = 1e-6, (0, 1, 2)
+    zp, zm = z.detach().clone(), z.detach().clone()
+    zp[idx] += eps
+    zm[idx] -= eps
+    with torch.no_grad():
+        fd = (block.inverse(zp)[1].sum() - block.inverse(zm)[1].sum()) / (2 * eps)
+    assert abs(grad[idx].item() - fd.item()) < 1e-6
