@@ -1,7 +1,7 @@
 """flowattn: invertible generative modelling with Lipschitz self-attention."""
 
 from . import attention, lipschitz
-from .attention import ContractiveL2MHA, DotProductMHA, L2MHA, ScaledCosineMHA
+from .attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 
 __version__ = "0.1.0"
 

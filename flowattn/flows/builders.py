@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from flowattn.flows.actnorm import ActNorm
 from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob, subtract_mean
+from flowattn.flows.equivariant import EquivariantLinear
 from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
 from flowattn.validation import check_sets
@@ -139,6 +140,7 @@ def _build(
     norm: str,
     attention: Callable[..., nn.Module] | None,
     residual_kwargs: dict,
+    linear: bool = False,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -154,6 +156,8 @@ def _build(
     for _ in range(blocks):
         if actnorm:
             layers.append(ActNorm(dim, zero_com=zero_com))
+        if linear:
+            layers.append(EquivariantLinear(dim, zero_com=zero_com))
         att = factory(dim, heads, att_coeff, norm)
         if mlp:
             layers.append(TransformerResidualPair(att, LipschitzMLP(dim, hidden, coeff), **kwargs))
@@ -173,12 +177,16 @@ def set_flow(
     zero_com: bool = False,
     norm: str = "inf",
     attention: Callable[..., nn.Module] | None = None,
+    linear: bool = True,
     **residual_kwargs,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
 
-    Each of the ``blocks`` blocks is ActNorm -> x + g_att(x) -> x + g_mlp(x) with a contractive
-    L2 self-attention branch (Kim et al. 2021, §5.3) and a pointwise :class:`LipschitzMLP`.
+    Each of the ``blocks`` blocks is ActNorm -> EquivariantLinear -> x + g_att(x) -> x + g_mlp(x)
+    with a contractive L2 self-attention branch (Kim et al. 2021, §5.3) and a pointwise
+    :class:`LipschitzMLP`. The equivariant linear map (exact log-det and inverse) supplies the
+    global linear coupling of elements, which contractive attention, held down by its certified
+    bound, can only build up over many blocks.
     Without positional information the flow is permutation-equivariant and its density is
     exchangeable: log p(x[:, perm]) = log p(x) (exactly so with the exact log-det).
 
@@ -194,6 +202,7 @@ def set_flow(
             coefficients are halved to stay contractive after the projection.
         norm: attention certification norm, ``"inf"`` or ``"2"``.
         attention: factory (dim, heads, coeff, norm) -> branch, default ``ContractiveL2MHA``.
+        linear: add an :class:`EquivariantLinear` after each ActNorm.
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
@@ -204,7 +213,7 @@ def set_flow(
     """
     return _build(
         dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
-        residual_kwargs,
+        residual_kwargs, linear,
     )
 
 

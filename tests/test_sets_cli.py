@@ -1,0 +1,174 @@
+"""``flowattn sets``: fit, resume, eval, sample, bad input, and torchrun/DDP."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flowattn.cli import main
+from flowattn.data import save_npz
+from flowattn.sets import SetsConfig, load_flow
+
+TINY = ["--data", "gaussian-sets", "--num-train", "200", "--batch-size", "16", "--no-progress"]
+
+
+def tiny_config(tmp_path: Path, **changes) -> Path:
+    settings = {"blocks": 1, "hidden": 16, "eval_every": 4, "checkpoint_every": 4,
+                "val_sets": 32, "warmup": 2}
+    settings.update(changes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(settings))
+    return path
+
+
+def run_cli(*args: str) -> int:
+    return main(["sets", *args])
+
+
+def final_parameters(run: Path) -> dict:
+    return torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+
+
+def test_fit_writes_checkpoint_metrics_summary_and_plot(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = run_cli("fit", *TINY, "--steps", "8", "--out", str(out),
+                   "--config", str(tiny_config(tmp_path)))
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "test NLL" in printed and "true NLL" in printed and "samples.png" in printed
+    for name in ["checkpoint.pt", "config.json", "metrics.jsonl", "summary.json", "samples.png"]:
+        assert (out / name).is_file(), name
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["split"] == "val" for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert np.isfinite(summary["test_nll"]) and summary["true_nll"] > 0
+    assert not list(out.glob(".*.tmp"))  # no temporary file left behind
+
+
+def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
+            "--config", str(tiny_config(tmp_path)))
+    capsys.readouterr()
+    data = tmp_path / "test.npz"
+    save_npz(data, torch.randn(10, 8, 2))
+    assert run_cli("eval", "--checkpoint", str(out), "--data", str(data), "--json") == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    result = json.loads(last)
+    assert result["num_sets"] == 10 and np.isfinite(result["nll"])
+    assert result["nll_per_dim"] == pytest.approx(result["nll"] / 16)
+    samples = tmp_path / "samples.npz"
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "7", "--set-size", "5",
+                   "--out", str(samples)) == 0
+    with np.load(samples) as archive:
+        assert archive["x"].shape == (7, 5, 2) and np.isfinite(archive["x"]).all()
+
+
+def test_eval_is_deterministic(tmp_path):
+    out = tmp_path / "run"
+    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
+            "--config", str(tiny_config(tmp_path)))
+    flow, _ = load_flow(out)
+    x = torch.randn(6, 8, 2)
+    torch.testing.assert_close(flow.log_prob(x), flow.log_prob(x), rtol=0, atol=0)
+
+
+def _fit_command(out: Path, config: Path, steps: int) -> list[str]:
+    return [sys.executable, "-m", "flowattn", "sets", "fit", *TINY, "--steps", str(steps),
+            "--out", str(out), "--config", str(config)]
+
+
+def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path):
+    config = tiny_config(tmp_path, checkpoint_every=3, eval_every=100)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    straight = tmp_path / "straight"
+    subprocess.run(_fit_command(straight, config, 12), check=True, env=env,
+                   capture_output=True)
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_fit_command(killed, config, 12), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while not (killed / "checkpoint.pt").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    step = torch.load(killed / "checkpoint.pt", weights_only=False)["step"]
+    assert 3 <= step < 12, "the run was not interrupted mid-training"
+    resumed = subprocess.run(_fit_command(killed, config, 12) + ["--resume"], env=env,
+                             capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = final_parameters(straight), final_parameters(killed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+    records = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records if r["split"] == "train"]
+    assert steps == sorted(set(steps)), "metrics of the interrupted part were duplicated"
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--data", "no-such-set"], "unknown data set"),
+        (["--data", "MISSING.npz"], "no such file"),
+        (["--config", "CONFIG"], "unknown setting"),
+    ],
+)
+def test_fit_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
+    (tmp_path / "bad.json").write_text(json.dumps({"nope": 1}))
+    args = [a.replace("MISSING", str(tmp_path / "missing")).replace("CONFIG",
+            str(tmp_path / "bad.json")) for a in args]
+    out = tmp_path / "run"
+    code = run_cli("fit", "--steps", "2", "--out", str(out), "--no-progress", *args)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+    assert not (out / "checkpoint.pt").exists()
+
+
+def test_malformed_npz_and_unwritable_out_are_rejected(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.full((4, 3, 2), np.nan))
+    assert run_cli("fit", "--data", str(bad), "--out", str(tmp_path / "r"), "--steps", "1",
+                   "--no-progress") == 2
+    assert "NaN" in capsys.readouterr().err
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    assert run_cli("fit", *TINY, "--steps", "1", "--out", str(blocked / "sub")) == 2
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_fit_refuses_to_overwrite_a_run_without_resume(tmp_path, capsys):
+    out = tmp_path / "run"
+    config = str(tiny_config(tmp_path))
+    assert run_cli("fit", *TINY, "--steps", "2", "--out", str(out), "--config", config) == 0
+    capsys.readouterr()
+    assert run_cli("fit", *TINY, "--steps", "2", "--out", str(out), "--config", config) == 2
+    assert "--resume" in capsys.readouterr().err
+
+
+def test_config_rejects_invalid_settings():
+    with pytest.raises(Exception, match="coeff"):
+        SetsConfig(coeff=1.5)
+    with pytest.raises(Exception, match="flow"):
+        SetsConfig(flow="glow")
+
+
+def test_torchrun_two_gloo_processes_match_the_single_process_run(tmp_path):
+    config = tiny_config(tmp_path, eval_every=100)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    single = tmp_path / "single"
+    subprocess.run(_fit_command(single, config, 4), check=True, env=env, capture_output=True)
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "flowattn"] + _fit_command(ddp, config, 4)[3:]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    a, b = final_parameters(single), final_parameters(ddp)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
