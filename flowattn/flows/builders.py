@@ -141,6 +141,7 @@ def _build(
     attention: Callable[..., nn.Module] | None,
     residual_kwargs: dict,
     linear: bool = False,
+    interaction: bool = True,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -156,6 +157,9 @@ def _build(
     for _ in range(blocks):
         if actnorm:
             layers.append(ActNorm(dim, zero_com=zero_com))
+        if not interaction:  # elements transformed independently: the i.i.d. baseline
+            layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **kwargs))
+            continue
         if linear:
             layers.append(EquivariantLinear(dim, zero_com=zero_com))
         att = factory(dim, heads, att_coeff, norm)
@@ -178,6 +182,7 @@ def set_flow(
     norm: str = "inf",
     attention: Callable[..., nn.Module] | None = None,
     linear: bool = True,
+    interaction: bool = True,
     **residual_kwargs,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
@@ -203,6 +208,9 @@ def set_flow(
         norm: attention certification norm, ``"inf"`` or ``"2"``.
         attention: factory (dim, heads, coeff, norm) -> branch, default ``ContractiveL2MHA``.
         linear: add an :class:`EquivariantLinear` after each ActNorm.
+        interaction: with False, blocks are ActNorm -> x + g_mlp(x) only: every element is
+            transformed alone and the density is that of i.i.d. points (a baseline that shows
+            what attention adds).
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
@@ -213,7 +221,7 @@ def set_flow(
     """
     return _build(
         dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
-        residual_kwargs, linear,
+        residual_kwargs, linear, interaction,
     )
 
 

@@ -25,6 +25,7 @@ class SetsConfig:
     data: str = "gaussian-sets"
     num_train: int | None = None
     flow: str = "resflow"
+    interaction: bool = True  # False: the i.i.d.-points baseline (no attention, no set coupling)
     # residual flow
     blocks: int = 4
     heads: int = 1
@@ -110,8 +111,12 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             coeff=config.coeff,
             zero_com=zero_com,
             norm="2" if zero_com else "inf",
+            interaction=config.interaction,
             logdet=logdet,
         )
+    if not config.interaction:
+        raise RunError("the i.i.d. baseline (interaction=false) is a residual flow: "
+                       "use flow=resflow")
     from ..flows.cnf import CNF
     from ..flows.fields import AttentionField
 
