@@ -186,8 +186,9 @@ def fit(config: SetsConfig, out: str | Path, resume: bool = False, progress: boo
         if ctx.is_main and (done % config.eval_every == 0 or done == config.steps):
             result = evaluate(flow, val, limit=config.val_sets)
             metrics.log(done, "val", **result)
-            bar.write(f"step {done}: validation NLL {result['nll']:.4f} nats/set, "
-                      f"{result['nll_per_dim']:.4f} nats/dim")
+            say = bar.write if progress else log
+            say(f"step {done}: validation NLL {result['nll']:.4f} nats/set, "
+                f"{result['nll_per_dim']:.4f} nats/dim")
         if done % config.checkpoint_every == 0 or done == config.steps:
             save(done)
     bar.close()
