@@ -74,3 +74,20 @@ def test_zero_com_mode_keeps_the_subspace_and_its_logdet():
     jac = jacobian(lambda z: layer(z[None])[0][0], x[0])
     restricted = basis.T @ jac @ basis
     assert abs(torch.linalg.slogdet(restricted)[1] - logdet[0]) < 1e-10
+
+
+def test_iid_baseline_density_factorises_over_elements_and_the_others_do_not():
+    from flowattn.flows import set_flow
+
+    x = randn(3, 5, 2, seed=7)
+    for interaction, factorises in (("none", True), ("linear", False), ("attention", False)):
+        torch.manual_seed(0)
+        flow = set_flow(2, 2, 1, hidden=8, interaction=interaction, logdet="exact").double()
+        flow.log_prob(randn(16, 5, 2, seed=8))  # data-dependent ActNorm initialisation
+        with torch.no_grad():  # make the interaction non-trivial
+            for p in flow.parameters():
+                p.add_(0.3 * torch.randn_like(p))
+        flow.eval()
+        joint = flow.log_prob(x)
+        alone = flow.log_prob(x.reshape(15, 1, 2)).reshape(3, 5).sum(1)
+        assert torch.allclose(joint, alone, atol=1e-9) == factorises, interaction

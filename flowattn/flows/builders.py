@@ -15,7 +15,9 @@ from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
 from flowattn.validation import check_sets
 
-__all__ = ["SetFlow", "set_flow", "sequence_flow"]
+__all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS"]
+
+INTERACTIONS = ("attention", "linear", "none")
 
 
 class SetFlow(nn.Module):
@@ -141,12 +143,14 @@ def _build(
     attention: Callable[..., nn.Module] | None,
     residual_kwargs: dict,
     linear: bool = False,
-    interaction: bool = True,
+    interaction: str = "attention",
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
     if not 0 < coeff < 1:
         raise ValueError(f"coeff must lie in (0, 1), got {coeff}")
+    if interaction not in INTERACTIONS:
+        raise ValueError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
     factory = attention or _default_attention
     # In zero-COM mode the attention output is projected (x - mean x); that projection can
     # double an inf-norm Lipschitz constant (2 (n - 1) / n), so the coefficient is halved.
@@ -157,11 +161,11 @@ def _build(
     for _ in range(blocks):
         if actnorm:
             layers.append(ActNorm(dim, zero_com=zero_com))
-        if not interaction:  # elements transformed independently: the i.i.d. baseline
+        if linear and interaction != "none":
+            layers.append(EquivariantLinear(dim, zero_com=zero_com))
+        if interaction != "attention":  # no attention: pointwise MLP residuals only
             layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **kwargs))
             continue
-        if linear:
-            layers.append(EquivariantLinear(dim, zero_com=zero_com))
         att = factory(dim, heads, att_coeff, norm)
         if mlp:
             layers.append(TransformerResidualPair(att, LipschitzMLP(dim, hidden, coeff), **kwargs))
@@ -182,7 +186,7 @@ def set_flow(
     norm: str = "inf",
     attention: Callable[..., nn.Module] | None = None,
     linear: bool = True,
-    interaction: bool = True,
+    interaction: str = "attention",
     **residual_kwargs,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
@@ -208,9 +212,10 @@ def set_flow(
         norm: attention certification norm, ``"inf"`` or ``"2"``.
         attention: factory (dim, heads, coeff, norm) -> branch, default ``ContractiveL2MHA``.
         linear: add an :class:`EquivariantLinear` after each ActNorm.
-        interaction: with False, blocks are ActNorm -> x + g_mlp(x) only: every element is
-            transformed alone and the density is that of i.i.d. points (a baseline that shows
-            what attention adds).
+        interaction: how elements interact: ``"attention"`` (the blocks above), ``"linear"``
+            (no attention: ActNorm -> EquivariantLinear -> x + g_mlp(x)) or ``"none"`` (ActNorm
+            -> x + g_mlp(x): each element transformed alone, the density of i.i.d. points).
+            The last two are baselines that show what attention adds.
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 

@@ -25,7 +25,7 @@ class SetsConfig:
     data: str = "gaussian-sets"
     num_train: int | None = None
     flow: str = "resflow"
-    interaction: bool = True  # False: the i.i.d.-points baseline (no attention, no set coupling)
+    interaction: str = "attention"  # or "linear" (no attention) or "none" (i.i.d. points)
     # residual flow
     blocks: int = 4
     heads: int = 1
@@ -60,6 +60,9 @@ class SetsConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise RunError(f"{name} must be a positive integer, got {getattr(self, name)}")
+        if self.interaction not in ("attention", "linear", "none"):
+            raise RunError(f"interaction must be 'attention', 'linear' or 'none', "
+                           f"got {self.interaction!r}")
         if not 0 < self.coeff < 1:
             raise RunError(f"coeff must lie in (0, 1) for invertible blocks, got {self.coeff}")
         if self.lr <= 0 or self.min_lr < 0 or self.t1 <= 0 or self.ode_tol <= 0:
@@ -114,8 +117,8 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             interaction=config.interaction,
             logdet=logdet,
         )
-    if not config.interaction:
-        raise RunError("the i.i.d. baseline (interaction=false) is a residual flow: "
+    if config.interaction != "attention":
+        raise RunError(f"interaction={config.interaction!r} is a residual-flow baseline: "
                        "use flow=resflow")
     from ..flows.cnf import CNF
     from ..flows.fields import AttentionField
