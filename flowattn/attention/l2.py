@@ -111,37 +111,39 @@ class L2MHA(nn.Module):
         mask = check_sets(x, mask, self.dim)
         q = split_heads(x @ self.w_q, self.heads)
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
-        if self.tied:
-            # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d)
-            wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
-            v = q @ (wq.transpose(1, 2) @ wv) / math.sqrt(self.head_dim)
-        else:
-            v = split_heads(x @ self.w_v, self.heads)
         dropout = self.dropout if self.training else 0.0
-        attend = self._fused if self.fused else self._reference
-        heads = attend(q, k, v, x, mask, causal, dropout)
+        if self.fused:
+            return zero_padded(self._fused(q, k, x, mask, causal, dropout), mask)
+        heads = self._reference(q, k, x, mask, causal, dropout)
         return zero_padded(merge_heads(heads) @ self.w_o, mask)
 
-    def _fused(self, q, k, v, x, mask, causal, dropout) -> Tensor:
+    def _fused(self, q, k, x, mask, causal, dropout) -> Tensor:
+        # SDPA's fused CPU kernel wants equal query and value widths (d + 1 here). Rather than
+        # padding activations, the value and output weights get a zero column / row per head.
+        h, d = self.heads, self.head_dim
+        if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d)
+            wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
+            v = q @ F.pad(wq.transpose(1, 2) @ wv / math.sqrt(d), (0, 1))
+        else:
+            v = x.unsqueeze(1) @ F.pad(self.head_weights(self.w_v), (0, 1))
+        w_o = F.pad(self.w_o.reshape(h, d, self.dim), (0, 0, 0, 1)).reshape(h * (d + 1), -1)
         centre = _first_present(k, mask) if causal else masked_mean(k, mask, dim=2)
         q, k = q - centre, k - centre
-        ones = torch.ones_like(q[..., :1])
-        q_aug = torch.cat([q, ones], dim=-1)
+        q_aug = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
         k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)
         allowed = None if mask is None else attention_mask(mask, causal, x.shape[1], x.device)
-        # Equal query and value widths keep SDPA on its fused CPU kernel: pad v by one zero.
         heads = F.scaled_dot_product_attention(
             q_aug,
             k_aug,
-            F.pad(v, (0, 1)),
+            v,
             attn_mask=allowed,
             dropout_p=dropout,
             is_causal=causal and mask is None,
-            scale=2.0 / math.sqrt(self.head_dim),
+            scale=2.0 / math.sqrt(d),
         )
-        return heads[..., :-1]
+        return merge_heads(heads) @ w_o
 
-    def _reference(self, q, k, v, x, mask, causal, dropout) -> Tensor:
+    def _reference(self, q, k, x, mask, causal, dropout) -> Tensor:
         # eq. (14) of App. E taken literally: ||q_i||^2 - 2 q_i.k_j + ||k_j||^2
         sq_dist = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
         sq_dist = sq_dist + k.pow(2).sum(-1).unsqueeze(-2)
@@ -151,7 +153,7 @@ class L2MHA(nn.Module):
             logits = logits.masked_fill(~allowed, -math.inf)
         p = F.dropout(torch.softmax(logits, dim=-1), dropout, training=dropout > 0)
         if not self.tied:
-            return p @ v
+            return p @ split_heads(x @ self.w_v, self.heads)
         wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
         a = wq @ wq.transpose(1, 2) / math.sqrt(self.head_dim)  # A_h, (H, D, D)
         return p @ (x.unsqueeze(1) @ a @ wv)  # P^h X A_h W^{V,h}
