@@ -3,13 +3,22 @@
 from .actnorm import ActNorm
 from .base import sample_standard_normal, set_dims, standard_normal_log_prob, subtract_mean
 from .builders import SetFlow, sequence_flow, set_flow
+from .cnf import CNF, ODESolverError
+from .divergence import exact_divergence, hutchinson_divergence
 from .equivariant import EquivariantLinear
+from .fields import AttentionField, DotProductField
 from .inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse, residual_inverse
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
 from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = [
     "ActNorm",
+    "AttentionField",
+    "CNF",
+    "DotProductField",
+    "ODESolverError",
+    "exact_divergence",
+    "hutchinson_divergence",
     "EquivariantLinear",
     "InverseNotConverged",
     "InvertibleResidual",

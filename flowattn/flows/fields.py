@@ -6,9 +6,8 @@ import math
 
 import torch
 from torch import Tensor, nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..attention import L2MHA, DotProductMHA
+from ..attention import L2MHA, DotProductMHA, twice_differentiable
 from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_sets
 from .base import subtract_mean
@@ -65,9 +64,9 @@ class _StackedAttentionField(nn.Module):
         mask = check_sets(z, mask, self.dim, name="z")
         gains, shifts = self.gains_and_shifts(t, z)
         h = self.lift(z)
-        # The divergence of a CNF is differentiated once more during training; only the math
-        # kernel of scaled_dot_product_attention has a double backward.
-        with sdpa_kernel(SDPBackend.MATH):
+        # The divergence of a CNF is differentiated once more during training; the fused
+        # attention kernels have no double backward.
+        with twice_differentiable():
             for i, attend in enumerate(self.attention):
                 h = attend(h, mask=mask, causal=self.causal) * gains[i] + shifts[i]
                 if i < self.layers - 1:
