@@ -13,21 +13,8 @@ from flowattn.lipschitz import jacobian, jacobian_norm, lipschitz_lower_bound
 TIGHT = dict(atol=1e-9, rtol=1e-9)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # these problems are tiny: intra-op threads only add contention on a shared machine
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(autouse=True)
-def float64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+# every test here runs with float64 as the default dtype (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def make_field(seed=0, **kwargs):
