@@ -1,0 +1,310 @@
+"""Character-level language-model benchmarks on Tiny Shakespeare.
+
+Three studies, each writing a JSON file and printing a Markdown table:
+
+* ``peer``: the dot-product Transformer in nanoGPT's CPU configuration for Tiny Shakespeare
+  (4 layers, 4 heads, width 128, block 64, batch 12, 2000 steps, AdamW lr 1e-3 with 100
+  warm-up steps and cosine decay to 1e-4, beta2 0.99, weight decay 0.1, clipping 1.0, no
+  dropout), against nanoGPT's 1.886 nats/char.
+* ``attention``: the same budget for every attention type, the invertible LM and the LSTM:
+  validation loss and training throughput. Throughput is also timed in interleaved rounds of
+  training steps (so that a changing machine load hits every model alike), with its ratio to
+  dot-product attention.
+* ``throughput``: only the interleaved timing of training steps, for ``--variants``.
+* ``depth``: constant learning rate, no warm-up, 2 to 12 layers of post-norm Transformers
+  with dot-product, tied-L2 and contractive-L2 attention (Kim et al. 2021, §5.4, Table 1):
+  divergences and the best validation loss per depth, with a plot.
+
+    python benchmarks/lm.py peer                     # ~3 min on two quiet cores
+    python benchmarks/lm.py attention
+    python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
+    python benchmarks/lm.py depth --depths 2 4 6 8 10 12
+    python benchmarks/lm.py all --quick              # a fast smoke run of everything
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+
+from flowattn.lm.data import get_batch, load_corpus
+from flowattn.lm.model import build_model
+from flowattn.lm.train import TrainConfig, model_config, train
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+NANOGPT_VAL_LOSS = 1.886  # nanoGPT, same configuration, this machine class
+PEER_TARGET = 1.89
+THROUGHPUT_TARGET = 0.85  # tied-L2 tokens/s relative to dot product
+
+# nanoGPT's config/train_shakespeare_char.py with its README's CPU overrides.
+NANOGPT = dict(
+    layers=4, heads=4, dim=128, block_size=64, batch_size=12, steps=2000, lr=1e-3,
+    schedule="cosine", warmup=100, min_lr=1e-4, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
+    dropout=0.0, bias=False, eval_interval=250,
+)
+VARIANTS = {
+    "dp": dict(attention="dp"),
+    "l2": dict(attention="l2"),
+    "l2-tied": dict(attention="l2-tied"),
+    "contractive-l2": dict(attention="contractive-l2"),
+    "scaled-cosine": dict(attention="scaled-cosine"),
+    "invertible": dict(invertible=True),
+    "lstm": dict(model="lstm"),
+}
+DEPTH_ATTENTIONS = ("dp", "l2-tied", "contractive-l2")
+
+
+def machine() -> dict:
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def run_one(name: str, cfg: TrainConfig, reuse: bool) -> dict:
+    """Train one configuration into its own folder (or reuse a finished run's summary)."""
+    out = Path(cfg.out)
+    summary_file = out / "summary.json"
+    if reuse and summary_file.exists():
+        saved = json.loads(summary_file.read_text())
+        if saved.get("config") == asdict(cfg):
+            print(f"[{name}] reusing {summary_file}", file=sys.stderr)
+            return saved
+    shutil.rmtree(out, ignore_errors=True)
+    print(f"[{name}] training ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the tables
+        summary = train(cfg)
+    summary["wall_s"] = time.perf_counter() - start
+    summary["config"] = asdict(cfg)
+    summary["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    summary_file.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    val = summary["val_loss"]
+    print(f"[{name}] val loss {val:.4f}, {summary['tokens_per_s']:.0f} tokens/s, "
+          f"{summary['wall_s']:.0f} s" + (" DIVERGED" if summary["diverged"] else ""),
+          file=sys.stderr, flush=True)
+    return summary
+
+
+def interleaved_throughput(base: TrainConfig, names: list[str], rounds: int, steps: int) -> dict:
+    """Median training tokens/s of each variant over ``rounds`` interleaved rounds of ``steps``
+    optimiser steps (forward, backward, clipping and AdamW update) on Tiny Shakespeare batches."""
+    corpus = load_corpus(base.data)
+    models, optimisers = {}, {}
+    for name in names:
+        torch.manual_seed(0)
+        cfg = replace(base, **VARIANTS[name])
+        models[name] = build_model(model_config(cfg, corpus.vocab.size)).train()
+        optimisers[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(0)
+    batches = [get_batch(corpus.train, base.block_size, base.batch_size, generator)
+               for _ in range(steps)]
+
+    def step(name: str) -> float:
+        model, opt = models[name], optimisers[name]
+        start = time.perf_counter()
+        for x, y in batches:
+            _, losses = model(x, y)
+            opt.zero_grad(set_to_none=True)
+            losses["loss"].backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+        return time.perf_counter() - start
+
+    for name in names:  # warm-up
+        step(name)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            times[name].append(step(name))
+    tokens = steps * base.batch_size * base.block_size
+    return {name: tokens / statistics.median(t) for name, t in times.items()}
+
+
+def table(rows: list[list], header: list[str]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(x, digits=4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    return f"{x:.{digits}f}"
+
+
+# ----------------------------------------------------------------------------- studies
+
+
+def peer(args, base: TrainConfig) -> dict:
+    cfg = replace(base, attention="dp", out=str(args.out / "peer-dp"))
+    s = run_one("peer dp", cfg, args.reuse)
+    result = {"study": "peer", "machine": machine(), "summary": s,
+              "nanogpt_val_loss": NANOGPT_VAL_LOSS, "target": PEER_TARGET,
+              "met": s["val_loss"] <= PEER_TARGET}
+    print(table([["nanoGPT (reference)", NANOGPT_VAL_LOSS, "", ""],
+                 ["flowattn dp", fmt(s["val_loss"]), f"{s['train_time_s']:.0f}",
+                  f"{s['tokens_per_s']:.0f}"]],
+                ["model", "val loss (nats/char)", "train time (s)", "tokens/s"]))
+    return result
+
+
+def attention(args, base: TrainConfig) -> dict:
+    names = args.variants
+    runs = {n: run_one(n, replace(base, out=str(args.out / f"attn-{n}"), **VARIANTS[n]),
+                       args.reuse) for n in names}
+    timed = {}
+    if args.rounds > 0:
+        print("timing interleaved training steps ...", file=sys.stderr, flush=True)
+        timed = interleaved_throughput(base, names, args.rounds, args.timing_steps)
+    dp_rate = timed.get("dp")
+    rows = []
+    for n in names:
+        s = runs[n]
+        rate = timed.get(n)
+        rows.append([n, fmt(s["val_loss"]), fmt(s["best_val_loss"]), f"{s['tokens_per_s']:.0f}",
+                     "—" if rate is None else f"{rate:.0f}",
+                     "—" if rate is None or dp_rate is None else f"{rate / dp_rate:.2f}",
+                     f"{s['params']:,}", "yes" if s["diverged"] else "no"])
+    print(table(rows, ["model", "val loss", "best val", "tokens/s (run)",
+                       "tokens/s (interleaved)", "× dp", "params", "diverged"]))
+    return {"study": "attention", "machine": machine(), "runs": runs, "throughput": timed,
+            "throughput_ratio_target": THROUGHPUT_TARGET}
+
+
+def throughput(args, base: TrainConfig) -> dict:
+    names = args.variants
+    timed = interleaved_throughput(base, names, max(args.rounds, 1), args.timing_steps)
+    rows = [[n, f"{timed[n]:.0f}", f"{timed[n] / timed[names[0]]:.2f}"] for n in names]
+    print(table(rows, ["model", "tokens/s (interleaved)", f"× {names[0]}"]))
+    return {"study": "throughput", "machine": machine(), "throughput": timed,
+            "rounds": args.rounds, "timing_steps": args.timing_steps}
+
+
+def depth(args, base: TrainConfig) -> dict:
+    base = replace(base, schedule="constant", warmup=0, min_lr=0.0, lr=args.depth_lr,
+                   norm_position=args.depth_norm_position)
+    results = {}
+    for name in DEPTH_ATTENTIONS:
+        for layers in args.depths:
+            cfg = replace(base, attention=name, layers=layers,
+                          out=str(args.out / f"depth-{name}-{layers}"))
+            s = run_one(f"{name} x{layers}", cfg, args.reuse)
+            results[f"{name}/{layers}"] = {
+                "attention": name, "layers": layers, "best_val_loss": s["best_val_loss"],
+                "val_loss": s["val_loss"], "diverged": s["diverged"],
+                "divergence": s["divergence"], "tokens_per_s": s["tokens_per_s"],
+            }
+    rows = []
+    for name in DEPTH_ATTENTIONS:
+        row = [name]
+        for layers in args.depths:
+            r = results[f"{name}/{layers}"]
+            cell = fmt(r["best_val_loss"], 3)
+            row.append(cell + (" (diverged)" if r["diverged"] else ""))
+        rows.append(row)
+    print(table(rows, ["attention"] + [f"{d} layers" for d in args.depths]))
+    plot_depth(results, args.depths, args.out / "depth.png", base)
+    return {"study": "depth", "machine": machine(), "lr": args.depth_lr,
+            "norm_position": args.depth_norm_position, "results": results}
+
+
+def plot_depth(results: dict, depths, path: Path, base: TrainConfig) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, marker in zip(DEPTH_ATTENTIONS, "osD", strict=True):
+        rs = [results[f"{name}/{d}"] for d in depths]
+        best = [r["best_val_loss"] if math.isfinite(r["best_val_loss"]) else math.nan for r in rs]
+        line, = ax.plot(depths, best, marker=marker, label=name)
+        bad = [(d, b) for d, b, r in zip(depths, best, rs, strict=True) if r["diverged"]]
+        if bad:
+            ax.scatter([d for d, _ in bad], [b if math.isfinite(b) else ax.get_ylim()[1]
+                                             for _, b in bad],
+                       marker="x", s=80, color=line.get_color(), zorder=3)
+    ax.set_xticks(list(depths))
+    ax.set_xlabel("layers")
+    ax.set_ylabel("best validation loss (nats/char)")
+    ax.set_title(f"constant lr {base.lr:g}, no warm-up, {base.norm_position}-norm, "
+                 f"{base.steps} steps\n(x: diverged)", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"plot: {path}", file=sys.stderr)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("study", choices=("peer", "attention", "throughput", "depth", "all"))
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: 150 steps, depths 2 4 6, fewer timing rounds")
+    parser.add_argument("--steps", type=int, help="override the number of training steps")
+    parser.add_argument("--data", type=Path, default=DATA, help="Tiny Shakespeare input.txt")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-lm")
+    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dim", type=int, help="model width (default 128; 512 on a GPU)")
+    parser.add_argument("--heads", type=int, help="heads (default 4)")
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--depths", nargs="+", type=int, default=[2, 4, 6, 8, 10, 12])
+    parser.add_argument("--depth-lr", type=float, default=1e-3)
+    parser.add_argument("--depth-norm-position", choices=("pre", "post"), default="post")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
+    parser.add_argument("--timing-steps", type=int, default=20)
+    parser.add_argument("--reuse", action="store_true", help="reuse finished runs in --out")
+    parser.add_argument("--seed", type=int, default=1337, help="seed of every run")
+    args = parser.parse_args(argv)
+    if not args.data.exists():
+        parser.error(f"Tiny Shakespeare not found at {args.data} (pass --data)")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    base = TrainConfig(data=str(args.data), device=args.device, progress=False,
+                       tensorboard=False, seed=args.seed, **NANOGPT)
+    if args.quick:
+        base = replace(base, steps=150, eval_interval=150)
+        if args.depths == parser.get_default("depths"):
+            args.depths = [2, 4, 6]
+        args.rounds, args.timing_steps = min(args.rounds, 2), min(args.timing_steps, 5)
+    if args.steps:
+        base = replace(base, steps=args.steps, eval_interval=min(base.eval_interval, args.steps))
+    if args.dim:
+        base = replace(base, dim=args.dim)
+    if args.heads:
+        base = replace(base, heads=args.heads)
+    args.out.mkdir(parents=True, exist_ok=True)
+    studies = ["peer", "attention", "depth"] if args.study == "all" else [args.study]
+    for study in studies:
+        print(f"\n## {study}\n", flush=True)
+        studies_by_name = {"peer": peer, "attention": attention, "throughput": throughput,
+                           "depth": depth}
+        result = studies_by_name[study](args, base)
+        result.update(quick=args.quick, steps=base.steps, command=" ".join(sys.argv))
+        path = args.out / f"lm_{study}.json"
+        path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        print(f"\nresults: {path}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

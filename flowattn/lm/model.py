@@ -1,0 +1,751 @@
+"""Character language models: a decoder-only Transformer with Lipschitz options, and an LSTM."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
+from ..attention.dot_product import split_heads
+
+__all__ = [
+    "LMConfig",
+    "TransformerLM",
+    "LSTMLM",
+    "Block",
+    "FeedForward",
+    "ActNorm",
+    "CenterNorm",
+    "ContractiveDropout",
+    "build_model",
+    "attention_probabilities",
+    "orthogonality_penalty",
+    "initialise",
+    "ATTENTIONS",
+    "NORMS",
+    "INITS",
+    "MODELS",
+]
+
+ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine")
+NORMS = ("layernorm", "centernorm", "actnorm", "none")
+NORM_POSITIONS = ("pre", "post")
+INITS = ("default", "glorot-l2", "lipschitz", "spectral")
+MODELS = ("transformer", "lstm")
+
+
+def _choice(name: str, value, options) -> None:
+    if value not in options:
+        raise ValueError(f"unknown {name} {value!r}: choose from {', '.join(options)}")
+
+
+@dataclass
+class LMConfig:
+    """Hyper-parameters of a character language model; checked on construction.
+
+    ``attention``, ``norm`` and ``final_norm`` left as ``None`` resolve to defaults that depend
+    on ``invertible``: contractive-l2 attention and ActNorm inside the invertible stack, dot
+    product attention and LayerNorm otherwise.
+
+    Attributes:
+        vocab_size: number of token ids.
+        block_size: longest context T.
+        model: ``"transformer"`` or ``"lstm"``.
+        layers: Transformer blocks (or LSTM layers).
+        dim: model width D.
+        heads: attention heads H.
+        attention: one of ``ATTENTIONS``.
+        norm: normalisation of every block, one of ``NORMS``.
+        norm_position: ``"pre"`` (x + f(N(x))) or ``"post"`` (N(x + f(x))).
+        final_norm: normalisation before the output layer (default: ``norm`` for pre-norm
+            models, none for post-norm ones, LayerNorm for invertible ones).
+        weighted_residual: LipsFormer's x + alpha * f(x) with learnable per-channel alpha.
+        residual_alpha: initial alpha (default 1 / layers, Qi et al. 2023, Thm 2).
+        init: one of ``INITS``.
+        init_scale: the scale s of the L2 attention weights under ``glorot-l2``.
+        ff_mult: feed-forward hidden width as a multiple of D.
+        dropout: dropout probability.
+        bias: biases in linear layers and norms.
+        tie_embeddings: share the token embedding with the output layer.
+        invertible: make embeddings -> final hidden states invertible (contractive blocks).
+        contractive_coeff: Lipschitz coefficient c < 1 of contractive branches.
+        ortho_attention: lambda of Zhang et al.'s loss on the attention weights.
+        ortho_ff: lambda of the loss on the feed-forward weights.
+        ortho_affinity: lambda of the loss on the attention matrices.
+    """
+
+    vocab_size: int
+    block_size: int = 64
+    model: str = "transformer"
+    layers: int = 4
+    dim: int = 128
+    heads: int = 4
+    attention: str | None = None
+    norm: str | None = None
+    norm_position: str = "pre"
+    final_norm: str | None = None
+    weighted_residual: bool = False
+    residual_alpha: float | None = None
+    init: str = "default"
+    init_scale: float = 1.0 / 16
+    ff_mult: int = 4
+    dropout: float = 0.0
+    bias: bool = False
+    tie_embeddings: bool = True
+    invertible: bool = False
+    contractive_coeff: float = 0.9
+    ortho_attention: float = 0.0
+    ortho_ff: float = 0.0
+    ortho_affinity: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.attention is None:
+            self.attention = "contractive-l2" if self.invertible else "dp"
+        if self.norm is None:
+            self.norm = "actnorm" if self.invertible else "layernorm"
+        if self.final_norm is None:
+            if self.invertible:
+                self.final_norm = "layernorm"
+            else:
+                self.final_norm = self.norm if self.norm_position == "pre" else "none"
+        if self.residual_alpha is None:
+            self.residual_alpha = 1.0 / max(self.layers, 1)
+        _choice("model", self.model, MODELS)
+        _choice("attention type", self.attention, ATTENTIONS)
+        _choice("norm", self.norm, NORMS)
+        _choice("final norm", self.final_norm, NORMS)
+        _choice("norm position", self.norm_position, NORM_POSITIONS)
+        _choice("init", self.init, INITS)
+        for name in ("vocab_size", "block_size", "layers", "dim", "heads", "ff_mult"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.model == "transformer" and self.dim % self.heads:
+            raise ValueError(f"heads={self.heads} must divide dim={self.dim}")
+        if self.norm == "centernorm" and self.dim < 2:
+            raise ValueError("centernorm needs dim >= 2")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+        if not 0.0 < self.contractive_coeff < 1.0:
+            raise ValueError(f"contractive_coeff must lie in (0, 1), got {self.contractive_coeff}")
+        if self.init_scale <= 0:
+            raise ValueError(f"init_scale must be positive, got {self.init_scale}")
+        for name in ("ortho_attention", "ortho_ff", "ortho_affinity"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.model == "lstm":
+            if self.invertible:
+                raise ValueError("invalid combination: the LSTM baseline cannot be invertible")
+            if self.init != "default":
+                raise ValueError(f"the LSTM baseline takes init 'default' only, not {self.init!r}")
+        if self.invertible:
+            if self.norm_position != "pre":
+                raise ValueError(
+                    "invalid combination: --invertible with post-norm; N(x + f(x)) puts the "
+                    "normalisation inside the invertible map, use norm position 'pre'"
+                )
+            if self.attention != "contractive-l2":
+                raise ValueError(
+                    f"invalid combination: --invertible needs contractive-l2 attention; "
+                    f"{self.attention!r} attention is not a contraction"
+                )
+            if self.norm not in ("actnorm", "none"):
+                raise ValueError(
+                    f"invalid combination: --invertible with {self.norm}, which discards the "
+                    "mean of each token and cannot be inverted; use norm 'actnorm' or 'none'"
+                )
+
+    def to_dict(self) -> dict:
+        """A plain dict (for checkpoints)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LMConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are an error."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ValueError(f"unknown model configuration keys: {sorted(unknown)}")
+        return cls(**d)
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+class CenterNorm(nn.Module):
+    r"""CenterNorm(x) = gamma * D/(D-1) (x - mean(x)) + beta (LipsFormer, Qi et al. 2023, eq. (3)).
+
+    LayerNorm without the division by the standard deviation: Lipschitz with constant
+    D/(D-1) max|gamma| in the 2-norm, where LayerNorm is not Lipschitz at all near constant x.
+
+    Example:
+        >>> norm = CenterNorm(4)
+        >>> norm(torch.tensor([[1.0, 2.0, 3.0, 6.0]])).sum().abs().item() < 1e-6
+        True
+    """
+
+    def __init__(self, dim: int, bias: bool = True):
+        super().__init__()
+        self.dim = dim
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = (x - x.mean(-1, keepdim=True)) * (self.dim / (self.dim - 1)) * self.weight
+        return y if self.bias is None else y + self.bias
+
+
+class ActNorm(nn.Module):
+    r"""Per-channel affine map y = (x + b) exp(s), initialised to the identity (Kingma &
+    Dhariwal 2018, §3.1, without the data-dependent initialisation).
+
+    Invertible, so it may sit inside an invertible stack. Starting from the identity (rather
+    than from the statistics of a first batch) keeps replicas of a distributed run identical
+    and makes a resumed run independent of which batch came first.
+
+    Example:
+        >>> act = ActNorm(3)
+        >>> x = torch.randn(2, 3)
+        >>> torch.allclose(act.inverse(act(x)), x)
+        True
+    """
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(dim))
+        self.log_scale = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x + self.shift) * torch.exp(self.log_scale)
+
+    def inverse(self, y: Tensor) -> Tensor:
+        """x = y exp(-s) - b."""
+        return y * torch.exp(-self.log_scale) - self.shift
+
+
+class ContractiveDropout(nn.Module):
+    """Dropout without rescaling (Kim et al. 2021, §4): a 0/1 mask in training, multiplication
+    by 1 - p in evaluation. Both are contractions, so a contractive branch stays contractive.
+
+    Example:
+        >>> drop = ContractiveDropout(0.5).eval()
+        >>> drop(torch.ones(2)).tolist()
+        [0.5, 0.5]
+    """
+
+    def __init__(self, p: float):
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.p == 0.0:
+            return x
+        if self.training:  # inverted dropout times (1 - p) is the plain 0/1 mask
+            return F.dropout(x, self.p, training=True) * (1.0 - self.p)
+        return x * (1.0 - self.p)
+
+
+class FeedForward(nn.Module):
+    """Position-wise feed-forward network Linear -> GELU -> Linear (Vaswani et al. 2017)."""
+
+    def __init__(self, dim: int, hidden: int, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(dim, hidden, bias=bias)
+        self.proj = nn.Linear(hidden, dim, bias=bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.gelu(self.fc(x)))
+
+
+def _norm(kind: str, dim: int, bias: bool) -> nn.Module:
+    if kind == "layernorm":
+        return nn.LayerNorm(dim, bias=bias)
+    if kind == "centernorm":
+        return CenterNorm(dim, bias=bias)
+    if kind == "actnorm":
+        return ActNorm(dim)
+    return nn.Identity()
+
+
+def _attention(config: LMConfig) -> nn.Module:
+    d, h, p = config.dim, config.heads, config.dropout
+    if config.attention == "dp":
+        return DotProductMHA(d, h, dropout=p, bias=config.bias)
+    if config.attention == "l2":
+        return L2MHA(d, h, tied=False, dropout=p)
+    if config.attention == "l2-tied":
+        return L2MHA(d, h, tied=True, dropout=p)
+    if config.attention == "scaled-cosine":
+        return ScaledCosineMHA(d, h, dropout=p)
+    # Contractive attention refuses attention-weight dropout (it voids the bound); inside an
+    # invertible stack it applies contractive output dropout itself.
+    return ContractiveL2MHA(
+        d, h, coeff=config.contractive_coeff, output_dropout=p if config.invertible else 0.0
+    )
+
+
+def _lipschitz_feed_forward(config: LMConfig) -> nn.Module:
+    from ..nn import LipschitzMLP
+
+    return LipschitzMLP(config.dim, config.ff_mult * config.dim, coeff=config.contractive_coeff)
+
+
+class Block(nn.Module):
+    r"""One Transformer block: an attention and a feed-forward residual branch.
+
+    * pre-norm: x + a * f(N(x)) (Xiong et al. 2020; nanoGPT),
+    * post-norm: N(x + a * f(x)) (Vaswani et al. 2017),
+    * invertible: x -> N(x) -> x + g(x), with N invertible (ActNorm or none) and g contractive:
+      contractive L2 attention (Kim et al. 2021, §4) and a spectrally normalised MLP with
+      LipSwish (Chen et al. 2019), each certified below ``contractive_coeff``.
+
+    a is 1, or LipsFormer's learnable per-channel alpha (Qi et al. 2023, eq. (4)); in an
+    invertible block it is clamped to [-1, 1], which keeps each branch contractive.
+    Attention is causal throughout.
+    """
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        self.invertible, self.position = config.invertible, config.norm_position
+        self.attn = _attention(config)
+        if config.invertible:
+            self.ff = _lipschitz_feed_forward(config)
+            self.drop_attn = nn.Identity()  # ContractiveL2MHA applies output dropout itself
+            self.drop_ff = ContractiveDropout(config.dropout)
+        else:
+            self.ff = FeedForward(config.dim, config.ff_mult * config.dim, config.bias)
+            self.drop_attn = nn.Dropout(config.dropout)
+            self.drop_ff = nn.Dropout(config.dropout)
+        self.norm_attn = _norm(config.norm, config.dim, config.bias)
+        self.norm_ff = _norm(config.norm, config.dim, config.bias)
+        if config.weighted_residual:
+            alpha = torch.full((config.dim,), float(config.residual_alpha))
+            self.alpha_attn, self.alpha_ff = nn.Parameter(alpha), nn.Parameter(alpha.clone())
+        else:
+            self.alpha_attn = self.alpha_ff = None
+
+    def _weighted(self, alpha: Tensor | None, y: Tensor) -> Tensor:
+        if alpha is None:
+            return y
+        return y * (alpha.clamp(-1.0, 1.0) if self.invertible else alpha)
+
+    def attention_branch(self, x: Tensor) -> Tensor:
+        """a * dropout(attention(x)), causal: the attention residual branch."""
+        return self._weighted(self.alpha_attn, self.drop_attn(self.attn(x, causal=True)))
+
+    def ff_branch(self, x: Tensor) -> Tensor:
+        """a * dropout(feed_forward(x)): the feed-forward residual branch."""
+        return self._weighted(self.alpha_ff, self.drop_ff(self.ff(x)))
+
+    def forward(self, x: Tensor, affinity: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Apply the block; with ``affinity`` also return sum_h ||A_h^T A_h - I||_F^2 averaged
+        over the batch (Zhang et al. 2021, L_AM) for the attention matrices of this block."""
+        if self.position == "post" and not self.invertible:
+            attn_in = x
+            x = self.norm_attn(x + self.attention_branch(x))
+            x = self.norm_ff(x + self.ff_branch(x))
+        elif self.invertible:  # normalisation is a layer of the stack, not part of a branch
+            x = self.norm_attn(x)
+            attn_in = x
+            x = x + self.attention_branch(x)
+            x = self.norm_ff(x)
+            x = x + self.ff_branch(x)
+        else:
+            attn_in = self.norm_attn(x)
+            x = x + self.attention_branch(attn_in)
+            x = x + self.ff_branch(self.norm_ff(x))
+        penalty = None
+        if affinity:
+            a = attention_probabilities(self.attn, attn_in, causal=True)
+            eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+            penalty = (a.transpose(-1, -2) @ a - eye).pow(2).sum((-1, -2)).sum(1).mean()
+        return x, penalty
+
+    def lipschitz_bounds(self, n: int) -> tuple[float, float]:
+        """Certified Lipschitz constants of the two branches of an invertible block for
+        sequences of ``n`` tokens: attention in the inf-norm, feed-forward in the 2-norm
+        (each per token). Meaningful in evaluation mode, where they are exact certificates."""
+        if not self.invertible:
+            raise ValueError("certified branch bounds exist for invertible blocks only")
+        with torch.no_grad():
+            attn = float(self.attn.lipschitz_bound(n))
+            ff = float(self.ff.lipschitz_bound(n))
+            if self.alpha_attn is not None:
+                attn *= float(self.alpha_attn.abs().clamp(max=1.0).max())
+                ff *= float(self.alpha_ff.abs().clamp(max=1.0).max())
+        return attn, ff
+
+
+# ----------------------------------------------------------------------------- attention maps
+
+
+def attention_probabilities(attn: nn.Module, x: Tensor, causal: bool = True) -> Tensor:
+    """The attention matrices A (B, H, N, N) that ``attn`` applies to ``x`` (B, N, D).
+
+    Recomputed from the module's weights with the same logits: q_i.k_j / sqrt(d) (dot product),
+    -||q_i - k_j||^2 / sqrt(d) (L2, Kim et al. 2021, eq. (8)) or tau q^_i.k^_j (scaled cosine,
+    Qi et al. 2023); masked causally and normalised by a softmax over keys.
+    """
+    if isinstance(attn, ContractiveL2MHA):
+        attn = attn.attention
+    heads = attn.heads
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    if isinstance(attn, DotProductMHA):
+        q, k, _ = (split_heads(t, heads) for t in attn.qkv(x).chunk(3, dim=-1))
+        logits = q @ k.transpose(-1, -2) * scale
+    elif isinstance(attn, L2MHA):
+        q = split_heads(x @ attn.w_q, heads)
+        k = q if attn.tied else split_heads(x @ attn.w_k, heads)
+        centre = k.mean(dim=2, keepdim=True)  # distances are unchanged; rounding is smaller
+        q, k = q - centre, k - centre
+        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
+        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * scale
+    elif isinstance(attn, ScaledCosineMHA):
+
+        def unit(w: Tensor) -> Tensor:
+            h = split_heads(x @ w, heads)
+            return h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + attn.eps)
+
+        logits = attn.tau * unit(attn.w_q) @ unit(attn.w_k).transpose(-1, -2)
+    else:
+        raise ValueError(f"no attention matrix for {type(attn).__name__}")
+    if causal:
+        n = x.shape[1]
+        allowed = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        logits = logits.masked_fill(~allowed, -math.inf)
+    return torch.softmax(logits, dim=-1)
+
+
+# ----------------------------------------------------------------------------- regularisers
+
+
+def _gram_penalty(w: Tensor) -> Tensor:
+    """||W^T W - I||_F^2 on the smaller Gram matrix (semi-orthogonality for non-square W)."""
+    gram = w.t() @ w if w.shape[0] >= w.shape[1] else w @ w.t()
+    eye = torch.eye(gram.shape[0], dtype=w.dtype, device=w.device)
+    return (gram - eye).pow(2).sum()
+
+
+def _attention_maps(attn: nn.Module) -> list[Tensor]:
+    """The linear maps of an attention module as (out, in) matrices (y = W x)."""
+    if isinstance(attn, ContractiveL2MHA):
+        attn = attn.attention
+    if isinstance(attn, DotProductMHA):
+        return [attn.qkv.weight, attn.out.weight]
+    maps = [attn.w_q, getattr(attn, "w_k", None), attn.w_v, attn.w_o]
+    return [w.t() for w in maps if w is not None]  # row convention x W -> W^T
+
+
+def _ff_maps(ff: nn.Module) -> list[Tensor]:
+    if isinstance(ff, FeedForward):
+        return [ff.fc.weight, ff.proj.weight]
+    return [layer.weight for layer in ff.layers]  # LipschitzMLP's spectral layers
+
+
+def orthogonality_penalty(blocks, lam_attention: float, lam_ff: float) -> Tensor | None:
+    r"""Orthogonality losses of Zhang et al. (2021, §2.1), summed over blocks.
+
+    * attention: lambda ||P^T P - I||_F^2 with P the query, key, value and output maps stacked
+      row-wise (as (out, in) matrices), so P^T P = sum_m W_m^T W_m,
+    * feed-forward: lambda sum_m ||M_m^T M_m - I||_F^2, taken on the smaller Gram matrix of
+      each non-square M (semi-orthogonality; the larger one cannot be the identity).
+
+    Returns ``None`` when both lambdas are zero.
+    """
+    total = None
+    for block in blocks:
+        terms = []
+        if lam_attention > 0:
+            terms.append(lam_attention * _gram_penalty(torch.cat(_attention_maps(block.attn))))
+        if lam_ff > 0:
+            terms.extend(lam_ff * _gram_penalty(w) for w in _ff_maps(block.ff))
+        for t in terms:
+            total = t if total is None else total + t
+    return total
+
+
+# ----------------------------------------------------------------------------- initialisation
+
+
+@dataclass
+class _Weight:
+    tensor: Tensor
+    fan_in: int
+    l2: bool  # a weight of L2 attention (scaled by s under glorot-l2)
+    output: bool  # a residual output projection (scaled down under default)
+    raw: bool  # a raw (in, out) matrix of an attention module rather than an nn.Linear
+
+
+def _linear_weights(model: TransformerLM) -> list[_Weight]:
+    found = []
+    for block in model.blocks:
+        attn = block.attn.attention if isinstance(block.attn, ContractiveL2MHA) else block.attn
+        if isinstance(attn, DotProductMHA):
+            found.append(_Weight(attn.qkv.weight, attn.dim, False, False, False))
+            found.append(_Weight(attn.out.weight, attn.dim, False, True, False))
+        else:
+            l2 = isinstance(attn, L2MHA)
+            for name in ("w_q", "w_k", "w_v", "w_o"):
+                w = getattr(attn, name, None)
+                if w is not None:
+                    found.append(_Weight(w, w.shape[0], l2, name == "w_o", True))
+        if isinstance(block.ff, FeedForward):
+            found.append(_Weight(block.ff.fc.weight, block.ff.fc.in_features, False, False, False))
+            found.append(
+                _Weight(block.ff.proj.weight, block.ff.proj.in_features, False, True, False)
+            )
+    return found
+
+
+def _init_embedding(w: Tensor, scheme: str) -> None:
+    if scheme == "glorot-l2":
+        nn.init.xavier_uniform_(w)
+    elif scheme == "lipschitz":
+        e = math.sqrt(2.0 / (w.shape[0] + w.shape[1]))  # sqrt(2 / (esize + vsize))
+        nn.init.uniform_(w, -e, e)
+    else:
+        nn.init.normal_(w, 0.0, 0.02)
+
+
+@torch.no_grad()
+def initialise(model: TransformerLM, scheme: str, scale: float = 1.0 / 16) -> None:
+    r"""Initialise the weights of a Transformer LM by one of four schemes.
+
+    * ``default`` -- GPT-2 / nanoGPT: linear and embedding weights N(0, 0.02), residual output
+      projections N(0, 0.02 / sqrt(2 L)), biases zero. The raw weight matrices of the L2 and
+      scaled-cosine attention modules keep their own Glorot-uniform initialisation.
+    * ``glorot-l2`` -- Kim et al. (2021, App. H): Glorot uniform for every weight, except the
+      L2 attention weights, U[-s/sqrt(D), s/sqrt(D)] with s = ``scale`` (1/16 for D = 512 in
+      the paper). The appendix prints the Glorot bound as sqrt(1/(d_in + d_out)); we use
+      Glorot's sqrt(6/(d_in + d_out)).
+    * ``lipschitz`` -- Xu et al. (2020, §4): embeddings U[-e, e], e = sqrt(2/(esize + vsize)),
+      linear weights U[-l, l], l = sqrt(1/isize) (isize the input width).
+    * ``spectral`` -- LipsFormer (Qi et al. 2023, §4.1.4): Xavier-normal linear weights divided
+      by their largest singular value (1-Lipschitz at initialisation); embeddings N(0, 0.02).
+
+    Biases start at zero and norm layers at the identity in every scheme. The spectrally
+    normalised layers of an invertible block keep their own initialisation: their
+    normalisation makes the scale irrelevant.
+    """
+    _choice("init", scheme, INITS)
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            module.bias.zero_()
+    _init_embedding(model.tok_emb.weight, scheme)
+    _init_embedding(model.pos_emb.weight, scheme)
+    if not model.config.tie_embeddings:
+        if scheme == "lipschitz":  # a linear map of width D
+            bound = math.sqrt(1.0 / model.config.dim)
+            nn.init.uniform_(model.head.weight, -bound, bound)
+        else:
+            _init_embedding(model.head.weight, scheme)
+    layers = len(model.blocks)
+    for w in _linear_weights(model):
+        if scheme == "default":
+            if not w.raw:
+                std = 0.02 / math.sqrt(2 * layers) if w.output else 0.02
+                nn.init.normal_(w.tensor, 0.0, std)
+        elif scheme == "glorot-l2":
+            if w.l2:
+                bound = scale / math.sqrt(model.config.dim)
+                nn.init.uniform_(w.tensor, -bound, bound)
+            else:
+                nn.init.xavier_uniform_(w.tensor)
+        elif scheme == "lipschitz":
+            bound = math.sqrt(1.0 / w.fan_in)
+            nn.init.uniform_(w.tensor, -bound, bound)
+        else:  # spectral
+            nn.init.xavier_normal_(w.tensor)
+            w.tensor.div_(torch.linalg.matrix_norm(w.tensor, ord=2))
+
+
+# ----------------------------------------------------------------------------- models
+
+
+class _CharLM(nn.Module):
+    """What every character LM shares: the loss and autoregressive sampling."""
+
+    config: LMConfig
+
+    def _check_idx(self, idx: Tensor) -> None:
+        if idx.dim() != 2 or idx.dtype != torch.long:
+            raise ValueError(
+                f"idx must be a (B, T) LongTensor, got {idx.dtype} {tuple(idx.shape)}"
+            )
+        if idx.shape[1] > self.config.block_size:
+            raise ValueError(
+                f"sequence length {idx.shape[1]} exceeds the block size {self.config.block_size}"
+            )
+
+    def _losses(self, logits: Tensor, targets: Tensor, extra: Tensor | None) -> dict:
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+        reg = torch.zeros((), dtype=nll.dtype, device=nll.device) if extra is None else extra
+        return {"loss": nll + reg, "nll": nll, "reg": reg}
+
+    def num_parameters(self) -> int:
+        """Number of trainable parameters (shared ones counted once)."""
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """Extend ``idx`` (B, T) by sampling ``max_new_tokens`` tokens, one at a time, each from
+        the model's distribution given the last ``block_size`` tokens (temperature-scaled,
+        optionally restricted to the ``top_k`` most likely). Draws are made on the CPU from
+        ``generator``, so that a seed gives the same text on every device."""
+        if temperature <= 0:
+            raise ValueError(f"temperature must be positive, got {temperature}")
+        if top_k is not None and top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        for _ in range(max_new_tokens):
+            logits, _ = self(idx[:, -self.config.block_size :])
+            logits = logits[:, -1, :] / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, -math.inf)
+            probs = torch.softmax(logits, dim=-1)
+            draws = torch.multinomial(probs.cpu(), 1, generator=generator).to(idx.device)
+            idx = torch.cat([idx, draws], dim=1)
+        return idx
+
+
+class TransformerLM(_CharLM):
+    r"""Decoder-only Transformer character LM with dot-product, L2, tied-L2, contractive-L2 or
+    scaled-cosine attention (Kim et al. 2021, §5.3; Qi et al. 2023).
+
+    Token and learned position embeddings, ``layers`` :class:`Block` s, a final normalisation
+    and a linear output layer tied to the token embedding (as nanoGPT). With
+    ``invertible=True`` the map from embeddings to final hidden states,
+    :meth:`hidden_states`, is a composition of invertible maps (ActNorm and x + g(x) with
+    Lip(g) < 1); :mod:`flowattn.lm.invertible` inverts it.
+
+    ``forward(idx, targets)`` returns the logits and, with targets, a dict of losses: ``nll``
+    (mean cross-entropy, nats per character), ``reg`` (the orthogonality penalties of Zhang et
+    al. 2021 that are switched on) and ``loss`` = nll + reg, the training objective.
+
+    Arguments:
+        config: an :class:`LMConfig`.
+
+    Example:
+        >>> model = TransformerLM(LMConfig(vocab_size=10, block_size=8, layers=1, dim=16,
+        ...                                heads=2, attention="l2-tied"))
+        >>> idx = torch.randint(10, (2, 8))
+        >>> logits, losses = model(idx, idx)
+        >>> tuple(logits.shape), sorted(losses)
+        ((2, 8, 10), ['loss', 'nll', 'reg'])
+    """
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        if config.model != "transformer":
+            raise ValueError(f"TransformerLM needs model='transformer', got {config.model!r}")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
+        self.pos_emb = nn.Embedding(config.block_size, config.dim)
+        self.drop = nn.Dropout(config.dropout)
+        self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
+        self.norm_f = _norm(config.final_norm, config.dim, config.bias)
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        initialise(self, config.init, config.init_scale)
+
+    def embed(self, idx: Tensor) -> Tensor:
+        """Token plus position embeddings, (B, T, D): the input of the residual stack."""
+        self._check_idx(idx)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok_emb(idx) + self.pos_emb(pos)
+
+    def hidden_states(self, h: Tensor, affinity: bool = False) -> tuple[Tensor, Tensor | None]:
+        """Run the residual stack on embeddings ``h``; also return the summed affinity penalty
+        ||A^T A - I||_F^2 of every block when ``affinity`` is set."""
+        total = None
+        for block in self.blocks:
+            h, penalty = block(h, affinity=affinity)
+            if penalty is not None:
+                total = penalty if total is None else total + penalty
+        return h, total
+
+    def logits(self, h: Tensor) -> Tensor:
+        """Final normalisation and output layer."""
+        return self.head(self.norm_f(h))
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None):
+        config = self.config
+        affinity = targets is not None and config.ortho_affinity > 0
+        h, penalty = self.hidden_states(self.drop(self.embed(idx)), affinity=affinity)
+        logits = self.logits(h)
+        if targets is None:
+            return logits, None
+        reg = orthogonality_penalty(self.blocks, config.ortho_attention, config.ortho_ff)
+        if penalty is not None:
+            penalty = config.ortho_affinity * penalty
+            reg = penalty if reg is None else reg + penalty
+        return logits, self._losses(logits, targets, reg)
+
+    def lipschitz_bounds(self, n: int | None = None) -> list[tuple[float, float]]:
+        """Certified (attention, feed-forward) branch constants of every block of an invertible
+        model, for sequences of ``n`` tokens (default: the block size)."""
+        n = self.config.block_size if n is None else n
+        return [block.lipschitz_bounds(n) for block in self.blocks]
+
+
+class LSTMLM(_CharLM):
+    """LSTM character LM, the recurrent baseline of Kim et al. (2021, §5.3): embedding,
+    ``layers`` LSTM layers with hidden and cell width D, and an output layer tied to the
+    embedding.
+
+    Example:
+        >>> model = LSTMLM(LMConfig(vocab_size=10, model="lstm", layers=1, dim=16))
+        >>> logits, _ = model(torch.randint(10, (2, 5)))
+        >>> tuple(logits.shape)
+        (2, 5, 10)
+    """
+
+    def __init__(self, config: LMConfig):
+        super().__init__()
+        if config.model != "lstm":
+            raise ValueError(f"LSTMLM needs model='lstm', got {config.model!r}")
+        self.config = config
+        self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
+        self.drop = nn.Dropout(config.dropout)
+        self.lstm = nn.LSTM(
+            config.dim,
+            config.dim,
+            num_layers=config.layers,
+            dropout=config.dropout if config.layers > 1 else 0.0,
+            batch_first=True,
+        )
+        self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        nn.init.normal_(self.tok_emb.weight, 0.0, 0.02)
+        if config.tie_embeddings:
+            self.head.weight = self.tok_emb.weight
+        else:
+            nn.init.normal_(self.head.weight, 0.0, 0.02)
+
+    def forward(self, idx: Tensor, targets: Tensor | None = None):
+        self._check_idx(idx)
+        h, _ = self.lstm(self.drop(self.tok_emb(idx)))
+        logits = self.head(self.drop(h))
+        if targets is None:
+            return logits, None
+        return logits, self._losses(logits, targets, None)
+
+
+def build_model(config: LMConfig) -> TransformerLM | LSTMLM:
+    """The model a configuration describes.
+
+    Example:
+        >>> type(build_model(LMConfig(vocab_size=5, model="lstm", layers=1, dim=8))).__name__
+        'LSTMLM'
+    """
+    return LSTMLM(config) if config.model == "lstm" else TransformerLM(config)

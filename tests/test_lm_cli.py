@@ -1,0 +1,174 @@
+"""Tests for the ``flowattn lm`` command line: train, eval, sample, invert-check and bad input."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flowattn.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+TEXT = "to be or not to be, that is the question. " * 50
+TINY = ["--layers", "1", "--dim", "16", "--heads", "2", "--block-size", "16",
+        "--batch-size", "4", "--no-progress", "--no-tensorboard"]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> str:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return str(path)
+
+
+def last_json(out: str) -> dict:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def trained(corpus, tmp_path, capsys) -> tuple[Path, dict]:
+    out = tmp_path / "run"
+    code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--steps", "20",
+                          "--eval-interval", "10", "--out", out, "--json")
+    assert code == 0
+    return out, last_json(stdout)
+
+
+def test_train_json_summary_is_the_last_stdout_line(trained):
+    out, summary = trained
+    assert summary["step"] == 20 and not summary["diverged"]
+    assert summary["out"] == str(out) and (out / "ckpt.pt").exists()
+
+
+def test_eval_reports_the_validation_loss_of_the_checkpoint_in_nats_and_bits(trained, capsys):
+    out, summary = trained
+    code, stdout, _ = run(capsys, "lm", "eval", "--checkpoint", out, "--json")
+    result = last_json(stdout)
+    assert code == 0
+    assert result["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-9)
+    assert result["bpc"] == pytest.approx(result["val_loss"] / math.log(2))
+    assert result["characters"] == len(TEXT) - int(0.9 * len(TEXT))
+
+
+def test_sample_continues_the_prompt_with_characters_of_the_vocabulary(trained, capsys):
+    out, _ = trained
+    code, stdout, _ = run(capsys, "lm", "sample", "--checkpoint", out, "--prompt", "to be",
+                          "--max-new-tokens", "30", "--seed", "1", "--json")
+    text = last_json(stdout)["text"]
+    assert code == 0 and text.startswith("to be") and len(text) == 35
+    assert set(text) <= set(TEXT)
+    again = last_json(run(capsys, "lm", "sample", "--checkpoint", out, "--prompt", "to be",
+                          "--max-new-tokens", "30", "--seed", "1", "--json")[1])["text"]
+    assert again == text
+
+
+def test_invert_check_reconstructs_embeddings_of_an_invertible_lm_below_1e_4(
+    corpus, tmp_path, capsys
+):
+    out = tmp_path / "inv"
+    code, _, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--invertible",
+                     "--steps", "10", "--eval-interval", "10", "--out", out)
+    assert code == 0
+    code, stdout, _ = run(capsys, "lm", "invert-check", "--checkpoint", out, "--json")
+    report = last_json(stdout)
+    assert code == 0 and report["passed"]
+    assert report["max_error"] <= 1e-4 and report["dtype"] == "float32"
+    assert report["token_accuracy"] == 1.0 and report["max_branch_bound"] < 1.0
+    code, stdout, _ = run(capsys, "lm", "invert-check", "--checkpoint", out, "--threshold",
+                          "1e-30", "--json")
+    assert code == 1 and not last_json(stdout)["passed"]
+
+
+def one_line_error(capsys, *argv, code=2) -> str:
+    """Run argv, expect ``code`` and exactly one line on stderr; return that line."""
+    try:
+        status = main([str(a) for a in argv])
+    except SystemExit as exit_:  # argparse usage errors
+        status = exit_.code
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == code
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_invert_check_refuses_a_non_invertible_checkpoint(trained, capsys):
+    out, _ = trained
+    line = one_line_error(capsys, "lm", "invert-check", "--checkpoint", out)
+    assert "non-invertible" in line
+
+
+def write(tmp_path, name, content: bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return path
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "empty"),
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", "binary"),
+        ("na\u00efve caf\u00e9 ".encode("latin-1") * 20, "not UTF-8"),
+    ],
+    ids=["empty", "binary", "latin-1"],
+)
+def test_bad_text_gives_a_one_line_error_and_nonzero_exit(tmp_path, capsys, content, message):
+    data = write(tmp_path, "bad.txt", content)
+    line = one_line_error(capsys, "lm", "train", "--data", data, *TINY, "--out", tmp_path / "o")
+    assert message in line and line.startswith("flowattn lm train: error:")
+
+
+def test_block_size_longer_than_the_corpus_is_a_one_line_error(tmp_path, capsys):
+    data = write(tmp_path, "short.txt", b"just a few characters here\n")
+    line = one_line_error(capsys, "lm", "train", "--data", data, *TINY, "--block-size", "64",
+                          "--out", tmp_path / "o")
+    assert "block size 64 is longer than the corpus" in line
+
+
+def test_unknown_attention_type_is_a_one_line_usage_error(corpus, tmp_path, capsys):
+    line = one_line_error(capsys, "lm", "train", "--data", corpus, "--attention", "linear",
+                          "--out", tmp_path / "o")
+    assert "invalid choice: 'linear'" in line
+
+
+def test_invertible_with_post_norm_is_a_one_line_error(corpus, tmp_path, capsys):
+    line = one_line_error(capsys, "lm", "train", "--data", corpus, *TINY, "--invertible",
+                          "--norm-position", "post", "--out", tmp_path / "o")
+    assert "invalid combination" in line and "post-norm" in line
+    assert not (tmp_path / "o" / "ckpt.pt").exists()
+
+
+def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
+    line = one_line_error(capsys, "lm", "eval", "--checkpoint", tmp_path / "nothing")
+    assert "no checkpoint" in line
+
+
+def test_prompt_with_unseen_characters_is_a_one_line_error(trained, capsys):
+    out, _ = trained
+    line = one_line_error(capsys, "lm", "sample", "--checkpoint", out, "--prompt", "ZZ")
+    assert "never saw" in line
+
+
+def test_divergence_exits_with_status_3_and_reports_it_in_the_json(corpus, tmp_path, capsys):
+    code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--lr", "10",
+                          "--min-lr", "0", "--schedule", "constant", "--warmup", "0",
+                          "--grad-clip", "0", "--steps", "50", "--out", tmp_path / "d", "--json")
+    summary = last_json(stdout)
+    assert code == 3 and summary["diverged"]
+    assert (tmp_path / "d" / "diverged.json").exists()
+
+
+def test_module_entry_point_runs_the_same_command_line():
+    done = subprocess.run([sys.executable, "-m", "flowattn", "lm", "--help"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0
+    for command in ("train", "eval", "sample", "invert-check"):
+        assert command in done.stdout

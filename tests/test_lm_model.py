@@ -1,0 +1,314 @@
+"""Tests for flowattn.lm.model and flowattn.lm.invertible: the Transformer LM, its options, the
+LSTM baseline and the inversion of the invertible residual stack."""
+
+import math
+
+import pytest
+import torch
+
+from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
+from flowattn.attention.dot_product import merge_heads, split_heads
+from flowattn.lm.invertible import InverseNotConverged, invert_hidden_states, reconstruction_report
+from flowattn.lm.model import (
+    ATTENTIONS,
+    ActNorm,
+    Block,
+    CenterNorm,
+    LMConfig,
+    TransformerLM,
+    attention_probabilities,
+    build_model,
+    orthogonality_penalty,
+)
+
+V, T = 11, 8
+
+
+def tiny(**kw) -> LMConfig:
+    base = dict(vocab_size=V, block_size=T, layers=2, dim=16, heads=2)
+    base.update(kw)
+    return LMConfig(**base)
+
+
+CAUSAL_CASES = [dict(attention=a, norm_position=p) for a in ATTENTIONS for p in ("pre", "post")]
+CAUSAL_CASES += [
+    dict(invertible=True),
+    dict(invertible=True, norm="none", weighted_residual=True),
+    dict(norm="centernorm", weighted_residual=True),
+    dict(model="lstm"),
+]
+
+
+@pytest.mark.parametrize("kw", CAUSAL_CASES, ids=lambda kw: "-".join(map(str, kw.values())))
+def test_logits_at_position_t_ignore_tokens_after_t(kw):
+    torch.manual_seed(0)
+    model = build_model(tiny(**kw)).double().eval()
+    idx = torch.randint(V, (3, T))
+    logits, _ = model(idx)
+    for t in range(T - 1):
+        changed = idx.clone()
+        changed[:, t + 1 :] = torch.randint(V, (3, T - t - 1))
+        other, _ = model(changed)
+        assert torch.allclose(other[:, : t + 1], logits[:, : t + 1], rtol=0, atol=1e-12)
+        assert not torch.allclose(other[:, t + 1 :], logits[:, t + 1 :])
+
+
+def _output_from_probabilities(attn, x, a):
+    """Recompute the module's output as A V W^O from the attention matrices A."""
+    if isinstance(attn, DotProductMHA):
+        v = split_heads(attn.qkv(x).chunk(3, dim=-1)[2], attn.heads)
+        return attn.out(merge_heads(a @ v))
+    if isinstance(attn, L2MHA):
+        if attn.tied:
+            wq, wv = attn.head_weights(attn.w_q), attn.head_weights(attn.w_v)
+            a_h = wq @ wq.transpose(1, 2) / math.sqrt(attn.head_dim)  # A_h of eq. (8)
+            v = x.unsqueeze(1) @ a_h @ wv  # X A_h W^{V,h}
+        else:
+            v = split_heads(x @ attn.w_v, attn.heads)
+        return merge_heads(a @ v) @ attn.w_o
+    h = split_heads(x @ attn.w_v, attn.heads)
+    v = h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + attn.eps)
+    return attn.nu * merge_heads(a @ v) @ attn.w_o
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: DotProductMHA(16, 4),
+        lambda: L2MHA(16, 4, tied=True),
+        lambda: L2MHA(16, 4, tied=False),
+        lambda: ScaledCosineMHA(16, 4),
+    ],
+    ids=["dp", "l2-tied", "l2", "scaled-cosine"],
+)
+def test_attention_probabilities_are_the_matrices_each_module_applies(make):
+    torch.manual_seed(0)
+    attn = make().double()
+    x = torch.randn(3, 7, 16, dtype=torch.float64)
+    a = attention_probabilities(attn, x, causal=True)
+    assert a.shape == (3, 4, 7, 7)
+    assert torch.allclose(a.sum(-1), torch.ones(3, 4, 7, dtype=torch.float64))
+    assert (a.triu(1) == 0).all()
+    expected = attn(x, causal=True)
+    assert torch.allclose(_output_from_probabilities(attn, x, a), expected, atol=1e-12)
+
+
+def test_contractive_attention_probabilities_are_those_of_its_l2_attention():
+    torch.manual_seed(0)
+    f = ContractiveL2MHA(16, 4).double()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    assert torch.equal(attention_probabilities(f, x), attention_probabilities(f.attention, x))
+
+
+def test_affinity_penalty_is_sum_over_heads_of_squared_frobenius_distance_to_identity():
+    torch.manual_seed(0)
+    block = Block(tiny(attention="l2-tied")).double()
+    x = torch.randn(3, T, 16, dtype=torch.float64)
+    _, penalty = block(x, affinity=True)
+    a = attention_probabilities(block.attn, block.norm_attn(x))
+    expected = sum(
+        (a[b, h].T @ a[b, h] - torch.eye(T, dtype=torch.float64)).pow(2).sum()
+        for b in range(3)
+        for h in range(2)
+    ) / 3
+    assert torch.allclose(penalty, expected, rtol=1e-12)
+
+
+def _orthonormal_columns(rows: int, cols: int) -> torch.Tensor:
+    q, _ = torch.linalg.qr(torch.randn(rows, cols, dtype=torch.float64))
+    return q
+
+
+def test_orthogonality_penalty_vanishes_exactly_for_orthogonal_weights():
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(attention="dp", layers=1)).double()
+    block, d = model.blocks[0], 16
+    with torch.no_grad():
+        stacked = _orthonormal_columns(4 * d, d)  # [W^Q; W^K; W^V; W^O] with P^T P = I
+        block.attn.qkv.weight.copy_(stacked[: 3 * d])
+        block.attn.out.weight.copy_(stacked[3 * d :])
+        block.ff.fc.weight.copy_(_orthonormal_columns(4 * d, d))  # (4D, D): M^T M = I
+        block.ff.proj.weight.copy_(_orthonormal_columns(4 * d, d).T)  # (D, 4D): M M^T = I
+    assert orthogonality_penalty(model.blocks, 1.0, 1.0).abs() < 1e-24
+    with torch.no_grad():
+        block.attn.out.weight.mul_(2.0)
+    p = torch.cat([block.attn.qkv.weight, block.attn.out.weight])
+    expected = (p.T @ p - torch.eye(d, dtype=torch.float64)).pow(2).sum()
+    assert expected > 1
+    assert torch.allclose(orthogonality_penalty(model.blocks, 0.5, 0.0), 0.5 * expected)
+
+
+def test_orthogonality_losses_enter_the_training_objective_with_their_lambdas():
+    idx = torch.randint(V, (2, T), generator=torch.Generator().manual_seed(1))
+    torch.manual_seed(0)
+    plain = TransformerLM(tiny())
+    torch.manual_seed(0)
+    regular = TransformerLM(tiny(ortho_attention=1e-2, ortho_ff=1e-3, ortho_affinity=1e-4))
+    _, a = plain(idx, idx)
+    _, b = regular(idx, idx)
+    assert a["reg"] == 0 and b["reg"] > 0
+    assert torch.allclose(a["nll"], b["nll"])
+    assert torch.allclose(b["loss"], b["nll"] + b["reg"])
+    weights = orthogonality_penalty(regular.blocks, 1e-2, 1e-3)
+    _, affinity = regular.hidden_states(regular.embed(idx), affinity=True)
+    assert weights > 0 and affinity > 0
+    assert torch.allclose(b["reg"], weights + 1e-4 * affinity)
+
+
+def test_glorot_l2_init_draws_l2_weights_from_plus_minus_s_over_sqrt_d():
+    torch.manual_seed(0)
+    s, d = 0.25, 64
+    model = TransformerLM(tiny(attention="l2-tied", init="glorot-l2", init_scale=s, dim=d))
+    bound = s / math.sqrt(d)
+    for block in model.blocks:
+        for w in (block.attn.w_q, block.attn.w_v, block.attn.w_o):
+            assert w.abs().max() <= bound
+            assert w.abs().max() > 0.95 * bound
+        fc = block.ff.fc.weight
+        assert fc.abs().max() <= math.sqrt(6 / (fc.shape[0] + fc.shape[1]))
+    emb = model.tok_emb.weight
+    assert emb.abs().max() <= math.sqrt(6 / (V + d))
+
+
+def test_lipschitz_init_follows_xu_et_al_bounds():
+    torch.manual_seed(0)
+    d = 32
+    model = TransformerLM(tiny(init="lipschitz", dim=d))
+    e_tok, e_pos = math.sqrt(2 / (d + V)), math.sqrt(2 / (d + T))
+    assert model.tok_emb.weight.abs().max() <= e_tok
+    assert model.pos_emb.weight.abs().max() > 0.9 * e_pos
+    for block in model.blocks:
+        for lin in (block.attn.qkv, block.attn.out, block.ff.fc, block.ff.proj):
+            bound = math.sqrt(1 / lin.in_features)
+            assert lin.weight.abs().max() <= bound
+            assert lin.weight.abs().max() > 0.9 * bound
+
+
+@pytest.mark.parametrize("attention", ["dp", "l2-tied", "scaled-cosine"])
+def test_spectral_init_makes_every_linear_map_exactly_1_lipschitz(attention):
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(attention=attention, init="spectral")).double()
+    weights = [p for n, p in model.blocks.named_parameters() if p.dim() == 2]
+    assert len(weights) >= 4 * len(model.blocks)
+    for w in weights:
+        assert abs(torch.linalg.matrix_norm(w, ord=2).item() - 1.0) < 1e-6
+
+
+def test_default_init_is_gpt2_with_scaled_residual_projections():
+    torch.manual_seed(0)
+    layers = 3
+    model = TransformerLM(LMConfig(vocab_size=200, block_size=64, layers=layers, dim=128))
+    proj = torch.cat([b.ff.proj.weight.flatten() for b in model.blocks])
+    fc = torch.cat([b.ff.fc.weight.flatten() for b in model.blocks])
+    assert abs(fc.std().item() / 0.02 - 1) < 0.02
+    assert abs(proj.std().item() / (0.02 / math.sqrt(2 * layers)) - 1) < 0.02
+    assert model.head.weight is model.tok_emb.weight
+
+
+def test_weighted_residual_alpha_starts_at_one_over_layers_per_channel():
+    model = TransformerLM(tiny(weighted_residual=True, layers=4))
+    for block in model.blocks:
+        assert block.alpha_attn.shape == (16,)
+        assert torch.equal(block.alpha_ff, torch.full((16,), 0.25))
+
+
+def test_centernorm_centres_and_scales_by_d_over_d_minus_1():
+    x = torch.tensor([[1.0, 2.0, 3.0, 10.0]], dtype=torch.float64)
+    y = CenterNorm(4).double()(x)
+    assert torch.allclose(y, (x - 4.0) * 4 / 3)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True), dict(norm="none")])
+def test_invertible_model_certifies_every_branch_below_its_coefficient(kw):
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(invertible=True, contractive_coeff=0.8, **kw)).double().eval()
+    if kw.get("weighted_residual"):
+        with torch.no_grad():  # alpha beyond 1 is clamped inside an invertible block
+            for block in model.blocks:
+                block.alpha_attn.fill_(5.0)
+                block.alpha_ff.fill_(-3.0)
+    bounds = [b for pair in model.lipschitz_bounds() for b in pair]
+    assert len(bounds) == 4
+    assert all(0 < b <= 0.8 + 1e-9 for b in bounds)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True, dropout=0.1), dict(norm="none")])
+def test_invertible_stack_reconstructs_embeddings_to_1e_10_in_float64(kw):
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(invertible=True, **kw)).double()
+    with torch.no_grad():  # move ActNorm away from the identity so its inverse is exercised
+        for norm in (m for b in model.blocks for m in (b.norm_attn, b.norm_ff)):
+            if isinstance(norm, ActNorm):
+                norm.log_scale.uniform_(-0.5, 0.5)
+                norm.shift.uniform_(-0.5, 0.5)
+    model.eval()
+    idx = torch.randint(V, (4, T))
+    report = reconstruction_report(model, idx, tol=1e-13, max_iter=1000)
+    assert report["max_error"] < 1e-10
+    assert report["token_accuracy"] == 1.0
+
+
+def test_inverse_that_cannot_converge_raises_instead_of_returning_garbage():
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(invertible=True)).double().eval()
+    h, _ = model.hidden_states(model.embed(torch.randint(V, (2, T))))
+    with pytest.raises(InverseNotConverged):
+        invert_hidden_states(model, h, tol=1e-14, max_iter=1)
+
+
+def test_inverting_a_non_invertible_model_is_refused():
+    model = TransformerLM(tiny()).eval()
+    with pytest.raises(ValueError, match="not invertible"):
+        invert_hidden_states(model, torch.zeros(1, T, 16))
+
+
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        (dict(invertible=True, norm_position="post"), "post-norm"),
+        (dict(invertible=True, attention="dp"), "contractive-l2"),
+        (dict(invertible=True, norm="layernorm"), "cannot be inverted"),
+        (dict(attention="softmax-free"), "unknown attention type"),
+        (dict(heads=3), "must divide"),
+        (dict(model="lstm", invertible=True), "LSTM"),
+        (dict(init="orthogonal"), "unknown init"),
+        (dict(contractive_coeff=1.0), "contractive_coeff"),
+    ],
+)
+def test_invalid_configurations_raise_value_errors_naming_the_problem(kw, message):
+    with pytest.raises(ValueError, match=message):
+        tiny(**kw)
+
+
+@pytest.mark.parametrize("kw", [dict(attention=a) for a in ATTENTIONS] + [dict(invertible=True)])
+def test_every_parameter_gets_a_gradient_from_the_objective(kw):
+    # no unused parameters: DistributedDataParallel needs no find_unused_parameters
+    torch.manual_seed(0)
+    lam = dict(ortho_attention=1e-3, ortho_ff=1e-3, ortho_affinity=1e-3)
+    model = TransformerLM(tiny(weighted_residual=True, **lam, **kw))
+    idx = torch.randint(V, (2, T))
+    _, losses = model(idx, idx)
+    losses["loss"].backward()
+    missing = [n for n, p in model.named_parameters() if p.grad is None]
+    assert not missing
+
+
+def test_sequences_longer_than_the_block_size_are_refused():
+    model = TransformerLM(tiny())
+    with pytest.raises(ValueError, match="exceeds the block size"):
+        model(torch.zeros(1, T + 1, dtype=torch.long))
+
+
+def test_generation_is_reproducible_and_top_1_is_greedy():
+    torch.manual_seed(0)
+    model = TransformerLM(tiny()).eval()
+    start = torch.zeros(2, 1, dtype=torch.long)
+    a = model.generate(start, 12, generator=torch.Generator().manual_seed(3))
+    b = model.generate(start, 12, generator=torch.Generator().manual_seed(3))
+    assert a.shape == (2, 13) and torch.equal(a, b)
+    greedy = model.generate(start, 5, top_k=1)
+    x = start
+    for _ in range(5):
+        logits, _ = model(x)
+        x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(greedy, x)
