@@ -18,6 +18,7 @@ __all__ = [
     "prepare_out_dir",
     "atomic_torch_save",
     "atomic_write_text",
+    "truncate_metrics",
     "MetricsLog",
     "DistributedContext",
     "rng_state",
@@ -64,6 +65,20 @@ def atomic_write_text(text: str, path: str | os.PathLike) -> None:
     _atomic(Path(path), lambda handle: handle.write(text.encode()))
 
 
+def truncate_metrics(path: str | os.PathLike, step: int) -> None:
+    """Drop the records of a ``metrics.jsonl`` logged after ``step``.
+
+    A resumed run continues from its last checkpoint; records written after it belong to the
+    interrupted attempt and would otherwise appear twice.
+    """
+    path = Path(path)
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step]
+    atomic_write_text("".join(line + "\n" for line in kept), path)
+
+
 class MetricsLog:
     """Append-only ``metrics.jsonl`` plus TensorBoard scalars (when tensorboard is installed).
 
@@ -84,12 +99,9 @@ class MetricsLog:
                 self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
 
     def truncate_after(self, step: int) -> None:
-        """Drop records past ``step`` (they belong to a run that was interrupted after them)."""
-        if not self.enabled or not self.path.exists():
-            return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
-        atomic_write_text("".join(line + "\n" for line in kept), self.path)
+        """Drop records past ``step`` (see :func:`truncate_metrics`)."""
+        if self.enabled:
+            truncate_metrics(self.path, step)
 
     def log(self, step: int, prefix: str, **values: Any) -> None:
         if not self.enabled:

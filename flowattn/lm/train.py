@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..runs import atomic_torch_save, atomic_write_text, truncate_metrics
 from .data import (
     DEFAULT_CORPUS,
     CharCorpus,
@@ -228,16 +229,8 @@ def evaluate(
     return float(total[0] / total[1])
 
 
-def _atomic_save(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def _write_json(obj, path: Path) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write_text(json.dumps(obj, indent=2) + "\n", path)
 
 
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
@@ -440,7 +433,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, master
             states = [states]
         if not master:
             return
-        _atomic_save(
+        atomic_torch_save(
             {
                 "kind": "flowattn-lm",
                 "version": 1,
@@ -583,13 +576,7 @@ def _non_finite(err: ValueError) -> bool:
 
 def _trim_metrics(path: Path, step: int) -> None:
     """Drop records past ``step`` (logged after the checkpoint a run resumes from)."""
-    if not path.exists():
-        return
     if step == 0:
-        path.unlink()
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+        path.unlink(missing_ok=True)
+    else:
+        truncate_metrics(path, step)
