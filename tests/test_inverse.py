@@ -149,3 +149,12 @@ def test_solvers_reject_bad_arguments():
         anderson_inverse(g, y, x0=torch.zeros(1, 4, 3))
     with pytest.raises(ValueError, match="inverse_method"):
         residual_inverse(g, y, method="newton")
+
+
+def test_anderson_survives_collinear_residuals_in_float32():
+    # For a linear branch every residual is a multiple of the first, so the Anderson system is
+    # rank-deficient; in float32 a tiny regulariser is below resolution and would leave it
+    # exactly singular. The solver must still converge.
+    y = torch.randn(64, 4, 2, generator=torch.Generator().manual_seed(0))
+    x = anderson_inverse(lambda z, m: 0.5 * z, y, tol=1e-6, max_iter=200)
+    torch.testing.assert_close(x + 0.5 * x, y, rtol=0, atol=1e-5)

@@ -222,13 +222,17 @@ def anderson_inverse(
         Xa, Ga = X[active, :n], Gs[active, :n]
         Fa = Ga - Xa  # (b, n, M)
         H = Fa @ Fa.transpose(1, 2)
-        lam = reg * H.diagonal(dim1=1, dim2=2).amax(dim=1).clamp(min=1e-30)
+        # Repeated residual directions make H rank-deficient; a regulariser below the dtype's
+        # resolution would leave it exactly singular, so it is floored at a few epsilons.
+        rel = max(reg, 100 * torch.finfo(H.dtype).eps)
+        lam = rel * H.diagonal(dim1=1, dim2=2).amax(dim=1).clamp(min=torch.finfo(H.dtype).tiny)
         H = H + lam.reshape(-1, 1, 1) * torch.eye(n, dtype=H.dtype, device=H.device)
         ones = H.new_ones(len(active), n, 1)
-        sol = torch.linalg.solve(H, ones)
+        sol, info = torch.linalg.solve_ex(H, ones)
         alpha = sol / sol.sum(dim=1, keepdim=True)
         step = (alpha.transpose(1, 2) @ (beta * Ga + (1 - beta) * Xa)).reshape(ga.shape)
-        bad = ~torch.isfinite(step).reshape(len(active), -1).all(dim=1)
+        # a failed solve or a non-finite mixture falls back to the plain fixed-point step
+        bad = (info != 0) | ~torch.isfinite(step).reshape(len(active), -1).all(dim=1)
         if bad.any():
             step[bad] = ga[bad]
         if mask is not None:
