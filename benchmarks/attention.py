@@ -5,6 +5,7 @@ hit all of them alike), and the median per call is reported next to its ratio to
 
     python benchmarks/attention.py                 # CPU, both default shapes
     python benchmarks/attention.py --device cuda   # on a GPU
+    python benchmarks/attention.py --threads 1     # one intra-op thread
     python benchmarks/attention.py --quick         # a fast smoke run
 """
 
@@ -64,8 +65,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--min-run-time", type=float, default=1.0)
+    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="one short round, small shapes")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = [(4, 32, 32, 4)] if args.quick else SHAPES
     rounds, min_run_time = (1, 0.05) if args.quick else (args.rounds, args.min_run_time)
