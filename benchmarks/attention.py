@@ -23,6 +23,17 @@ from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA
 SHAPES = [(32, 128, 128, 8), (8, 512, 256, 8)]  # (B, N, D, H)
 
 
+def cpu_name() -> str:
+    """The CPU model from /proc/cpuinfo where there is one, else the platform's answer."""
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def modules(dim: int, heads: int) -> dict[str, torch.nn.Module]:
     return {
         "DotProductMHA": DotProductMHA(dim, heads),
@@ -74,7 +85,7 @@ def main() -> None:
     shapes = [(4, 32, 32, 4)] if args.quick else SHAPES
     rounds, min_run_time = (1, 0.05) if args.quick else (args.rounds, args.min_run_time)
     device_name = (
-        torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor()
+        torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
     )
     print(f"device: {args.device} ({device_name}), threads: {torch.get_num_threads()}, "
           f"dtype: {args.dtype}, torch {torch.__version__}")
