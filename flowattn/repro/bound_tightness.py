@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -14,12 +14,10 @@ from ..attention.dot_product import split_heads
 from ..lipschitz import jacobian_norm, lambertw0
 from .common import (
     ReproResult,
+    finish_result,
     log_slope,
     new_figure,
-    output_paths,
     save_figure,
-    write_csv,
-    write_json,
 )
 
 __all__ = [
@@ -240,15 +238,8 @@ def run_bound_tightness(
         "lower_slope_per_log_n": log_slope(ns, [r["lower_bound"] for r in rows]),
         "lower_over_upper": {str(r["n"]): r["lower_over_upper"] for r in rows},
     }
-    result = ReproResult(NAME, grid, asdict(config), rows, summary)
-    result.seconds = time.perf_counter() - start
-    if out is not None:
-        paths = output_paths(out, NAME)
-        _plot(rows, config, paths["png"])
-        write_csv(paths["csv"], rows)
-        result.files = {k: str(v) for k, v in paths.items()}
-        write_json(paths["json"], result.to_json())
-    return result
+    return finish_result(NAME, grid, config, rows, summary, start, out,
+                         lambda png: _plot(rows, config, png))
 
 
 def _plot(rows: list[dict], config: BoundTightnessConfig, path) -> None:

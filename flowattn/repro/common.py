@@ -6,7 +6,8 @@ import csv
 import json
 import math
 import os
-from dataclasses import dataclass, field, fields, replace
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "output_paths",
     "write_csv",
     "write_json",
+    "finish_result",
     "finite_or_none",
     "uniform_sets",
     "glorot_init_",
@@ -211,3 +213,25 @@ def log_slope(ns: list[float], values: list[float]) -> float:
     mx, my = sum(logs) / len(logs), sum(values) / len(values)
     sxx = sum((a - mx) ** 2 for a in logs)
     return sum((a - mx) * (b - my) for a, b in zip(logs, values, strict=True)) / sxx
+
+
+def finish_result(name: str, grid: str, config, rows: list[dict], summary: dict,
+                  started: float, out, plot, rows_in_json: bool = True) -> ReproResult:
+    """Wrap a reproduction's rows and summary; with ``out``, write its PNG, CSV and JSON.
+
+    ``plot(png_path)`` draws the figure and may return extra fields for the JSON; ``started``
+    is the ``perf_counter`` value at the start of the run. With ``rows_in_json=False`` the
+    rows are left to the CSV.
+    """
+    result = ReproResult(name, grid, asdict(config), rows, summary)
+    result.seconds = time.perf_counter() - started
+    if out is not None:
+        paths = output_paths(out, name)
+        extra = plot(paths["png"]) or {}
+        write_csv(paths["csv"], rows)
+        result.files = {k: str(v) for k, v in paths.items()}
+        record = result.to_json()
+        if not rows_in_json:
+            record["rows"] = None
+        write_json(paths["json"], {**record, **extra})
+    return result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -12,12 +12,10 @@ from torch import Tensor, nn
 from ..lipschitz import jacobian_norm
 from .common import (
     ReproResult,
+    finish_result,
     log_slope,
     new_figure,
-    output_paths,
     save_figure,
-    write_csv,
-    write_json,
 )
 from .invertibility import LABELS, make_attention
 
@@ -129,15 +127,8 @@ def run_dp_divergence(
         "dp_exceeds_l2_bound": any(s["dp_max"] > l2_bound for s in restarts),
         "restarts": restarts,
     }
-    result = ReproResult(NAME, grid, asdict(config), rows, summary)
-    result.seconds = time.perf_counter() - start
-    if out is not None:
-        paths = output_paths(out, NAME)
-        _plot(traces, l2_bound, config, paths["png"])
-        write_csv(paths["csv"], rows)
-        result.files = {k: str(v) for k, v in paths.items()}
-        write_json(paths["json"], {**result.to_json(), "rows": None})
-    return result
+    return finish_result(NAME, grid, config, rows, summary, start, out,
+                         lambda png: _plot(traces, l2_bound, config, png), rows_in_json=False)
 
 
 def _restart_summary(r: int, c: float, dp: list[float], l2: list[float], bound: float) -> dict:

@@ -6,19 +6,17 @@ import contextlib
 import io
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from .common import (
     ReproResult,
+    finish_result,
     new_figure,
-    output_paths,
     save_figure,
     uniform_sets,
-    write_csv,
-    write_json,
 )
 from .invertibility import ATTENTION_TYPES, LABELS, make_attention
 
@@ -173,15 +171,8 @@ def run_histograms(
         },
         "training": training,
     }
-    result = ReproResult(NAME, grid, asdict(config), rows, summary)
-    result.seconds = time.perf_counter() - start
-    if out is not None:
-        paths = output_paths(out, NAME)
-        counts = _plot(histograms, config, paths["png"])
-        write_csv(paths["csv"], rows)
-        result.files = {k: str(v) for k, v in paths.items()}
-        write_json(paths["json"], {**result.to_json(), "histograms": counts})
-    return result
+    return finish_result(NAME, grid, config, rows, summary, start, out,
+                         lambda png: {"histograms": _plot(histograms, config, png)})
 
 
 def _plot(histograms: dict, config: HistogramConfig, path) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -14,13 +14,11 @@ from ..attention import L2MHA, DotProductMHA
 from ..flows.inverse import InverseNotConverged, fixed_point_inverse
 from .common import (
     ReproResult,
+    finish_result,
     glorot_init_,
     new_figure,
-    output_paths,
     save_figure,
     uniform_sets,
-    write_csv,
-    write_json,
 )
 
 __all__ = [
@@ -194,15 +192,8 @@ def run_invertibility(
             _key(case): case["min_error"] for case in cases if case["attention"] == "dp"
         },
     }
-    result = ReproResult(NAME, grid, asdict(config), rows, summary)
-    result.seconds = time.perf_counter() - start
-    if out is not None:
-        paths = output_paths(out, NAME)
-        _plot(curves, config, paths["png"])
-        write_csv(paths["csv"], rows)
-        result.files = {k: str(v) for k, v in paths.items()}
-        write_json(paths["json"], {**result.to_json(), "rows": None})  # the CSV holds the rows
-    return result
+    return finish_result(NAME, grid, config, rows, summary, start, out,
+                         lambda png: _plot(curves, config, png), rows_in_json=False)
 
 
 def _key(case: dict) -> str:

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
 from ..lipschitz import jacobian_norm, layernorm_lipschitz_bound, lipschitz_lower_bound
-from .common import ReproResult, new_figure, output_paths, save_figure, write_csv, write_json
+from .common import ReproResult, finish_result, new_figure, save_figure
 
 __all__ = ["LayerNormConfig", "conjectured_layernorm_bound", "run_layernorm"]
 
@@ -131,15 +131,8 @@ def run_layernorm(
             str(r["dim"]): r["measured"] / r["flat_input_limit"] for r in rows
         },
     }
-    result = ReproResult(NAME, grid, asdict(config), rows, summary)
-    result.seconds = time.perf_counter() - start
-    if out is not None:
-        paths = output_paths(out, NAME)
-        _plot(rows, config, paths["png"])
-        write_csv(paths["csv"], rows)
-        result.files = {k: str(v) for k, v in paths.items()}
-        write_json(paths["json"], result.to_json())
-    return result
+    return finish_result(NAME, grid, config, rows, summary, start, out,
+                         lambda png: _plot(rows, config, png))
 
 
 def _plot(rows: list[dict], config: LayerNormConfig, path) -> None:

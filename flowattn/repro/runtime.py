@@ -5,14 +5,14 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA
 from ..lm.model import LMConfig, TransformerLM
-from .common import ReproResult, new_figure, output_paths, save_figure, write_csv, write_json
+from .common import ReproResult, finish_result, new_figure, save_figure
 
 __all__ = ["RuntimeConfig", "time_per_call", "run_runtime", "PAPER_TABLE2", "MODULES"]
 
@@ -208,15 +208,8 @@ def run_runtime(
             for a, v in PAPER_TABLE2.items()
         },
     }
-    result = ReproResult(NAME, grid, asdict(config), rows, summary)
-    result.seconds = time.perf_counter() - start
-    if out is not None:
-        paths = output_paths(out, NAME)
-        _plot(rows, config, paths["png"])
-        write_csv(paths["csv"], rows)
-        result.files = {k: str(v) for k, v in paths.items()}
-        write_json(paths["json"], result.to_json())
-    return result
+    return finish_result(NAME, grid, config, rows, summary, start, out,
+                         lambda png: _plot(rows, config, png))
 
 
 def _ratios(rows: list[dict], bench: str) -> dict[str, list[float]]:
