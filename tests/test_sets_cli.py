@@ -118,6 +118,7 @@ def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path):
         (["--data", "no-such-set"], "unknown data set"),
         (["--data", "MISSING.npz"], "no such file"),
         (["--config", "CONFIG"], "unknown setting"),
+        (["--threads", "0"], "--threads must be positive"),
     ],
 )
 def test_fit_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):

@@ -24,6 +24,10 @@ def _fit(args: argparse.Namespace) -> int:
                  "batch_size": args.batch_size, "device": args.device, "seed": args.seed,
                  "num_train": args.num_train}
     config = config.updated(**overrides)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise RunError(f"--threads must be positive, got {args.threads}")
+        torch.set_num_threads(args.threads)
     if config.device.startswith("cuda") and not torch.cuda.is_available():
         raise RunError("--device cuda was requested but no CUDA device is available")
     print(f"fitting a {config.flow} flow to {config.data} for {config.steps} steps -> {args.out}")
@@ -96,6 +100,8 @@ def add_sets_subparsers(subparsers) -> None:
     fit.add_argument("--num-train", type=int, help="size of a built-in training split")
     fit.add_argument("--device", help="cpu or cuda")
     fit.add_argument("--seed", type=int)
+    fit.add_argument("--threads", type=int, help="intra-op CPU threads (default: torch's); on "
+                     "a busy machine 1 avoids OpenMP waits on the small kernels of set flows")
     fit.add_argument("--resume", action="store_true", help="continue the run in --out")
     fit.add_argument("--no-progress", action="store_true", help="no progress bar")
     fit.set_defaults(handler=_fit)
