@@ -173,3 +173,13 @@ def test_torchrun_two_gloo_processes_match_the_single_process_run(tmp_path):
     a, b = final_parameters(single), final_parameters(ddp)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_cnf_fit_logs_solver_evaluations(tmp_path):
+    out = tmp_path / "run"
+    config = tiny_config(tmp_path, field_hidden=8)
+    assert run_cli("fit", *TINY, "--flow", "cnf", "--steps", "2", "--out", str(out),
+                   "--config", str(config)) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert train and all(r["nfe_forward"] > 0 and r["nfe_backward"] > 0 for r in train)

@@ -44,6 +44,14 @@ class _LogProb(nn.Module):
         return self.flow.log_prob(x, mask)
 
 
+def _solver_counts(flow: SetFlow) -> dict:
+    """Field evaluations of the latest forward and backward solve (continuous flows only)."""
+    if not hasattr(flow.transform, "nfe_forward"):
+        return {}
+    return {"nfe_forward": int(flow.transform.nfe_forward),
+            "nfe_backward": int(flow.transform.nfe_backward)}
+
+
 def learning_rate(config: SetsConfig, step: int) -> float:
     """Linear warm-up, then cosine decay from ``lr`` to ``min_lr``."""
     if step < config.warmup:
@@ -181,7 +189,8 @@ def fit(config: SetsConfig, out: str | Path, resume: bool = False, progress: boo
         done = step + 1
         if done % 10 == 0 or done == config.steps:
             metrics.log(done, "train", loss=loss.item(), nll_per_dim=loss.item(), lr=lr,
-                        grad_norm=grad_norm.item(), seconds=time.time() - started)
+                        grad_norm=grad_norm.item(), seconds=time.time() - started,
+                        **_solver_counts(flow))
             bar.set_postfix(nll_per_dim=f"{loss.item():.3f}")
         if ctx.is_main and (done % config.eval_every == 0 or done == config.steps):
             result = evaluate(flow, val, limit=config.val_sets)
