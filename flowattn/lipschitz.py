@@ -179,7 +179,7 @@ def l2_attention_bound(
     w_q: Tensor,
     w_v: Tensor,
     w_o: Tensor,
-    norm="inf",
+    norm: str | int = "inf",
 ) -> Tensor:
     """Certified Lipschitz bound of tied L2 multi-head attention (Kim et al. 2021, Thm 3.2).
 
@@ -227,7 +227,9 @@ def l2_attention_bound(
     return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral_norm_exact(w_o)
 
 
-def layernorm_lipschitz_bound(weight: Tensor | None, dim: int, eps: float, norm="inf") -> Tensor:
+def layernorm_lipschitz_bound(
+    weight: Tensor | None, dim: int, eps: float, norm: str | int = "inf"
+) -> Tensor:
     """Certified Lipschitz bound of LayerNorm(x) = gamma * (x - mu) / sqrt(sigma^2 + eps) + beta.
 
     * inf-norm (Kim et al. 2021, App. N, eq. after (39)): eps^{-1/2} max|gamma| (D^2 - 2) / D.
@@ -245,7 +247,7 @@ def layernorm_lipschitz_bound(weight: Tensor | None, dim: int, eps: float, norm=
     return scale * (dim**2 - 2) / dim if norm == "inf" else scale
 
 
-def centernorm_lipschitz_bound(weight: Tensor | None, dim: int, norm="inf") -> Tensor:
+def centernorm_lipschitz_bound(weight: Tensor | None, dim: int, norm: str | int = "inf") -> Tensor:
     """Lipschitz constant of CenterNorm(x) = gamma * D/(D-1) (x - mean x) + beta (LipsFormer).
 
     The Jacobian diag(gamma) D/(D-1) (I - 11^T/D) is constant, so these values are exact:

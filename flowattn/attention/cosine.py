@@ -92,7 +92,7 @@ class ScaledCosineMHA(nn.Module):
         """(D, D) -> (H, D, d): the column block of each head."""
         return w.reshape(self.dim, self.heads, self.head_dim).permute(1, 0, 2)
 
-    def lipschitz_bound(self, n: int | Tensor, norm="inf") -> Tensor:
+    def lipschitz_bound(self, n: int | Tensor, norm: str | int = "inf") -> Tensor:
         """Theorem 1 of Qi et al. (2023) for sets of ``n`` elements, combined over heads."""
         if self.training and self.dropout > 0:
             raise ValueError(

@@ -158,7 +158,7 @@ class L2MHA(nn.Module):
         a = wq @ wq.transpose(1, 2) / math.sqrt(self.head_dim)  # A_h, (H, D, D)
         return p @ (x.unsqueeze(1) @ a @ wv)  # P^h X A_h W^{V,h}
 
-    def lipschitz_bound(self, n: int | Tensor, norm="inf") -> Tensor:
+    def lipschitz_bound(self, n: int | Tensor, norm: str | int = "inf") -> Tensor:
         """Certified bound on Lip_p(F) for sets of ``n`` elements (Kim et al. 2021, Thm 3.2).
 
         ``n`` may be a tensor of per-row counts (the number of keys each query sees under a
@@ -213,7 +213,7 @@ class ContractiveL2MHA(nn.Module):
         dim: int,
         heads: int,
         coeff: float = 0.9,
-        norm="inf",
+        norm: str | int = "inf",
         output_dropout: float = 0.0,
         fused: bool = True,
         dropout: float = 0.0,
@@ -253,7 +253,7 @@ class ContractiveL2MHA(nn.Module):
             return y * (torch.rand_like(y) >= p).to(y.dtype)
         return y * (1.0 - p)
 
-    def lipschitz_bound(self, n: int | Tensor, norm=None) -> Tensor:
+    def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
         """Certified Lipschitz constant of f for sets of ``n`` elements.
 
         In the module's own norm this is ``coeff``. In the other norm, f = S F with S diagonal,

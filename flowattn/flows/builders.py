@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from nflows.transforms import CompositeTransform, Transform
@@ -187,7 +188,7 @@ def set_flow(
     attention: Callable[..., nn.Module] | None = None,
     linear: bool = True,
     interaction: str = "attention",
-    **residual_kwargs,
+    **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
 
@@ -241,7 +242,7 @@ def sequence_flow(
     actnorm: bool = True,
     norm: str = "inf",
     attention: Callable[..., nn.Module] | None = None,
-    **residual_kwargs,
+    **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A residual flow over sequences, with causal attention by default.
 

@@ -221,12 +221,14 @@ class CNF(Transform):
         t1: integration time T > 0.
         solver: a torchdiffeq method, adaptive (``ADAPTIVE_SOLVERS``) or fixed-grid
             (``FIXED_GRID_SOLVERS``, which need ``solver_options={"step_size": h}``).
-        atol, rtol: absolute and relative tolerances of the adaptive solver.
+        atol: absolute tolerance of the adaptive solver.
+        rtol: relative tolerance of the adaptive solver.
         adjoint: backpropagate by solving the adjoint ODE (memory independent of the steps).
         adjoint_params: parameters the adjoint computes gradients for (default: the field's).
         seminorm: let the adjoint's step-size control ignore the parameter-gradient states
             (Kidger et al. 2021); fewer backward evaluations, same gradients to tolerance.
-        adjoint_atol, adjoint_rtol: tolerances of the adjoint solve (default: atol, rtol).
+        adjoint_atol: absolute tolerance of the adjoint solve (default: atol).
+        adjoint_rtol: relative tolerance of the adjoint solve (default: rtol).
         divergence: ``"exact"`` or ``"hutchinson"``.
         noise: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
         generator: torch.Generator the probes are drawn from (default: the global RNG).

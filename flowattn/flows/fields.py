@@ -141,7 +141,7 @@ class AttentionField(_StackedAttentionField):
         layers: int = 2,
         hidden: int = 16,
         time_hidden: int = 16,
-        norm="inf",
+        norm: str | int = "inf",
         causal: bool = False,
         zero_com: bool = False,
         max_lipschitz: float | None = None,

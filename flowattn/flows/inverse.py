@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -172,8 +173,14 @@ def anderson_inverse(
     iterate. Sets whose Anderson step is not finite fall back to the plain step.
 
     Arguments:
-        branch, y, mask, x0, tol, max_iter, zero_com, return_stats: as in
-            :func:`fixed_point_inverse`.
+        branch: as in :func:`fixed_point_inverse`.
+        y: as in :func:`fixed_point_inverse`.
+        mask: as in :func:`fixed_point_inverse`.
+        x0: as in :func:`fixed_point_inverse`.
+        tol: as in :func:`fixed_point_inverse`.
+        max_iter: as in :func:`fixed_point_inverse`.
+        zero_com: as in :func:`fixed_point_inverse`.
+        return_stats: as in :func:`fixed_point_inverse`.
         memory: history length m.
         beta: mixing (damping) parameter.
         reg: Tikhonov regularisation of the least-squares system, relative to its scale.
@@ -250,7 +257,7 @@ def residual_inverse(
     y: Tensor,
     mask: Tensor | None = None,
     method: str = "anderson",
-    **kwargs,
+    **kwargs: Any,
 ) -> Tensor:
     r"""Inverse of y = x + g(x), differentiable by implicit differentiation.
 

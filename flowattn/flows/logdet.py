@@ -268,7 +268,8 @@ def series_logdet(
     with E[v v^T] = I. Biased by the truncated tail, |bias| <= N D Lip^(n+1) / ((n+1)(1 - Lip)).
 
     Arguments:
-        gx, x: P g(x) with graph and its input (see module docstring).
+        gx: P g(x) with graph (see the module docstring).
+        x: the input of g, requiring grad.
         n_terms: number of series terms n.
         mask: bool (B, N), True = present.
         n_samples: probes per set, averaged.
@@ -367,7 +368,8 @@ def roulette_logdet(
     estimator is finite when Lip(g)^2 / (1 - p) < 1 for the geometric law.
 
     Arguments:
-        gx, x: P g(x) with graph and its input.
+        gx: P g(x) with graph.
+        x: the input of g, requiring grad.
         n_exact_terms: terms always computed.
         mask: bool (B, N), True = present.
         n_samples: probes per set, averaged.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from nflows.transforms import CompositeTransform, Transform
@@ -408,7 +409,7 @@ class TransformerResidualPair(CompositeTransform):
         torch.Size([3])
     """
 
-    def __init__(self, attention: nn.Module, mlp: nn.Module, **kwargs) -> None:
+    def __init__(self, attention: nn.Module, mlp: nn.Module, **kwargs: Any) -> None:
         super().__init__(
             [InvertibleResidual(attention, **kwargs), InvertibleResidual(mlp, **kwargs)]
         )
