@@ -77,7 +77,7 @@ class L2MHA(nn.Module):
         >>> attn = L2MHA(dim=16, heads=4)
         >>> mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
         >>> y = attn(torch.randn(2, 5, 16), mask=mask)
-        >>> float(attn.lipschitz_bound(5)) > 0
+        >>> attn.lipschitz_bound(5).item() > 0
         True
     """
 
