@@ -160,7 +160,11 @@ class DistributedContext:
             dist.barrier()
 
     def close(self) -> None:
+        """Leave the process group once every rank has finished (call on success only)."""
         if self.active and dist.is_initialized():
+            # Process 0 evaluates and writes after training; tearing the group down under it
+            # (it also hosts the rendezvous store) can abort the other processes.
+            dist.barrier()
             dist.destroy_process_group()
 
 

@@ -232,7 +232,7 @@ def test_torchrun_trains_with_two_gloo_processes(corpus, tmp_path):
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.returncode == 0, done.stderr[:3000] + " ... " + done.stderr[-2000:]
     summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 1  # only the first process reports
     assert summaries[0]["world_size"] == 2 and summaries[0]["step"] == 6

@@ -342,7 +342,12 @@ def train(cfg: TrainConfig) -> dict:
     rank, world = (dist.get_rank(), dist.get_world_size()) if ddp else (0, 1)
     master = rank == 0
     try:
-        return _train(cfg, device, rank, world, master)
+        summary = _train(cfg, device, rank, world, master)
+        if own_group:
+            # Rank 0 may still be writing its last checkpoint; tearing the group down under it
+            # (rank 0 also hosts the rendezvous store) can abort the other ranks.
+            dist.barrier()
+        return summary
     finally:
         if own_group:
             dist.destroy_process_group()
