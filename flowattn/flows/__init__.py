@@ -8,6 +8,7 @@ from .divergence import exact_divergence, hutchinson_divergence
 from .equivariant import EquivariantLinear
 from .fields import AttentionField, DotProductField
 from .inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse, residual_inverse
+from .location import SetLocation, size_features
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
 from .residual import InvertibleResidual, TransformerResidualPair
 
@@ -23,6 +24,7 @@ __all__ = [
     "InverseNotConverged",
     "InvertibleResidual",
     "SetFlow",
+    "SetLocation",
     "TransformerResidualPair",
     "anderson_inverse",
     "exact_logdet",
@@ -35,6 +37,7 @@ __all__ = [
     "series_logdet",
     "set_dims",
     "set_flow",
+    "size_features",
     "standard_normal_log_prob",
     "subtract_mean",
 ]

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from flowattn.flows.actnorm import ActNorm
 from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob, subtract_mean
 from flowattn.flows.equivariant import EquivariantLinear
+from flowattn.flows.location import SetLocation
 from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
 from flowattn.validation import check_sets
@@ -145,6 +146,7 @@ def _build(
     residual_kwargs: dict,
     linear: bool = False,
     interaction: str = "attention",
+    location: bool = False,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -152,13 +154,15 @@ def _build(
         raise ValueError(f"coeff must lie in (0, 1), got {coeff}")
     if interaction not in INTERACTIONS:
         raise ValueError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
+    if location and zero_com:
+        raise ValueError("location=True models the centroid, which zero_com fixes at 0")
     factory = attention or _default_attention
     # In zero-COM mode the attention output is projected (x - mean x); that projection can
     # double an inf-norm Lipschitz constant (2 (n - 1) / n), so the coefficient is halved.
     att_coeff = coeff / 2 if (zero_com and norm != "2") else coeff
     hidden = hidden or 4 * dim
     kwargs = dict(residual_kwargs, causal=causal, zero_com=zero_com)
-    layers: list[Transform] = []
+    layers: list[Transform] = [SetLocation(dim)] if location else []
     for _ in range(blocks):
         if actnorm:
             layers.append(ActNorm(dim, zero_com=zero_com))
@@ -188,6 +192,7 @@ def set_flow(
     attention: Callable[..., nn.Module] | None = None,
     linear: bool = True,
     interaction: str = "attention",
+    location: bool = False,
     **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
@@ -217,6 +222,10 @@ def set_flow(
             (no attention: ActNorm -> EquivariantLinear -> x + g_mlp(x)) or ``"none"`` (ActNorm
             -> x + g_mlp(x): each element transformed alone, the density of i.i.d. points).
             The last two are baselines that show what attention adds.
+        location: start (on the data side) with a :class:`SetLocation`, a spline flow of each
+            set's centroid given its size. Attention and equivariant linear maps are affine
+            along a translation of the whole set, so without it a multimodal distribution of
+            set locations is out of reach. Not with ``zero_com``.
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
@@ -227,7 +236,7 @@ def set_flow(
     """
     return _build(
         dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
-        residual_kwargs, linear, interaction,
+        residual_kwargs, linear, interaction, location,
     )
 
 

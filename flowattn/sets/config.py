@@ -6,7 +6,10 @@ import json
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from nflows.transforms import CompositeTransform
+
 from ..flows.builders import SetFlow, set_flow
+from ..flows.location import SetLocation
 from ..runs import RunError
 
 __all__ = ["SetsConfig", "build_flow"]
@@ -26,6 +29,7 @@ class SetsConfig:
     num_train: int | None = None
     flow: str = "resflow"
     interaction: str = "attention"  # or "linear" (no attention) or "none" (i.i.d. points)
+    location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
     # residual flow
     blocks: int = 4
     heads: int = 1
@@ -102,6 +106,7 @@ def _heads_for(dim: int, heads: int) -> int:
 def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> SetFlow:
     """The flow ``config`` describes, for sets of up to ``set_size`` elements in R^dim."""
     small = set_size * dim <= 64
+    location = config.location and not zero_com and config.interaction != "none"
     if config.flow == "resflow":
         logdet = config.train_logdet
         if logdet == "auto":
@@ -115,6 +120,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             zero_com=zero_com,
             norm="2" if zero_com else "inf",
             interaction=config.interaction,
+            location=location,
             logdet=logdet,
         )
     if config.interaction != "attention":
@@ -135,4 +141,6 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
     )
     cnf = CNF(field, t1=config.t1, atol=config.ode_tol, rtol=config.ode_tol,
               divergence=divergence, zero_com=zero_com)
-    return SetFlow(cnf, dim, zero_com)
+    if not location:
+        return SetFlow(cnf, dim, zero_com)
+    return SetFlow(CompositeTransform([SetLocation(dim), cnf]), dim, zero_com)

@@ -46,10 +46,11 @@ class _LogProb(nn.Module):
 
 def _solver_counts(flow: SetFlow) -> dict:
     """Field evaluations of the latest forward and backward solve (continuous flows only)."""
-    if not hasattr(flow.transform, "nfe_forward"):
+    solvers = [m for m in flow.modules() if hasattr(m, "nfe_forward")]
+    if not solvers:
         return {}
-    return {"nfe_forward": int(flow.transform.nfe_forward),
-            "nfe_backward": int(flow.transform.nfe_backward)}
+    return {"nfe_forward": sum(int(m.nfe_forward) for m in solvers),
+            "nfe_backward": sum(int(m.nfe_backward) for m in solvers)}
 
 
 def learning_rate(config: SetsConfig, step: int) -> float:
@@ -95,6 +96,11 @@ def _data_spec(train: SetData) -> dict:
             "zero_com": train.zero_com, "variable_size": train.mask is not None}
 
 
+def _with_legacy_defaults(settings: dict) -> dict:
+    """Settings of a checkpoint written before ``location`` existed describe a flow without it."""
+    return {"location": False, **settings}
+
+
 def load_flow(checkpoint_dir: str | Path, device: str = "cpu") -> tuple[SetFlow, dict]:
     """The flow saved in ``checkpoint_dir`` (in evaluation mode) and its checkpoint record."""
     path = Path(checkpoint_dir) / CHECKPOINT
@@ -105,7 +111,7 @@ def load_flow(checkpoint_dir: str | Path, device: str = "cpu") -> tuple[SetFlow,
     except Exception as err:  # truncated or foreign file
         raise RunError(f"cannot read checkpoint {path}: {err}") from None
     spec = record["data"]
-    config = SetsConfig(**record["config"])
+    config = SetsConfig(**_with_legacy_defaults(record["config"]))
     flow = build_flow(config, spec["dim"], spec["set_size"], spec["zero_com"]).to(device)
     flow.load_state_dict(record["model"])
     return flow.eval(), record
