@@ -13,13 +13,14 @@ from flowattn.flows.actnorm import ActNorm
 from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob, subtract_mean
 from flowattn.flows.equivariant import EquivariantLinear
 from flowattn.flows.location import SetLocation
+from flowattn.flows.radial import RadialInteraction
 from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
 from flowattn.validation import check_sets
 
 __all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS"]
 
-INTERACTIONS = ("attention", "linear", "none")
+INTERACTIONS = ("attention", "radial", "linear", "none")
 
 
 class SetFlow(nn.Module):
@@ -168,8 +169,11 @@ def _build(
             layers.append(ActNorm(dim, zero_com=zero_com))
         if linear and interaction != "none":
             layers.append(EquivariantLinear(dim, zero_com=zero_com))
-        if interaction != "attention":  # no attention: pointwise MLP residuals only
-            layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **kwargs))
+        if interaction == "radial":
+            layers.append(InvertibleResidual(RadialInteraction(coeff), **kwargs))
+        if interaction != "attention":  # no attention: pointwise MLP residuals
+            if mlp or interaction != "radial":
+                layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **kwargs))
             continue
         att = factory(dim, heads, att_coeff, norm)
         if mlp:
@@ -221,7 +225,10 @@ def set_flow(
         interaction: how elements interact: ``"attention"`` (the blocks above), ``"linear"``
             (no attention: ActNorm -> EquivariantLinear -> x + g_mlp(x)) or ``"none"`` (ActNorm
             -> x + g_mlp(x): each element transformed alone, the density of i.i.d. points).
-            The last two are baselines that show what attention adds.
+            The last two are baselines that show what attention adds. ``"radial"`` replaces
+            attention by :class:`RadialInteraction`, an E(n)-equivariant pairwise interaction
+            of particles with a tight certified bound: ActNorm -> EquivariantLinear ->
+            x + g_radial(x) -> x + g_mlp(x) (the last only with ``mlp``).
         location: start (on the data side) with a :class:`SetLocation`, a spline flow of each
             set's centroid given its size. Attention and equivariant linear maps are affine
             along a translation of the whole set, so without it a multimodal distribution of

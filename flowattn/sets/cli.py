@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..data import DataError, load_dataset, load_npz, save_npz
+from ..flows.builders import INTERACTIONS
 from ..runs import RunError
 from .config import SetsConfig
 
@@ -22,7 +23,8 @@ def _fit(args: argparse.Namespace) -> int:
     config = SetsConfig.from_file(args.config) if args.config else SetsConfig()
     overrides = {"data": args.data, "flow": args.flow, "steps": args.steps,
                  "batch_size": args.batch_size, "device": args.device, "seed": args.seed,
-                 "num_train": args.num_train}
+                 "num_train": args.num_train, "interaction": args.interaction,
+                 "blocks": args.blocks}
     config = config.updated(**overrides)
     if args.threads is not None:
         if args.threads < 1:
@@ -93,6 +95,11 @@ def add_sets_subparsers(subparsers) -> None:
     fit.add_argument("--data", help="built-in data set (gaussian-sets, cluster-sets, dw4, "
                      "lj13) or a .npz file with x (M, N, D) and optional mask (M, N)")
     fit.add_argument("--flow", choices=["resflow", "cnf"])
+    fit.add_argument("--interaction", choices=list(INTERACTIONS),
+                     help="how elements interact in a resflow: contractive L2 attention "
+                     "(default), radial (E(n)-equivariant pairwise, for particles), or the "
+                     "baselines linear and none")
+    fit.add_argument("--blocks", type=int, help="residual blocks")
     fit.add_argument("--out", default="runs/sets", help="output folder (default runs/sets)")
     fit.add_argument("--config", help="JSON file of settings (see SetsConfig)")
     fit.add_argument("--steps", type=int)

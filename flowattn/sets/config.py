@@ -8,7 +8,7 @@ from pathlib import Path
 
 from nflows.transforms import CompositeTransform
 
-from ..flows.builders import SetFlow, set_flow
+from ..flows.builders import INTERACTIONS, SetFlow, set_flow
 from ..flows.location import SetLocation
 from ..runs import RunError
 
@@ -22,13 +22,19 @@ class SetsConfig:
     Data: ``data`` is a built-in name or an ``.npz`` path; ``num_train`` overrides the size of a
     built-in training split. Flow: ``flow`` is ``resflow`` (invertible residual blocks of
     contractive L2 attention and Lipschitz MLPs) or ``cnf`` (a continuous flow whose field is
-    L2 attention). Training: Adam with linear warm-up and cosine decay, gradient clipping.
+    L2 attention). ``interaction`` chooses how elements meet in the residual flow: contractive
+    attention, ``radial`` (an E(n)-equivariant pairwise interaction, for particles), or the
+    baselines ``linear`` and ``none``. With ``location`` (the default) the flow starts with a
+    :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid given its size;
+    it is left out for particle data (centroid fixed at 0) and for ``interaction="none"``.
+    Training: Adam with linear warm-up and cosine decay, gradient clipping.
     """
 
     data: str = "gaussian-sets"
     num_train: int | None = None
     flow: str = "resflow"
-    interaction: str = "attention"  # or "linear" (no attention) or "none" (i.i.d. points)
+    interaction: str = "attention"  # "radial" (particles), "linear" or "none" (i.i.d. points)
+    mlp: bool = True  # pointwise Lipschitz-MLP residual in every block
     location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
     # residual flow
     blocks: int = 4
@@ -64,8 +70,8 @@ class SetsConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise RunError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.interaction not in ("attention", "linear", "none"):
-            raise RunError(f"interaction must be 'attention', 'linear' or 'none', "
+        if self.interaction not in INTERACTIONS:
+            raise RunError(f"interaction must be one of {', '.join(INTERACTIONS)}, "
                            f"got {self.interaction!r}")
         if not 0 < self.coeff < 1:
             raise RunError(f"coeff must lie in (0, 1) for invertible blocks, got {self.coeff}")
@@ -120,6 +126,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             zero_com=zero_com,
             norm="2" if zero_com else "inf",
             interaction=config.interaction,
+            mlp=config.mlp,
             location=location,
             logdet=logdet,
         )
