@@ -202,7 +202,10 @@ def test_default_init_is_gpt2_with_scaled_residual_projections():
     fc = torch.cat([b.ff.fc.weight.flatten() for b in model.blocks])
     assert abs(fc.std().item() / 0.02 - 1) < 0.02
     assert abs(proj.std().item() / (0.02 / math.sqrt(2 * layers)) - 1) < 0.02
-    assert model.head.weight is model.tok_emb.weight
+    assert model.head.weight is not model.tok_emb.weight  # untied by default
+    assert abs(model.head.weight.std().item() / 0.02 - 1) < 0.05
+    tied = TransformerLM(LMConfig(vocab_size=200, layers=1, dim=16, tie_embeddings=True))
+    assert tied.head.weight is tied.tok_emb.weight
 
 
 def test_weighted_residual_alpha_starts_at_one_over_layers_per_channel():

@@ -99,7 +99,7 @@ class TrainConfig:
     ff_mult: int = 4
     dropout: float = 0.0
     bias: bool = False
-    tie_embeddings: bool = True
+    tie_embeddings: bool = False
     invertible: bool = False
     contractive_coeff: float = 0.9
     ortho_attention: float = 0.0
