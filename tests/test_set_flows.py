@@ -77,9 +77,10 @@ def _trained_actnorm(flow, x, mask=None):
     return flow.eval()
 
 
-def test_set_flow_log_prob_matches_brute_force_jacobian():
+@pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
+def test_set_flow_log_prob_matches_brute_force_jacobian(options):
     torch.manual_seed(3)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact").double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double()
     x = torch.randn(3, 5, 2, dtype=DT)
     _trained_actnorm(flow, 2 * x + 1)
     log_prob = flow.log_prob(x)
@@ -87,17 +88,19 @@ def test_set_flow_log_prob_matches_brute_force_jacobian():
     assert (log_prob - ref).abs().max() < 1e-8
 
 
-def test_set_flow_log_prob_is_exchangeable():
+@pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
+def test_set_flow_log_prob_is_exchangeable(options):
     torch.manual_seed(4)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact").double().eval()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double().eval()
     x = torch.randn(4, 6, 2, dtype=DT)
     perm = torch.randperm(6)
     assert (flow.log_prob(x[:, perm]) - flow.log_prob(x)).abs().max() < 1e-10
 
 
-def test_padded_batch_log_prob_equals_each_set_alone():
+@pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
+def test_padded_batch_log_prob_equals_each_set_alone(options):
     torch.manual_seed(5)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact").double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double()
     data = torch.randn(8, 6, 2, dtype=DT)
     _trained_actnorm(flow, data)
     sizes = [6, 3, 1]
@@ -109,10 +112,11 @@ def test_padded_batch_log_prob_equals_each_set_alone():
     assert (batched - alone).abs().max() < 1e-10
 
 
-def test_zero_com_flow_keeps_centre_and_matches_subspace_brute_force():
+@pytest.mark.parametrize("interaction", ["attention", "radial"])
+def test_zero_com_flow_keeps_centre_and_matches_subspace_brute_force(interaction):
     torch.manual_seed(6)
     flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", zero_com=True,
-                    inverse_tol=1e-12).double()
+                    inverse_tol=1e-12, interaction=interaction).double()
     x = subtract_mean(torch.randn(3, 4, 2, dtype=DT))
     _trained_actnorm(flow, 1.5 * x)
     z = flow.transform_to_noise(x)

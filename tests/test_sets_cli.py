@@ -183,3 +183,21 @@ def test_cnf_fit_logs_solver_evaluations(tmp_path):
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r["split"] == "train"]
     assert train and all(r["nfe_forward"] > 0 and r["nfe_backward"] > 0 for r in train)
+
+
+def test_interaction_and_blocks_flags_reach_the_flow(tmp_path):
+    out = tmp_path / "run"
+    config = tiny_config(tmp_path)
+    assert run_cli("fit", *TINY, "--interaction", "radial", "--blocks", "1", "--steps", "2",
+                   "--out", str(out), "--config", str(config)) == 0
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["interaction"] == "radial" and saved["blocks"] == 1 and saved["location"]
+    from flowattn.flows import RadialInteraction, SetLocation
+    from flowattn.sets import load_flow
+
+    flow, _ = load_flow(out)
+    kinds = {type(m) for m in flow.modules()}
+    assert RadialInteraction in kinds and SetLocation in kinds
+    with pytest.raises(SystemExit) as exit_info:
+        run_cli("fit", *TINY, "--interaction", "sideways", "--out", str(tmp_path / "x"))
+    assert exit_info.value.code == 2
