@@ -28,6 +28,7 @@ from flowattn.flows.base import subtract_mean
 __all__ = [
     "project",
     "exact_logdet",
+    "jacobian_logdet",
     "series_logdet",
     "roulette_logdet",
     "sample_roulette_lengths",
@@ -156,6 +157,31 @@ def exact_logdet(
         pieces.append(project(_vjp(gx, x, basis, create_graph, batched=True), mask, zero_com))
     jac = torch.cat(pieces, dim=0).reshape(M, B, M).transpose(0, 1)  # (B, rows, cols)
     return torch.linalg.slogdet(jac + eye_m)[1]
+
+
+def jacobian_logdet(jac: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Tensor:
+    """log|det(I + P J)| per set from a branch's own Jacobian ``jac`` of shape (B, N, D, N, D).
+
+    Padded elements (``mask`` False) are cut out of J; with ``zero_com`` the rows are projected
+    onto the zero-centre-of-mass subspace (P), which gives the log-det of the block restricted
+    to it (I + P J is block-triangular in a basis of the subspace and its complement).
+
+    Example:
+        >>> jac = 0.1 * torch.eye(6, dtype=torch.float64).reshape(1, 3, 2, 3, 2)
+        >>> round(float(jacobian_logdet(jac)), 6) == round(6 * math.log(1.1), 6)
+        True
+    """
+    B, N, D = jac.shape[:3]
+    if mask is not None:
+        present = mask.to(jac.dtype)
+        jac = jac * present[:, :, None, None, None] * present[:, None, None, :, None]
+    if zero_com:
+        w = torch.ones(B, N, dtype=jac.dtype, device=jac.device) if mask is None else present
+        mean_row = (jac * w[:, :, None, None, None]).sum(1, keepdim=True)
+        mean_row = mean_row / w.sum(1)[:, None, None, None, None]
+        jac = jac - mean_row * w[:, :, None, None, None]
+    eye = torch.eye(N * D, dtype=jac.dtype, device=jac.device)
+    return torch.linalg.slogdet(jac.reshape(B, N * D, N * D) + eye)[1]
 
 
 def _block_logdet(blocks: Tensor, mask: Tensor | None) -> Tensor:

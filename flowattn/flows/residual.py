@@ -13,6 +13,7 @@ from flowattn.attention import twice_differentiable
 from flowattn.flows.inverse import INVERSE_METHODS, residual_inverse
 from flowattn.flows.logdet import (
     exact_logdet,
+    jacobian_logdet,
     memory_efficient_logdet,
     project,
     roulette_logdet,
@@ -90,7 +91,9 @@ class InvertibleResidual(Transform):
     The branch must provide ``forward(x, mask=None, causal=False)`` and a certified
     ``lipschitz_bound(n)`` < 1; it is checked at construction (on ``check_size`` elements), in
     evaluation mode and before every inverse (on the actual N). It may declare
-    ``jacobian_structure = "pointwise"`` (block-diagonal Jacobian: exact log-det from D VJPs).
+    ``jacobian_structure = "pointwise"`` (block-diagonal Jacobian: exact log-det from D VJPs),
+    or a closed-form ``jacobian(x, mask)`` of shape (B, N, D, N, D), which the exact path then
+    uses instead of N D VJPs.
     Training differentiates VJPs of the branch (double backward): the branch must be twice
     differentiable. The block evaluates it inside
     :func:`flowattn.attention.twice_differentiable`, so attention branches keep their fused
@@ -263,6 +266,12 @@ class InvertibleResidual(Transform):
             )
         return bound
 
+    def _exact_logdet(self, gx: Tensor, x: Tensor, mask: Tensor | None, create_graph: bool):
+        jacobian_fn = getattr(self.branch, "jacobian", None)
+        if callable(jacobian_fn) and not self.causal:  # the branch's closed form: one pass
+            return jacobian_logdet(jacobian_fn(x, mask), mask, self.zero_com)
+        return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph)
+
     def _exact_feasible(self, n: int, d: int) -> bool:
         return self.structure != "full" or n * d <= self.exact_max_dim
 
@@ -272,7 +281,7 @@ class InvertibleResidual(Transform):
         zc = self.zero_com
         if not self.training:
             if self._exact_feasible(n, d):
-                return lambda gx, x, cg: exact_logdet(gx, x, mask, self.structure, zc, cg)
+                return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
             bound = self._check_contractive(n)
             terms = self.eval_n_terms or _terms_for_bound(bound)
 
@@ -287,7 +296,7 @@ class InvertibleResidual(Transform):
         if method == "auto":
             method = "exact" if self._exact_feasible(n, d) else "roulette"
         if method == "exact":
-            return lambda gx, x, cg: exact_logdet(gx, x, mask, self.structure, zc, cg)
+            return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
         if method == "series":
             return lambda gx, x, cg: series_logdet(
                 gx, x, self.n_terms, mask, self.n_samples, self.probe, self.grad, zc,
