@@ -148,6 +148,8 @@ def _build(
     linear: bool = False,
     interaction: str = "attention",
     location: bool = False,
+    radial_basis: int = 32,
+    radial_range: float = 6.0,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -170,7 +172,8 @@ def _build(
         if linear and interaction != "none":
             layers.append(EquivariantLinear(dim, zero_com=zero_com))
         if interaction == "radial":
-            layers.append(InvertibleResidual(RadialInteraction(coeff), **kwargs))
+            radial = RadialInteraction(coeff, basis=radial_basis, r_max=radial_range)
+            layers.append(InvertibleResidual(radial, **kwargs))
         if interaction != "attention":  # no attention: pointwise MLP residuals
             if mlp or interaction != "radial":
                 layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **kwargs))
@@ -197,6 +200,8 @@ def set_flow(
     linear: bool = True,
     interaction: str = "attention",
     location: bool = False,
+    radial_basis: int = 32,
+    radial_range: float = 6.0,
     **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
@@ -233,6 +238,8 @@ def set_flow(
             set's centroid given its size. Attention and equivariant linear maps are affine
             along a translation of the whole set, so without it a multimodal distribution of
             set locations is out of reach. Not with ``zero_com``.
+        radial_basis, radial_range: Gaussian bumps of psi' and the largest bump centre, in the
+            units after ActNorm (``interaction="radial"``).
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
@@ -243,7 +250,7 @@ def set_flow(
     """
     return _build(
         dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
-        residual_kwargs, linear, interaction, location,
+        residual_kwargs, linear, interaction, location, radial_basis, radial_range,
     )
 
 

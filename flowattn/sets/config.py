@@ -35,6 +35,8 @@ class SetsConfig:
     flow: str = "resflow"
     interaction: str = "attention"  # "radial" (particles), "linear" or "none" (i.i.d. points)
     mlp: bool = True  # pointwise Lipschitz-MLP residual in every block
+    radial_basis: int = 32  # interaction="radial": Gaussian bumps of psi'
+    radial_range: float = 6.0  # ... and the largest bump centre (units after ActNorm)
     location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
     # residual flow
     blocks: int = 4
@@ -66,7 +68,7 @@ class SetsConfig:
         if self.flow not in ("resflow", "cnf"):
             raise RunError(f"unknown flow {self.flow!r}: use 'resflow' or 'cnf'")
         positive = ["blocks", "heads", "hidden", "field_layers", "field_hidden", "steps",
-                    "batch_size", "eval_every", "checkpoint_every", "val_sets"]
+                    "batch_size", "eval_every", "checkpoint_every", "val_sets", "radial_basis"]
         for name in positive:
             if getattr(self, name) < 1:
                 raise RunError(f"{name} must be a positive integer, got {getattr(self, name)}")
@@ -75,6 +77,8 @@ class SetsConfig:
                            f"got {self.interaction!r}")
         if not 0 < self.coeff < 1:
             raise RunError(f"coeff must lie in (0, 1) for invertible blocks, got {self.coeff}")
+        if not self.radial_range > 0:
+            raise RunError(f"radial_range must be positive, got {self.radial_range}")
         if self.lr <= 0 or self.min_lr < 0 or self.t1 <= 0 or self.ode_tol <= 0:
             raise RunError("lr, t1 and ode_tol must be positive and min_lr non-negative")
 
@@ -127,6 +131,8 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             norm="2" if zero_com else "inf",
             interaction=config.interaction,
             mlp=config.mlp,
+            radial_basis=config.radial_basis,
+            radial_range=config.radial_range,
             location=location,
             logdet=logdet,
         )
