@@ -134,3 +134,17 @@ def test_closed_form_logdet_and_its_gradients_equal_the_vjp_path(zero_com):
     grads = [torch.autograd.grad(v.sum(), [x, g.weight], retain_graph=True) for v in (closed, vjp)]
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
+
+
+def test_closed_form_makes_the_exact_path_feasible_for_larger_sets():
+    block = InvertibleResidual(make(), logdet="auto", zero_com=True)
+    assert block._exact_feasible(40, 3)  # 120 dimensions: beyond the VJP path's 64
+    assert not block._exact_feasible(200, 3)
+    x = randn(2, 40, 3)
+    x = x - x.mean(1, keepdim=True)
+    block.eval()
+    _, logdet = block(x)
+    jac = block.branch.jacobian(x)
+    from flowattn.flows.logdet import jacobian_logdet
+
+    torch.testing.assert_close(logdet, jacobian_logdet(jac, None, True))

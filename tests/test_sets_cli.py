@@ -201,3 +201,14 @@ def test_interaction_and_blocks_flags_reach_the_flow(tmp_path):
     with pytest.raises(SystemExit) as exit_info:
         run_cli("fit", *TINY, "--interaction", "sideways", "--out", str(tmp_path / "x"))
     assert exit_info.value.code == 2
+
+
+def test_auto_interaction_is_radial_for_particles_and_attention_otherwise():
+    from flowattn.sets import SetsConfig
+    from flowattn.sets.config import resolved_interaction
+
+    config = SetsConfig()
+    assert config.interaction == "auto"
+    assert resolved_interaction(config, zero_com=True) == "radial"
+    assert resolved_interaction(config, zero_com=False) == "attention"
+    assert resolved_interaction(config.updated(interaction="linear"), zero_com=True) == "linear"

@@ -95,10 +95,10 @@ def add_sets_subparsers(subparsers) -> None:
     fit.add_argument("--data", help="built-in data set (gaussian-sets, cluster-sets, dw4, "
                      "lj13) or a .npz file with x (M, N, D) and optional mask (M, N)")
     fit.add_argument("--flow", choices=["resflow", "cnf"])
-    fit.add_argument("--interaction", choices=list(INTERACTIONS),
-                     help="how elements interact in a resflow: contractive L2 attention "
-                     "(default), radial (E(n)-equivariant pairwise, for particles), or the "
-                     "baselines linear and none")
+    fit.add_argument("--interaction", choices=["auto", *INTERACTIONS],
+                     help="how elements interact in a resflow: contractive L2 attention, "
+                     "radial (E(n)-equivariant pairwise, for particles), or the baselines "
+                     "linear and none (default auto: radial for particle data, else attention)")
     fit.add_argument("--blocks", type=int, help="residual blocks")
     fit.add_argument("--out", default="runs/sets", help="output folder (default runs/sets)")
     fit.add_argument("--config", help="JSON file of settings (see SetsConfig)")

@@ -24,16 +24,18 @@ class SetsConfig:
     contractive L2 attention and Lipschitz MLPs) or ``cnf`` (a continuous flow whose field is
     L2 attention). ``interaction`` chooses how elements meet in the residual flow: contractive
     attention, ``radial`` (an E(n)-equivariant pairwise interaction, for particles), or the
-    baselines ``linear`` and ``none``. With ``location`` (the default) the flow starts with a
-    :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid given its size;
-    it is left out for particle data (centroid fixed at 0) and for ``interaction="none"``.
+    baselines ``linear`` and ``none``; ``auto`` (the default) is ``radial`` for particle data
+    (zero centre of mass) and ``attention`` otherwise. With ``location`` (the default) the flow
+    starts with a :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid
+    given its size; it is left out for particle data (centroid fixed at 0) and for
+    ``interaction="none"``.
     Training: Adam with linear warm-up and cosine decay, gradient clipping.
     """
 
     data: str = "gaussian-sets"
     num_train: int | None = None
     flow: str = "resflow"
-    interaction: str = "attention"  # "radial" (particles), "linear" or "none" (i.i.d. points)
+    interaction: str = "auto"  # radial for particles, else attention; or "linear" / "none"
     mlp: bool = True  # pointwise Lipschitz-MLP residual in every block
     radial_basis: int = 32  # interaction="radial": Gaussian bumps of psi'
     radial_range: float = 6.0  # ... and the largest bump centre (units after ActNorm)
@@ -43,7 +45,7 @@ class SetsConfig:
     heads: int = 1
     hidden: int = 64
     coeff: float = 0.9
-    train_logdet: str = "auto"  # "auto": exact when N D <= 64, else Russian roulette
+    train_logdet: str = "auto"  # exact when N D <= 64 (radial: <= 512), else Russian roulette
     # continuous flow
     field_layers: int = 2
     field_hidden: int = 16
@@ -72,8 +74,8 @@ class SetsConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise RunError(f"{name} must be a positive integer, got {getattr(self, name)}")
-        if self.interaction not in INTERACTIONS:
-            raise RunError(f"interaction must be one of {', '.join(INTERACTIONS)}, "
+        if self.interaction not in ("auto", *INTERACTIONS):
+            raise RunError(f"interaction must be auto or one of {', '.join(INTERACTIONS)}, "
                            f"got {self.interaction!r}")
         if not 0 < self.coeff < 1:
             raise RunError(f"coeff must lie in (0, 1) for invertible blocks, got {self.coeff}")
@@ -113,14 +115,22 @@ def _heads_for(dim: int, heads: int) -> int:
     return heads
 
 
+def resolved_interaction(config: SetsConfig, zero_com: bool) -> str:
+    """The interaction a residual flow uses: ``auto`` is radial for particles, else attention."""
+    if config.interaction != "auto":
+        return config.interaction
+    return "radial" if zero_com else "attention"
+
+
 def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> SetFlow:
     """The flow ``config`` describes, for sets of up to ``set_size`` elements in R^dim."""
     small = set_size * dim <= 64
-    location = config.location and not zero_com and config.interaction != "none"
+    interaction = resolved_interaction(config, zero_com)
+    location = config.location and not zero_com and interaction != "none"
     if config.flow == "resflow":
         logdet = config.train_logdet
-        if logdet == "auto":
-            logdet = "exact" if small else "roulette"
+        if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
+            logdet = "exact" if small else ("auto" if interaction == "radial" else "roulette")
         return set_flow(
             dim,
             config.blocks,
@@ -129,15 +139,15 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             coeff=config.coeff,
             zero_com=zero_com,
             norm="2" if zero_com else "inf",
-            interaction=config.interaction,
+            interaction=interaction,
             mlp=config.mlp,
             radial_basis=config.radial_basis,
             radial_range=config.radial_range,
             location=location,
             logdet=logdet,
         )
-    if config.interaction != "attention":
-        raise RunError(f"interaction={config.interaction!r} is a residual-flow baseline: "
+    if config.interaction not in ("auto", "attention"):
+        raise RunError(f"interaction={config.interaction!r} is a residual-flow setting: "
                        "use flow=resflow")
     from ..flows.cnf import CNF
     from ..flows.fields import AttentionField
