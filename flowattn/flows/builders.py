@@ -148,8 +148,8 @@ def _build(
     linear: bool = False,
     interaction: str = "attention",
     location: bool = False,
-    radial_basis: int = 32,
-    radial_range: float = 6.0,
+    radial_basis: int = 64,
+    radial_range: float = 4.0,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -200,8 +200,8 @@ def set_flow(
     linear: bool = True,
     interaction: str = "attention",
     location: bool = False,
-    radial_basis: int = 32,
-    radial_range: float = 6.0,
+    radial_basis: int = 64,
+    radial_range: float = 4.0,
     **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.

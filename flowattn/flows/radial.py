@@ -57,7 +57,7 @@ class RadialInteraction(nn.Module):
 
     norm = "2"
 
-    def __init__(self, coeff: float = 0.9, basis: int = 32, r_max: float = 6.0) -> None:
+    def __init__(self, coeff: float = 0.9, basis: int = 64, r_max: float = 4.0) -> None:
         super().__init__()
         if not 0 < coeff < 1:
             raise ValueError(f"coeff must lie in (0, 1), got {coeff}")

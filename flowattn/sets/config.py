@@ -37,8 +37,8 @@ class SetsConfig:
     flow: str = "resflow"
     interaction: str = "auto"  # radial for particles, else attention; or "linear" / "none"
     mlp: bool = True  # pointwise Lipschitz-MLP residual in every block
-    radial_basis: int = 32  # interaction="radial": Gaussian bumps of psi'
-    radial_range: float = 6.0  # ... and the largest bump centre (units after ActNorm)
+    radial_basis: int = 64  # interaction="radial": Gaussian bumps of psi'
+    radial_range: float = 4.0  # ... and the largest bump centre (units after ActNorm)
     location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
     # residual flow
     blocks: int = 4

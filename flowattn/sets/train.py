@@ -97,8 +97,8 @@ def _data_spec(train: SetData) -> dict:
 
 
 def _with_legacy_defaults(settings: dict) -> dict:
-    """Settings of a checkpoint written before ``location`` existed describe a flow without it."""
-    return {"location": False, **settings}
+    """Settings missing from an older checkpoint take the values its flow was built with."""
+    return {"location": False, "radial_basis": 32, "radial_range": 6.0, **settings}
 
 
 def load_flow(checkpoint_dir: str | Path, device: str = "cpu") -> tuple[SetFlow, dict]:
