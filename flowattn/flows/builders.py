@@ -238,8 +238,8 @@ def set_flow(
             set's centroid given its size. Attention and equivariant linear maps are affine
             along a translation of the whole set, so without it a multimodal distribution of
             set locations is out of reach. Not with ``zero_com``.
-        radial_basis, radial_range: Gaussian bumps of psi' and the largest bump centre, in the
-            units after ActNorm (``interaction="radial"``).
+        radial_basis: number of Gaussian bumps of psi' (``interaction="radial"``).
+        radial_range: the largest bump centre, in the units after ActNorm.
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
