@@ -73,19 +73,19 @@ class RadialInteraction(nn.Module):
         # largest at t = 0.
         self.bump_sum_bound = 1.0 + sum(2 * math.exp(-0.5 * m * m) for m in range(1, 40))
 
-    def _raw_bound(self) -> Tensor:
-        w = self.weight.abs()
+    def _dpsi_bound(self, w: Tensor) -> Tensor:
+        """Certified bound on sup |psi'| for bump weights ``w``."""
+        w = w.abs()
         return torch.minimum(w.sum(), w.max() * self.bump_sum_bound)
 
     def effective_weight(self) -> Tensor:
         """w scaled so that the certified bound on sup |psi'| is at most ``coeff``."""
-        scale = torch.clamp(self.coeff / self._raw_bound().clamp_min(1e-12), max=1.0)
-        return self.weight * scale
+        bound = self._dpsi_bound(self.weight).clamp_min(1e-12)
+        return self.weight * torch.clamp(self.coeff / bound, max=1.0)
 
     def lipschitz_bound(self, n: int | None = None) -> Tensor:
         """Certified Lipschitz constant in the 2-norm (independent of the set size n)."""
-        w = self.effective_weight().abs()
-        return torch.minimum(w.sum(), w.max() * self.bump_sum_bound)
+        return self._dpsi_bound(self.effective_weight())
 
     def psi(self, d: Tensor) -> Tensor:
         """psi(d) = int_0^d psi'(t) dt, closed form."""
