@@ -172,16 +172,13 @@ def jacobian_logdet(jac: Tensor, mask: Tensor | None = None, zero_com: bool = Fa
         True
     """
     B, N, D = jac.shape[:3]
-    if mask is not None:
-        present = mask.to(jac.dtype)
-        jac = jac * present[:, :, None, None, None] * present[:, None, None, :, None]
-    if zero_com:
-        w = torch.ones(B, N, dtype=jac.dtype, device=jac.device) if mask is None else present
-        mean_row = (jac * w[:, :, None, None, None]).sum(1, keepdim=True)
-        mean_row = mean_row / w.sum(1)[:, None, None, None, None]
-        jac = jac - mean_row * w[:, :, None, None, None]
+    if mask is not None:  # padded inputs: zero columns
+        jac = jac * mask.to(jac.dtype)[:, None, None, :, None]
+    # P acts on the outputs: move the input index ahead, as for a batch of VJP rows
+    rows = project(jac.permute(3, 4, 0, 1, 2), mask, zero_com)  # (N_in, D_in, B, N, D)
+    jac = rows.permute(2, 3, 4, 0, 1).reshape(B, N * D, N * D)
     eye = torch.eye(N * D, dtype=jac.dtype, device=jac.device)
-    return torch.linalg.slogdet(jac.reshape(B, N * D, N * D) + eye)[1]
+    return torch.linalg.slogdet(jac + eye)[1]
 
 
 def _block_logdet(blocks: Tensor, mask: Tensor | None) -> Tensor:

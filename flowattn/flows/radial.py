@@ -28,6 +28,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .base import _present
+
 __all__ = ["RadialInteraction"]
 
 
@@ -106,13 +108,9 @@ class RadialInteraction(nn.Module):
         eps = torch.finfo(x.dtype).eps ** 0.5
         sq = diff.pow(2).sum(-1)
         dist = sq.clamp_min(eps * eps).sqrt()
-        if mask is not None:
-            present = mask.to(x.dtype)
-            weight = present[:, :, None] * present[:, None, :]
-            n = present.sum(1).clamp_min(1.0)[:, None, None]
-        else:
-            weight = torch.ones_like(dist)
-            n = torch.full_like(dist[:, :1, :1], x.shape[1])
+        present = _present(x, mask)
+        weight = present[:, :, None] * present[:, None, :]
+        n = present.sum(1).clamp_min(1.0)[:, None, None]
         return diff, sq, dist, weight / n, eps
 
     def jacobian(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
