@@ -203,6 +203,22 @@ def test_interaction_and_blocks_flags_reach_the_flow(tmp_path):
     assert exit_info.value.code == 2
 
 
+def test_manybody_setting_adds_neighbourhood_blocks_or_fails_clearly(tmp_path, capsys):
+    from flowattn.flows import NeighbourhoodInteraction
+
+    out = tmp_path / "run"
+    config = tiny_config(tmp_path, manybody=True, interaction="radial")
+    assert run_cli("fit", *TINY, "--steps", "2", "--out", str(out), "--config", str(config)) == 0
+    flow, _ = load_flow(out)
+    assert any(isinstance(m, NeighbourhoodInteraction) for m in flow.modules())
+    capsys.readouterr()
+    attention = tiny_config(tmp_path, manybody=True, interaction="attention")
+    assert run_cli("fit", *TINY, "--steps", "2", "--out", str(tmp_path / "x"),
+                   "--config", str(attention)) != 0
+    assert "manybody" in capsys.readouterr().err
+    assert not (tmp_path / "x" / "checkpoint.pt").exists()
+
+
 def test_auto_interaction_is_radial_for_particles_and_attention_otherwise():
     from flowattn.sets import SetsConfig
     from flowattn.sets.config import resolved_interaction

@@ -10,6 +10,7 @@ from .fields import AttentionField, DotProductField
 from .inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse, residual_inverse
 from .location import SetLocation, size_features
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
+from .manybody import NeighbourhoodInteraction
 from .radial import RadialInteraction
 from .residual import InvertibleResidual, TransformerResidualPair
 
@@ -24,6 +25,7 @@ __all__ = [
     "EquivariantLinear",
     "InverseNotConverged",
     "InvertibleResidual",
+    "NeighbourhoodInteraction",
     "RadialInteraction",
     "SetFlow",
     "SetLocation",

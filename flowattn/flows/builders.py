@@ -13,6 +13,7 @@ from flowattn.flows.actnorm import ActNorm
 from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob, subtract_mean
 from flowattn.flows.equivariant import EquivariantLinear
 from flowattn.flows.location import SetLocation
+from flowattn.flows.manybody import NeighbourhoodInteraction
 from flowattn.flows.radial import RadialInteraction
 from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
@@ -150,6 +151,7 @@ def _build(
     location: bool = False,
     radial_basis: int = 64,
     radial_range: float = 4.0,
+    manybody: bool = False,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -157,6 +159,9 @@ def _build(
         raise ValueError(f"coeff must lie in (0, 1), got {coeff}")
     if interaction not in INTERACTIONS:
         raise ValueError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
+    if manybody and interaction != "radial":
+        raise ValueError("manybody=True adds NeighbourhoodInteraction blocks to "
+                         f"interaction='radial', not {interaction!r}")
     if location and zero_com:
         raise ValueError("location=True models the centroid, which zero_com fixes at 0")
     factory = attention or _default_attention
@@ -174,6 +179,9 @@ def _build(
         if interaction == "radial":
             radial = RadialInteraction(coeff, basis=radial_basis, r_max=radial_range)
             layers.append(InvertibleResidual(radial, **kwargs))
+            if manybody:
+                many = NeighbourhoodInteraction(coeff, r_max=radial_range)
+                layers.append(InvertibleResidual(many, **kwargs))
         if interaction != "attention":  # no attention: pointwise MLP residuals
             if mlp or interaction != "radial":
                 layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **kwargs))
@@ -202,6 +210,7 @@ def set_flow(
     location: bool = False,
     radial_basis: int = 64,
     radial_range: float = 4.0,
+    manybody: bool = False,
     **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
@@ -240,6 +249,9 @@ def set_flow(
             set locations is out of reach. Not with ``zero_com``.
         radial_basis: number of Gaussian bumps of psi' (``interaction="radial"``).
         radial_range: the largest bump centre, in the units after ActNorm.
+        manybody: with ``interaction="radial"``, follow each radial residual by one of
+            :class:`NeighbourhoodInteraction`, a many-body branch (the gradient of an embedding
+            potential of soft neighbour counts in shells up to ``radial_range``).
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
@@ -250,7 +262,7 @@ def set_flow(
     """
     return _build(
         dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
-        residual_kwargs, linear, interaction, location, radial_basis, radial_range,
+        residual_kwargs, linear, interaction, location, radial_basis, radial_range, manybody,
     )
 
 

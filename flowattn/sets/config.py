@@ -28,7 +28,8 @@ class SetsConfig:
     (zero centre of mass) and ``attention`` otherwise. With ``location`` (the default) the flow
     starts with a :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid
     given its size; it is left out for particle data (centroid fixed at 0) and for
-    ``interaction="none"``.
+    ``interaction="none"``. ``manybody`` adds a
+    :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each radial one.
     Training: Adam with linear warm-up and cosine decay, gradient clipping.
     """
 
@@ -39,6 +40,7 @@ class SetsConfig:
     mlp: bool = True  # pointwise Lipschitz-MLP residual in every block
     radial_basis: int = 64  # interaction="radial": Gaussian bumps of psi'
     radial_range: float = 4.0  # ... and the largest bump centre (units after ActNorm)
+    manybody: bool = False  # interaction="radial": add a NeighbourhoodInteraction residual
     location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
     # residual flow
     blocks: int = 4
@@ -127,6 +129,9 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
     small = set_size * dim <= 64
     interaction = resolved_interaction(config, zero_com)
     location = config.location and not zero_com and interaction != "none"
+    if config.manybody and (config.flow != "resflow" or interaction != "radial"):
+        raise RunError("manybody adds many-body residuals to radial interactions: use it with "
+                       f"flow=resflow and interaction=radial (here {config.flow}, {interaction})")
     if config.flow == "resflow":
         logdet = config.train_logdet
         if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
@@ -143,6 +148,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             mlp=config.mlp,
             radial_basis=config.radial_basis,
             radial_range=config.radial_range,
+            manybody=config.manybody,
             location=location,
             logdet=logdet,
         )
