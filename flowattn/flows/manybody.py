@@ -16,12 +16,13 @@ A pair pushes or pulls with a strength that depends on the neighbourhoods of bot
 the many-body coupling that a sum of pair terms (:class:`RadialInteraction`) lacks. The Jacobian
 of g is the Hessian of U, a symmetric matrix, so Lip_2(g) = sup ||Hess U||_2, and
 
-    ||Hess U||_2 <= sup_r sum_c |dF/ds_c| ||Hess phi_c(r)||_2 + ||Hess F||_2 sup_r sum_c |grad phi_c(r)|^2
+    ||Hess U||_2 <= sup_r sum_c |dF/ds_c| ||Hess phi_c(r)||_2
+                    + ||Hess F||_2 sup_r sum_c |grad phi_c(r)|^2
 
 for every set size n: the first term bounds the weighted graph Laplacians of the Hessians of the
 s_i as in :mod:`flowattn.flows.radial`, the second bounds (1/2) sum_i (ds_i)^T Hess F (ds_i) by
 Cauchy-Schwarz and sum_i sum_j |v_i - v_j|^2 <= 2 n |v|^2. Both sups over r are sums of shifted
-copies of one profile (the shells are w apart), bounded once per module by a fine grid over the
+copies of one profile (the shells are w apart), bounded once (at import) by a fine grid over the
 shift plus a Lipschitz margin. Dividing U by the bound when it exceeds ``coeff`` makes x + g(x)
 an invertible residual block. psi_ij = psi_ji and x_i - x_j is odd, so sum_i g(X)_i = 0: the
 centre of mass is preserved.
