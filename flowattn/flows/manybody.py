@@ -53,7 +53,7 @@ def _gradient_profile(u: Tensor) -> Tensor:
     return u * u * torch.exp(-u * u)
 
 
-def _shifted_sum_bound(profile, lipschitz: float, steps: int = 20000, reach: int = 40) -> float:
+def _shifted_sum_bound(profile, lipschitz: float, steps: int = 10000, reach: int = 12) -> float:
     """Certified sup over t of sum_m profile(m + t), m over all integers.
 
     The sum is 1-periodic in t; it is evaluated on a grid of ``steps`` points of [0, 1] and
