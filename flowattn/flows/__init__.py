@@ -11,6 +11,7 @@ from .inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse,
 from .location import SetLocation, size_features
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
 from .manybody import NeighbourhoodInteraction
+from .monotone import MonotoneResidual
 from .radial import RadialInteraction
 from .residual import InvertibleResidual, TransformerResidualPair
 
@@ -25,6 +26,7 @@ __all__ = [
     "EquivariantLinear",
     "InverseNotConverged",
     "InvertibleResidual",
+    "MonotoneResidual",
     "NeighbourhoodInteraction",
     "RadialInteraction",
     "SetFlow",

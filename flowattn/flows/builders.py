@@ -14,6 +14,7 @@ from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob
 from flowattn.flows.equivariant import EquivariantLinear
 from flowattn.flows.location import SetLocation
 from flowattn.flows.manybody import NeighbourhoodInteraction
+from flowattn.flows.monotone import MonotoneResidual
 from flowattn.flows.radial import RadialInteraction
 from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
@@ -152,6 +153,7 @@ def _build(
     radial_basis: int = 64,
     radial_range: float = 4.0,
     manybody: bool = False,
+    radial_max_slope: float | None = None,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -177,8 +179,11 @@ def _build(
         if linear and interaction != "none":
             layers.append(EquivariantLinear(dim, zero_com=zero_com))
         if interaction == "radial":
-            radial = RadialInteraction(coeff, basis=radial_basis, r_max=radial_range)
-            layers.append(InvertibleResidual(radial, **kwargs))
+            radial = RadialInteraction(coeff, radial_basis, radial_range, radial_max_slope)
+            if radial_max_slope is None:
+                layers.append(InvertibleResidual(radial, **kwargs))
+            else:
+                layers.append(MonotoneResidual(radial, **kwargs))
             if manybody:
                 many = NeighbourhoodInteraction(coeff, r_max=radial_range)
                 layers.append(InvertibleResidual(many, **kwargs))
@@ -211,6 +216,7 @@ def set_flow(
     radial_basis: int = 64,
     radial_range: float = 4.0,
     manybody: bool = False,
+    radial_max_slope: float | None = None,
     **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
@@ -252,6 +258,9 @@ def set_flow(
         manybody: with ``interaction="radial"``, follow each radial residual by one of
             :class:`NeighbourhoodInteraction`, a many-body branch (the gradient of an embedding
             potential of soft neighbour counts in shells up to ``radial_range``).
+        radial_max_slope: with ``interaction="radial"``, a number u makes the radial blocks
+            monotone (:class:`MonotoneResidual`): psi' may reach u instead of ``coeff``, so one
+            block expands by up to 1 + u; contraction stays bounded by ``coeff``.
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
@@ -263,6 +272,7 @@ def set_flow(
     return _build(
         dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
         residual_kwargs, linear, interaction, location, radial_basis, radial_range, manybody,
+        radial_max_slope,
     )
 
 

@@ -67,7 +67,8 @@ def _shifted_sum_bound(profile, lipschitz: float, steps: int = 10000, reach: int
 
 
 # Slopes: |d/du profile| <= 1.5 per unit of u for both, so the shifted sums (about three terms
-# of size above exp(-2) per period) change by at most 10 per unit of t: a generous margin.
+# of size above exp(-2) per period) change by at most 10 per unit of t: a generous margin, which
+# also covers the centres' rounding to the working precision (shifts of about 1e-7 w).
 _HESSIAN_SUM = _shifted_sum_bound(_hessian_profile, lipschitz=10.0)
 _GRADIENT_SUM = _shifted_sum_bound(_gradient_profile, lipschitz=10.0)
 

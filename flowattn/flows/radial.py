@@ -47,6 +47,10 @@ class RadialInteraction(nn.Module):
         coeff: the Lipschitz coefficient c < 1 of the branch.
         basis: K, the number of Gaussian bumps.
         r_max: the largest bump centre; beyond it psi' decays to zero.
+        max_slope: ``None`` for a contractive branch (|psi'| <= coeff). A number u switches to
+            the monotone mode -coeff <= psi' <= u, for :class:`~flowattn.flows.MonotoneResidual`:
+            x + g(x) is then the gradient of a strongly convex potential, invertible with
+            expansions up to 1 + u.
 
     Example:
         >>> from flowattn.flows import InvertibleResidual
@@ -59,13 +63,17 @@ class RadialInteraction(nn.Module):
 
     norm = "2"
 
-    def __init__(self, coeff: float = 0.9, basis: int = 64, r_max: float = 4.0) -> None:
+    def __init__(self, coeff: float = 0.9, basis: int = 64, r_max: float = 4.0,
+                 max_slope: float | None = None) -> None:
         super().__init__()
         if not 0 < coeff < 1:
             raise ValueError(f"coeff must lie in (0, 1), got {coeff}")
         if basis < 2 or not (math.isfinite(r_max) and r_max > 0):
             raise ValueError(f"need basis >= 2 and r_max > 0, got {basis}, {r_max}")
+        if max_slope is not None and not (math.isfinite(max_slope) and max_slope > 0):
+            raise ValueError(f"max_slope must be a positive number or None, got {max_slope}")
         self.coeff = float(coeff)
+        self.max_slope = None if max_slope is None else float(max_slope)
         self.width = r_max / (basis - 1)
         self.register_buffer("centres", torch.linspace(0.0, r_max, basis))
         self.weight = nn.Parameter(0.01 * torch.randn(basis))
@@ -73,7 +81,10 @@ class RadialInteraction(nn.Module):
         # sum_m exp(-(m + t)^2 / 2) over all integers m, t the offset from a grid point. By
         # Poisson summation theta(t) = sqrt(2 pi) (1 + 2 sum_k exp(-2 pi^2 k^2) cos(2 pi k t)),
         # largest at t = 0.
-        self.bump_sum_bound = 1.0 + sum(2 * math.exp(-0.5 * m * m) for m in range(1, 40))
+        # The centres are stored in the working precision, so their spacing can differ from the
+        # width by a relative 1e-7 (float32); the factor 1 + 1e-4 covers what that does to theta.
+        theta = 1.0 + sum(2 * math.exp(-0.5 * m * m) for m in range(1, 40))
+        self.bump_sum_bound = theta * (1 + 1e-4)
 
     def _dpsi_bound(self, w: Tensor) -> Tensor:
         """Certified bound on sup |psi'| for bump weights ``w``."""
@@ -81,13 +92,40 @@ class RadialInteraction(nn.Module):
         return torch.minimum(w.sum(), w.max() * self.bump_sum_bound)
 
     def effective_weight(self) -> Tensor:
-        """w scaled so that the certified bound on sup |psi'| is at most ``coeff``."""
-        bound = self._dpsi_bound(self.weight).clamp_min(1e-12)
-        return self.weight * torch.clamp(self.coeff / bound, max=1.0)
+        """w scaled so that the certified bound on sup |psi'| is at most ``coeff``.
+
+        With ``max_slope`` (monotone mode) the negative weights are scaled so that
+        -psi' <= ``coeff`` and the positive ones so that psi' <= ``max_slope``.
+        """
+        w = self.weight
+        if self.max_slope is None:
+            bound = self._dpsi_bound(w).clamp_min(1e-12)
+            return w * torch.clamp(self.coeff / bound, max=1.0)
+        up, down = w.clamp(min=0.0), w.clamp(max=0.0)
+        up = up * torch.clamp(self.max_slope / self._dpsi_bound(up).clamp_min(1e-12), max=1.0)
+        return up + down * torch.clamp(self.coeff / self._dpsi_bound(down).clamp_min(1e-12),
+                                       max=1.0)
+
+    def spectrum(self) -> tuple[Tensor, Tensor]:
+        """(l, u): the Jacobian's eigenvalues lie in [-l, u], for every set size.
+
+        v^T J_g v = (1/n) sum_{i<j} (v_i - v_j)^T J_h (v_i - v_j) and the eigenvalues of J_h lie
+        in [inf psi', sup psi'] (psi(d)/d is a mean of psi'), while
+        sum_{i<j} |v_i - v_j|^2 <= n |v|^2.
+        """
+        w = self.effective_weight()
+        both = self._dpsi_bound(w)
+        lower = torch.minimum(self._dpsi_bound(w.clamp(max=0.0)), both)
+        upper = torch.minimum(self._dpsi_bound(w.clamp(min=0.0)), both)
+        return lower, upper
 
     def lipschitz_bound(self, n: int | None = None) -> Tensor:
-        """Certified Lipschitz constant in the 2-norm (independent of the set size n)."""
-        return self._dpsi_bound(self.effective_weight())
+        """Certified Lipschitz constant in the 2-norm (independent of the set size n).
+
+        In monotone mode it may exceed 1: wrap the branch in a
+        :class:`~flowattn.flows.MonotoneResidual`, which needs only ``spectrum``'s l < 1.
+        """
+        return torch.maximum(*self.spectrum())
 
     def psi(self, d: Tensor) -> Tensor:
         """psi(d) = int_0^d psi'(t) dt, closed form."""

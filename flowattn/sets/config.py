@@ -29,7 +29,9 @@ class SetsConfig:
     starts with a :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid
     given its size; it is left out for particle data (centroid fixed at 0) and for
     ``interaction="none"``. ``manybody`` adds a
-    :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each radial one.
+    :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each radial one;
+    ``radial_max_slope`` makes the radial residuals monotone
+    (:class:`~flowattn.flows.MonotoneResidual`).
     Training: Adam with linear warm-up and cosine decay, gradient clipping.
     """
 
@@ -41,6 +43,7 @@ class SetsConfig:
     radial_basis: int = 64  # interaction="radial": Gaussian bumps of psi'
     radial_range: float = 4.0  # ... and the largest bump centre (units after ActNorm)
     manybody: bool = False  # interaction="radial": add a NeighbourhoodInteraction residual
+    radial_max_slope: float | None = None  # a number: monotone radial blocks, psi' <= it
     location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
     # residual flow
     blocks: int = 4
@@ -81,6 +84,9 @@ class SetsConfig:
                            f"got {self.interaction!r}")
         if not 0 < self.coeff < 1:
             raise RunError(f"coeff must lie in (0, 1) for invertible blocks, got {self.coeff}")
+        if self.radial_max_slope is not None and not self.radial_max_slope > 0:
+            raise RunError(f"radial_max_slope must be positive (or null), got "
+                           f"{self.radial_max_slope}")
         if not self.radial_range > 0:
             raise RunError(f"radial_range must be positive, got {self.radial_range}")
         if self.lr <= 0 or self.min_lr < 0 or self.t1 <= 0 or self.ode_tol <= 0:
@@ -129,9 +135,12 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
     small = set_size * dim <= 64
     interaction = resolved_interaction(config, zero_com)
     location = config.location and not zero_com and interaction != "none"
-    if config.manybody and (config.flow != "resflow" or interaction != "radial"):
-        raise RunError("manybody adds many-body residuals to radial interactions: use it with "
-                       f"flow=resflow and interaction=radial (here {config.flow}, {interaction})")
+    radial_only = {"manybody": config.manybody, "radial_max_slope": config.radial_max_slope}
+    for name, value in radial_only.items():
+        if value not in (False, None) and (config.flow != "resflow" or interaction != "radial"):
+            raise RunError(f"{name} is a setting of radial interactions: use it with "
+                           f"flow=resflow and interaction=radial (here {config.flow}, "
+                           f"{interaction})")
     if config.flow == "resflow":
         logdet = config.train_logdet
         if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
@@ -149,6 +158,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             radial_basis=config.radial_basis,
             radial_range=config.radial_range,
             manybody=config.manybody,
+            radial_max_slope=config.radial_max_slope,
             location=location,
             logdet=logdet,
         )
