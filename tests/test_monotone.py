@@ -1,11 +1,18 @@
-"""MonotoneResidual: x + g(x) exactly, inverse, log-det, certified spectrum, errors."""
+"""MonotoneResidual and its inverse layer: x + g(x), inverses, log-dets, gradients, spectrum."""
 
 import math
 
 import pytest
 import torch
 
-from flowattn.flows import InvertibleResidual, MonotoneResidual, RadialInteraction, set_flow
+from flowattn.flows import (
+    InverseMonotoneResidual,
+    InverseNotConverged,
+    InvertibleResidual,
+    MonotoneResidual,
+    RadialInteraction,
+    set_flow,
+)
 from flowattn.flows.monotone import _Recentred
 from flowattn.lipschitz import jacobian, lipschitz_lower_bound
 
@@ -69,7 +76,7 @@ def test_expansion_reaches_max_slope_beyond_any_contractive_block():
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_certified_spectrum_contains_every_eigenvalue(seed):
     g = make(seed)
-    lower, upper = (float(t) for t in g.spectrum())
+    lower, upper = (t.item() for t in g.spectrum())
     assert lower <= 0.9 + 1e-12 and upper <= 5.0 + 1e-12
     x = 2.0 * randn(400, 4, 2, seed=seed)
     eig = torch.linalg.eigvalsh(g.jacobian(x).reshape(400, 8, 8))
@@ -80,7 +87,7 @@ def test_recentred_branch_is_contractive_with_its_closed_form_jacobian():
     g = make()
     h = _Recentred(g)
     bound = float(h.lipschitz_bound())
-    lower, upper = (float(t) for t in g.spectrum())
+    lower, upper = (t.item() for t in g.spectrum())
     assert math.isclose(bound, (upper + lower) / (upper - lower + 2))
     x = randn(2, 5, 3)
     mask = MASK[:2]
@@ -117,3 +124,74 @@ def test_monotone_set_flow_samples_and_scores_consistently():
     torch.testing.assert_close(flow.log_prob(x), log_prob, atol=1e-7, rtol=0)
     perm = torch.tensor([2, 0, 3, 1])
     torch.testing.assert_close(flow.log_prob(x[:, perm]), log_prob, atol=1e-7, rtol=0)
+
+
+@pytest.mark.parametrize("zero_com", [False, True])
+def test_inverse_block_inverts_the_monotone_map_with_exact_logdet(zero_com):
+    g = make()
+    layer = InverseMonotoneResidual(g, zero_com=zero_com)
+    x = 1.5 * randn(3, 5, 2)
+    x = centred(x, MASK) if zero_com else x * MASK[..., None]
+    z, logdet = layer(x, context=MASK)
+    torch.testing.assert_close(z + g(z, MASK), x, atol=1e-10, rtol=0)
+    x_back, logdet_back = layer.inverse(z, context=MASK)
+    torch.testing.assert_close(x_back, x, atol=1e-10, rtol=0)
+    torch.testing.assert_close(logdet, -logdet_back, atol=1e-10, rtol=0)
+    if not zero_com:
+        jac = jacobian(lambda v: layer(v[None])[0][0], x[0].detach())
+        assert math.isclose(logdet[0].item(), torch.linalg.slogdet(jac)[1].item(), abs_tol=1e-9)
+
+
+def test_inverse_block_has_the_implicit_function_gradients():
+    g = make()
+    layer = InverseMonotoneResidual(g)
+    x = (1.5 * randn(2, 4, 2)).requires_grad_(True)
+
+    def loss(v):
+        z, logdet = layer(v)
+        return (z.sin() ** 2).sum() + logdet.sum()
+
+    grad_x, grad_w = torch.autograd.grad(loss(x), [x, g.weight])
+    eps = 1e-6
+    with torch.no_grad():
+        for i in (0, 5, 11):
+            g.weight[i] += eps
+            up = loss(x)
+            g.weight[i] -= 2 * eps
+            down = loss(x)
+            g.weight[i] += eps
+            assert math.isclose(grad_w[i].item(), (up - down).item() / (2 * eps), abs_tol=1e-6)
+        shift = torch.zeros_like(x)
+        shift[1, 2, 0] = eps
+        numeric = (loss(x + shift) - loss(x - shift)).item() / (2 * eps)
+        assert math.isclose(grad_x[1, 2, 0].item(), numeric, abs_tol=1e-6)
+
+
+def test_inverse_block_converges_in_float32_and_reports_failure():
+    g = make().float()
+    layer = InverseMonotoneResidual(g)
+    x = 1.5 * randn(4, 5, 2).float()
+    z, _ = layer(x)
+    assert (z + g(z) - x).abs().max() < 1e-4
+    with pytest.raises(InverseNotConverged):
+        InverseMonotoneResidual(make().double(), max_iter=1)(1.5 * randn(4, 5, 2))
+    with pytest.raises(ValueError, match="jacobian"):
+        InverseMonotoneResidual(torch.nn.Linear(2, 2))
+
+
+def test_alternating_flow_and_its_settings():
+    flow = set_flow(2, blocks=2, heads=1, interaction="radial", radial_max_slope=4.0,
+                    radial_inverse=True, zero_com=True, norm="2", logdet="exact",
+                    inverse_tol=1e-11).double().eval()
+    kinds = [type(m) for m in flow.transform._transforms]
+    assert MonotoneResidual in kinds and InverseMonotoneResidual in kinds
+    x, log_prob = flow.sample_and_log_prob(32, set_size=4,
+                                           generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(flow.log_prob(x), log_prob, atol=1e-7, rtol=0)
+    with pytest.raises(ValueError, match="radial_max_slope"):
+        set_flow(2, blocks=2, heads=1, interaction="radial", radial_inverse=True)
+    from flowattn.runs import RunError
+    from flowattn.sets import SetsConfig
+
+    with pytest.raises(RunError, match="radial_max_slope"):
+        SetsConfig(radial_inverse=True)

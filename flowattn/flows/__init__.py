@@ -11,7 +11,7 @@ from .inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse,
 from .location import SetLocation, size_features
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
 from .manybody import NeighbourhoodInteraction
-from .monotone import MonotoneResidual
+from .monotone import InverseMonotoneResidual, MonotoneResidual
 from .radial import RadialInteraction
 from .residual import InvertibleResidual, TransformerResidualPair
 
@@ -25,6 +25,7 @@ __all__ = [
     "hutchinson_divergence",
     "EquivariantLinear",
     "InverseNotConverged",
+    "InverseMonotoneResidual",
     "InvertibleResidual",
     "MonotoneResidual",
     "NeighbourhoodInteraction",

@@ -14,7 +14,7 @@ from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob
 from flowattn.flows.equivariant import EquivariantLinear
 from flowattn.flows.location import SetLocation
 from flowattn.flows.manybody import NeighbourhoodInteraction
-from flowattn.flows.monotone import MonotoneResidual
+from flowattn.flows.monotone import InverseMonotoneResidual, MonotoneResidual
 from flowattn.flows.radial import RadialInteraction
 from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
@@ -154,6 +154,7 @@ def _build(
     radial_range: float = 4.0,
     manybody: bool = False,
     radial_max_slope: float | None = None,
+    radial_inverse: bool = False,
 ) -> SetFlow:
     if blocks < 1:
         raise ValueError(f"blocks must be >= 1, got {blocks}")
@@ -164,6 +165,9 @@ def _build(
     if manybody and interaction != "radial":
         raise ValueError("manybody=True adds NeighbourhoodInteraction blocks to "
                          f"interaction='radial', not {interaction!r}")
+    if radial_inverse and (radial_max_slope is None or interaction != "radial"):
+        raise ValueError("radial_inverse=True inverts every second monotone radial block: it "
+                         "needs interaction='radial' and a radial_max_slope")
     if location and zero_com:
         raise ValueError("location=True models the centroid, which zero_com fixes at 0")
     factory = attention or _default_attention
@@ -173,7 +177,7 @@ def _build(
     hidden = hidden or 4 * dim
     kwargs = dict(residual_kwargs, causal=causal, zero_com=zero_com)
     layers: list[Transform] = [SetLocation(dim)] if location else []
-    for _ in range(blocks):
+    for index in range(blocks):
         if actnorm:
             layers.append(ActNorm(dim, zero_com=zero_com))
         if linear and interaction != "none":
@@ -182,6 +186,8 @@ def _build(
             radial = RadialInteraction(coeff, radial_basis, radial_range, radial_max_slope)
             if radial_max_slope is None:
                 layers.append(InvertibleResidual(radial, **kwargs))
+            elif radial_inverse and index % 2 == 1:
+                layers.append(InverseMonotoneResidual(radial, zero_com=zero_com))
             else:
                 layers.append(MonotoneResidual(radial, **kwargs))
             if manybody:
@@ -217,6 +223,7 @@ def set_flow(
     radial_range: float = 4.0,
     manybody: bool = False,
     radial_max_slope: float | None = None,
+    radial_inverse: bool = False,
     **residual_kwargs: Any,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
@@ -261,6 +268,8 @@ def set_flow(
         radial_max_slope: with ``interaction="radial"``, a number u makes the radial blocks
             monotone (:class:`MonotoneResidual`): psi' may reach u instead of ``coeff``, so one
             block expands by up to 1 + u; contraction stays bounded by ``coeff``.
+        radial_inverse: with ``radial_max_slope``, every second radial block is an
+            :class:`InverseMonotoneResidual` (contraction down to 1 / (1 + u), by a Newton solve).
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
@@ -272,7 +281,7 @@ def set_flow(
     return _build(
         dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
         residual_kwargs, linear, interaction, location, radial_basis, radial_range, manybody,
-        radial_max_slope,
+        radial_max_slope, radial_inverse,
     )
 
 

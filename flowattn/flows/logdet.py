@@ -171,14 +171,21 @@ def jacobian_logdet(jac: Tensor, mask: Tensor | None = None, zero_com: bool = Fa
         >>> round(float(jacobian_logdet(jac)), 6) == round(6 * math.log(1.1), 6)
         True
     """
+    return torch.linalg.slogdet(residual_matrix(jac, mask, zero_com))[1]
+
+
+def residual_matrix(jac: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Tensor:
+    """I + P J as a (B, N D, N D) matrix, from a branch's Jacobian of shape (B, N, D, N, D).
+
+    Padded elements get identity rows and columns; with ``zero_com`` the rows are projected.
+    """
     B, N, D = jac.shape[:3]
     if mask is not None:  # padded inputs: zero columns
         jac = jac * mask.to(jac.dtype)[:, None, None, :, None]
     # P acts on the outputs: move the input index ahead, as for a batch of VJP rows
     rows = project(jac.permute(3, 4, 0, 1, 2), mask, zero_com)  # (N_in, D_in, B, N, D)
     jac = rows.permute(2, 3, 4, 0, 1).reshape(B, N * D, N * D)
-    eye = torch.eye(N * D, dtype=jac.dtype, device=jac.device)
-    return torch.linalg.slogdet(jac + eye)[1]
+    return jac + torch.eye(N * D, dtype=jac.dtype, device=jac.device)
 
 
 def _block_logdet(blocks: Tensor, mask: Tensor | None) -> Tensor:

@@ -44,6 +44,7 @@ class SetsConfig:
     radial_range: float = 4.0  # ... and the largest bump centre (units after ActNorm)
     manybody: bool = False  # interaction="radial": add a NeighbourhoodInteraction residual
     radial_max_slope: float | None = None  # a number: monotone radial blocks, psi' <= it
+    radial_inverse: bool = False  # ... and every second one inverted (steep contraction)
     location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
     # residual flow
     blocks: int = 4
@@ -84,6 +85,8 @@ class SetsConfig:
                            f"got {self.interaction!r}")
         if not 0 < self.coeff < 1:
             raise RunError(f"coeff must lie in (0, 1) for invertible blocks, got {self.coeff}")
+        if self.radial_inverse and self.radial_max_slope is None:
+            raise RunError("radial_inverse needs radial_max_slope (monotone radial blocks)")
         if self.radial_max_slope is not None and not self.radial_max_slope > 0:
             raise RunError(f"radial_max_slope must be positive (or null), got "
                            f"{self.radial_max_slope}")
@@ -135,7 +138,8 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
     small = set_size * dim <= 64
     interaction = resolved_interaction(config, zero_com)
     location = config.location and not zero_com and interaction != "none"
-    radial_only = {"manybody": config.manybody, "radial_max_slope": config.radial_max_slope}
+    radial_only = {"manybody": config.manybody, "radial_max_slope": config.radial_max_slope,
+                   "radial_inverse": config.radial_inverse}
     for name, value in radial_only.items():
         if value not in (False, None) and (config.flow != "resflow" or interaction != "radial"):
             raise RunError(f"{name} is a setting of radial interactions: use it with "
@@ -159,6 +163,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             radial_range=config.radial_range,
             manybody=config.manybody,
             radial_max_slope=config.radial_max_slope,
+            radial_inverse=config.radial_inverse,
             location=location,
             logdet=logdet,
         )
