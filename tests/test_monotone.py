@@ -86,7 +86,7 @@ def test_certified_spectrum_contains_every_eigenvalue(seed):
 def test_recentred_branch_is_contractive_with_its_closed_form_jacobian():
     g = make()
     h = _Recentred(g)
-    bound = float(h.lipschitz_bound())
+    bound = h.lipschitz_bound().item()
     lower, upper = (t.item() for t in g.spectrum())
     assert math.isclose(bound, (upper + lower) / (upper - lower + 2))
     x = randn(2, 5, 3)
