@@ -219,6 +219,22 @@ def test_manybody_setting_adds_neighbourhood_blocks_or_fails_clearly(tmp_path, c
     assert not (tmp_path / "x" / "checkpoint.pt").exists()
 
 
+def test_many_body_residuals_are_on_by_default_only_with_radial_blocks():
+    from flowattn.flows import NeighbourhoodInteraction
+    from flowattn.sets.config import build_flow
+
+    def count(config, zero_com):
+        flow = build_flow(config, 2, 4, zero_com)
+        return sum(isinstance(m, NeighbourhoodInteraction) for m in flow.modules())
+
+    config = SetsConfig(blocks=2)
+    assert config.manybody is None
+    assert count(config, zero_com=True) == 2  # particles: radial blocks, many-body on
+    assert count(config, zero_com=False) == 0  # attention
+    assert count(config.updated(flow="cnf"), zero_com=True) == 0
+    assert count(config.updated(manybody=False), zero_com=True) == 0
+
+
 def test_auto_interaction_is_radial_for_particles_and_attention_otherwise():
     from flowattn.sets import SetsConfig
     from flowattn.sets.config import resolved_interaction

@@ -29,7 +29,8 @@ class SetsConfig:
     starts with a :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid
     given its size; it is left out for particle data (centroid fixed at 0) and for
     ``interaction="none"``. ``manybody`` adds a
-    :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each radial one;
+    :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each radial one (``None``,
+    the default: with radial interactions, not otherwise);
     ``radial_max_slope`` makes the radial residuals monotone
     (:class:`~flowattn.flows.MonotoneResidual`).
     Training: Adam with linear warm-up and cosine decay, gradient clipping.
@@ -42,7 +43,7 @@ class SetsConfig:
     mlp: bool = True  # pointwise Lipschitz-MLP residual in every block
     radial_basis: int = 64  # interaction="radial": Gaussian bumps of psi'
     radial_range: float = 4.0  # ... and the largest bump centre (units after ActNorm)
-    manybody: bool = False  # interaction="radial": add a NeighbourhoodInteraction residual
+    manybody: bool | None = None  # radial: add NeighbourhoodInteraction residuals (None: yes)
     radial_max_slope: float | None = None  # a number: monotone radial blocks, psi' <= it
     radial_inverse: bool = False  # ... and every second one inverted (steep contraction)
     location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
@@ -138,7 +139,10 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
     small = set_size * dim <= 64
     interaction = resolved_interaction(config, zero_com)
     location = config.location and not zero_com and interaction != "none"
-    radial_only = {"manybody": config.manybody, "radial_max_slope": config.radial_max_slope,
+    manybody = config.manybody
+    if manybody is None:  # on by default wherever radial residual blocks are built
+        manybody = config.flow == "resflow" and interaction == "radial"
+    radial_only = {"manybody": manybody, "radial_max_slope": config.radial_max_slope,
                    "radial_inverse": config.radial_inverse}
     for name, value in radial_only.items():
         if value not in (False, None) and (config.flow != "resflow" or interaction != "radial"):
@@ -161,7 +165,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             mlp=config.mlp,
             radial_basis=config.radial_basis,
             radial_range=config.radial_range,
-            manybody=config.manybody,
+            manybody=manybody,
             radial_max_slope=config.radial_max_slope,
             radial_inverse=config.radial_inverse,
             location=location,
