@@ -235,6 +235,18 @@ def test_many_body_residuals_are_on_by_default_only_with_radial_blocks():
     assert count(config.updated(manybody=False), zero_com=True) == 0
 
 
+def test_checkpoints_written_before_a_setting_existed_still_load(tmp_path):
+    out = tmp_path / "run"
+    config = tiny_config(tmp_path, interaction="radial", manybody=False)
+    assert run_cli("fit", *TINY, "--steps", "2", "--out", str(out), "--config", str(config)) == 0
+    record = torch.load(out / "checkpoint.pt", weights_only=False)
+    for key in ("manybody", "radial_max_slope", "radial_inverse"):
+        del record["config"][key]  # as written by an older version
+    torch.save(record, out / "checkpoint.pt")
+    flow, _ = load_flow(out)
+    assert torch.isfinite(flow.log_prob(torch.randn(3, 4, 2))).all()
+
+
 def test_auto_interaction_is_radial_for_particles_and_attention_otherwise():
     from flowattn.sets import SetsConfig
     from flowattn.sets.config import resolved_interaction
