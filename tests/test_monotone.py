@@ -195,3 +195,25 @@ def test_alternating_flow_and_its_settings():
 
     with pytest.raises(RunError, match="radial_max_slope"):
         SetsConfig(radial_inverse=True)
+
+
+def test_a_branch_without_closed_form_jacobian_uses_the_vjp_path():
+    from flowattn.flows.base import subtract_mean
+
+    class Stretch(torch.nn.Module):
+        """g(x) = 2 P x: eigenvalues 2 on the centred directions, inside [-0.5, 3]."""
+
+        norm = "2"
+
+        def spectrum(self):
+            return torch.tensor(0.5), torch.tensor(3.0)
+
+        def forward(self, x, mask=None, causal=False):
+            return 2.0 * subtract_mean(x, mask)
+
+    block = MonotoneResidual(Stretch(), logdet="exact", inverse_tol=1e-12).eval()
+    x = randn(2, 4, 3)
+    y, logdet = block(x)
+    torch.testing.assert_close(y, x + 2.0 * subtract_mean(x))
+    torch.testing.assert_close(logdet, torch.full((2,), 9 * math.log(3.0), dtype=torch.float64))
+    torch.testing.assert_close(block.inverse(y)[0], x, atol=1e-9, rtol=0)

@@ -50,6 +50,8 @@ class _Recentred(nn.Module):
     def __init__(self, branch: nn.Module) -> None:
         super().__init__()
         self.branch = branch
+        if not callable(getattr(branch, "jacobian", None)):
+            self.jacobian = None  # the residual block then differentiates h itself
 
     def scale(self) -> Tensor:
         lower, upper = _spectrum(self.branch)
