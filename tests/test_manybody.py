@@ -1,4 +1,7 @@
-"""NeighbourhoodInteraction: gradient of its potential, certified bound, equivariance, masks."""
+"""NeighbourhoodInteraction: gradient of its potential, certified bound, many-body coupling.
+
+Equivariance, padding and the closed-form Jacobian: tests/test_particle_branches.py.
+"""
 
 import math
 
@@ -6,9 +9,8 @@ import pytest
 import torch
 
 from flowattn.flows import InvertibleResidual, set_flow
-from flowattn.flows.logdet import exact_logdet, jacobian_logdet
 from flowattn.flows.manybody import NeighbourhoodInteraction
-from flowattn.lipschitz import jacobian, lipschitz_lower_bound
+from flowattn.lipschitz import lipschitz_lower_bound
 
 
 def make(seed=0, coeff=0.9, channels=4, hidden=6, strength=1.0):
@@ -84,29 +86,6 @@ def test_shell_sum_constants_bound_their_sums():
     assert gradients <= manybody._GRADIENT_SUM <= gradients + 1e-3
 
 
-def test_closed_form_jacobian_matches_autograd_and_is_symmetric():
-    g = make(strength=2.0)
-    x = randn(2, 5, 3)
-    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
-    jac = g.jacobian(x, mask)
-    for b in range(2):
-        ref = jacobian(lambda z, b=b: g(z[None], mask[b : b + 1])[0], x[b])
-        torch.testing.assert_close(jac[b].reshape(15, 15), ref, atol=1e-12, rtol=0)
-        torch.testing.assert_close(ref, ref.T, atol=1e-12, rtol=0)
-
-
-def test_equivariant_to_rotations_translations_permutations_and_keeps_the_centre():
-    g = make()
-    x = randn(2, 6, 3)
-    q, _ = torch.linalg.qr(randn(3, 3, seed=2))
-    shift = randn(1, 1, 3, seed=3)
-    perm = torch.randperm(6, generator=torch.Generator().manual_seed(4))
-    y = g(x)
-    torch.testing.assert_close(g(x @ q.T + shift), y @ q.T)
-    torch.testing.assert_close(g(x[:, perm]), y[:, perm])
-    torch.testing.assert_close(y.sum(1), torch.zeros(2, 3, dtype=torch.float64))
-
-
 def test_a_pair_feels_a_third_element_unlike_a_pair_interaction():
     """dg_0/dx_1 changes when x_2 moves: zero for any sum of pair terms, not here."""
     from flowattn.flows.radial import RadialInteraction
@@ -121,33 +100,6 @@ def test_a_pair_feels_a_third_element_unlike_a_pair_interaction():
     g = make()
     assert (coupling(g, near) - coupling(g, far)).abs().max() > 1e-3 * g.jacobian(
         torch.tensor([[[0.0, 0.0], [1.0, 0.0], near]], dtype=torch.float64)).abs().max()
-
-
-def test_padding_is_ignored():
-    g = make()
-    x = randn(1, 5, 2)
-    mask = torch.tensor([[True, True, True, False, False]])
-    y = g(x, mask)
-    torch.testing.assert_close(y[:, :3], g(x[:, :3]))
-    assert y[:, 3:].abs().max() == 0
-
-
-@pytest.mark.parametrize("zero_com", [False, True])
-def test_closed_form_logdet_and_its_gradients_equal_the_vjp_path(zero_com):
-    g = make(strength=3.0)
-    x = randn(3, 5, 2, seed=5)
-    mask = torch.tensor([[True] * 5, [True] * 4 + [False], [True, True, False, False, False]])
-    if zero_com:
-        w = mask[..., None].double()
-        x = (x - (x * w).sum(1, keepdim=True) / w.sum(1, keepdim=True)) * w
-    x.requires_grad_(True)
-    closed = jacobian_logdet(g.jacobian(x, mask), mask, zero_com)
-    vjp = exact_logdet(g(x, mask), x, mask, "full", zero_com, create_graph=True)
-    torch.testing.assert_close(closed, vjp, atol=1e-12, rtol=0)
-    params = [x, g.linear, g.in_weight, g.in_bias, g.out_weight]
-    grads = [torch.autograd.grad(v.sum(), params, retain_graph=True) for v in (closed, vjp)]
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
 def test_invertible_residual_round_trip_in_zero_com_mode():

@@ -1,4 +1,7 @@
-"""RadialInteraction: certified bound vs Jacobian norms, tightness, E(n) equivariance, masks."""
+"""RadialInteraction: certified bound vs Jacobian norms, tightness, blocks and flows.
+
+Equivariance, padding and the closed-form Jacobian: tests/test_particle_branches.py.
+"""
 
 import math
 
@@ -55,27 +58,6 @@ def test_jacobian_is_symmetric_and_psi_integrates_its_derivative():
     torch.testing.assert_close(g.psi(d[1:]), integral, atol=1e-6, rtol=0)
 
 
-def test_equivariant_to_rotations_translations_permutations_and_keeps_the_centre():
-    g = make()
-    x = randn(2, 6, 3)
-    q, _ = torch.linalg.qr(randn(3, 3, seed=2))
-    shift = randn(1, 1, 3, seed=3)
-    perm = torch.randperm(6, generator=torch.Generator().manual_seed(4))
-    y = g(x)
-    torch.testing.assert_close(g(x @ q.T + shift), y @ q.T)
-    torch.testing.assert_close(g(x[:, perm]), y[:, perm])
-    torch.testing.assert_close(y.sum(1), torch.zeros(2, 3, dtype=torch.float64))
-
-
-def test_padding_is_ignored():
-    g = make()
-    x = randn(1, 5, 2)
-    mask = torch.tensor([[True, True, True, False, False]])
-    y = g(x, mask)
-    torch.testing.assert_close(y[:, :3], g(x[:, :3]))
-    assert y[:, 3:].abs().max() == 0
-
-
 def test_invertible_residual_round_trip_and_exact_logdet_in_zero_com_mode():
     block = InvertibleResidual(make(scale=3.0), logdet="exact", zero_com=True).eval()
     x = randn(3, 4, 2)
@@ -105,35 +87,6 @@ def test_radial_set_flow_and_errors():
     with pytest.raises(ValueError, match="causal"):
         make()(randn(1, 3, 2), causal=True)
     assert math.isclose(make().bump_sum_bound, math.sqrt(2 * math.pi), rel_tol=2e-4)
-
-
-def test_closed_form_jacobian_matches_autograd_with_padding():
-    g = make(scale=2.0)
-    x = randn(2, 5, 3)
-    mask = torch.tensor([[True] * 5, [True, True, True, False, False]])
-    jac = g.jacobian(x, mask)
-    for b in range(2):
-        ref = jacobian(lambda z, b=b: g(z[None], mask[b : b + 1])[0], x[b])
-        torch.testing.assert_close(jac[b].reshape(15, 15), ref, atol=1e-12, rtol=0)
-
-
-@pytest.mark.parametrize("zero_com", [False, True])
-def test_closed_form_logdet_and_its_gradients_equal_the_vjp_path(zero_com):
-    from flowattn.flows.logdet import exact_logdet, jacobian_logdet
-
-    g = make(scale=3.0)
-    x = randn(3, 5, 2, seed=5)
-    mask = torch.tensor([[True] * 5, [True] * 4 + [False], [True, True, False, False, False]])
-    if zero_com:
-        w = mask[..., None].double()
-        x = (x - (x * w).sum(1, keepdim=True) / w.sum(1, keepdim=True)) * w
-    x.requires_grad_(True)
-    closed = jacobian_logdet(g.jacobian(x, mask), mask, zero_com)
-    vjp = exact_logdet(g(x, mask), x, mask, "full", zero_com, create_graph=True)
-    torch.testing.assert_close(closed, vjp, atol=1e-12, rtol=0)
-    grads = [torch.autograd.grad(v.sum(), [x, g.weight], retain_graph=True) for v in (closed, vjp)]
-    for a, b in zip(*grads, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-10, rtol=0)
 
 
 def test_closed_form_makes_the_exact_path_feasible_for_larger_sets():
