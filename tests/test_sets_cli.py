@@ -256,3 +256,33 @@ def test_auto_interaction_is_radial_for_particles_and_attention_otherwise():
     assert resolved_interaction(config, zero_com=True) == "radial"
     assert resolved_interaction(config, zero_com=False) == "attention"
     assert resolved_interaction(config.updated(interaction="linear"), zero_com=True) == "linear"
+
+
+def test_cnf_field_is_the_graph_network_for_particles_and_attention_otherwise():
+    from flowattn.flows import CNF, AttentionField, EGNNField
+    from flowattn.sets.config import build_flow
+
+    def field(config, zero_com):
+        flow = build_flow(config, 2, 4, zero_com)
+        return next(m for m in flow.modules() if isinstance(m, CNF)).field
+
+    config = SetsConfig(flow="cnf")
+    assert isinstance(field(config, zero_com=True), EGNNField)
+    assert isinstance(field(config, zero_com=False), AttentionField)
+    chosen = field(config.updated(field="attention"), zero_com=True)
+    assert isinstance(chosen, AttentionField) and chosen.layers == 2 and chosen.hidden == 16
+    egnn = field(config.updated(field="egnn", field_layers=2, field_hidden=8), zero_com=True)
+    assert len(egnn.layers) == 2 and egnn.embed_time.out_features == 8
+    with pytest.raises(Exception, match="field must be one of"):
+        SetsConfig(field="transformer")
+
+
+def test_continuous_flows_saved_before_the_field_setting_keep_the_attention_field():
+    from flowattn.flows import AttentionField
+    from flowattn.sets.config import build_flow
+    from flowattn.sets.train import _with_legacy_defaults
+
+    settings = SetsConfig(flow="cnf", field_layers=2, field_hidden=16).to_dict()
+    del settings["field"]  # as written by an older version
+    config = SetsConfig(**_with_legacy_defaults(settings))
+    assert isinstance(build_flow(config, 2, 4, zero_com=True).transform.field, AttentionField)

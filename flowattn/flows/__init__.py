@@ -5,6 +5,7 @@ from .base import sample_standard_normal, set_dims, standard_normal_log_prob, su
 from .builders import SetFlow, sequence_flow, set_flow
 from .cnf import CNF, ODESolverError
 from .divergence import exact_divergence, hutchinson_divergence
+from .egnn import EGNNField
 from .equivariant import EquivariantLinear
 from .fields import AttentionField, DotProductField
 from .inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse, residual_inverse
@@ -20,6 +21,7 @@ __all__ = [
     "AttentionField",
     "CNF",
     "DotProductField",
+    "EGNNField",
     "ODESolverError",
     "exact_divergence",
     "hutchinson_divergence",

@@ -230,6 +230,8 @@ class CNF(Transform):
         adjoint_atol: absolute tolerance of the adjoint solve (default: atol).
         adjoint_rtol: relative tolerance of the adjoint solve (default: rtol).
         divergence: ``"exact"`` or ``"hutchinson"``.
+        eval_divergence: the divergence in evaluation mode (``None``: ``divergence``); e.g.
+            Hutchinson to train and the exact trace to report likelihoods (E-NF's practice).
         noise: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
         generator: torch.Generator the probes are drawn from (default: the global RNG).
         regularize: integrate the RNODE regularisers during ``forward``.
@@ -265,6 +267,7 @@ class CNF(Transform):
         adjoint_atol: float | None = None,
         adjoint_rtol: float | None = None,
         divergence: str = "exact",
+        eval_divergence: str | None = None,
         noise: str = "rademacher",
         generator: torch.Generator | None = None,
         regularize: bool = False,
@@ -285,8 +288,10 @@ class CNF(Transform):
                           ("adjoint_rtol", adjoint_rtol)):
             if tol is not None and not (math.isfinite(tol) and tol > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {tol!r}")
-        if divergence not in ("exact", "hutchinson"):
-            raise ValueError(f"divergence must be 'exact' or 'hutchinson', got {divergence!r}")
+        for name, value in (("divergence", divergence), ("eval_divergence", eval_divergence)):
+            if value not in ("exact", "hutchinson") and not (name == "eval_divergence"
+                                                             and value is None):
+                raise ValueError(f"{name} must be 'exact' or 'hutchinson', got {value!r}")
         if noise not in ("rademacher", "gaussian"):
             raise ValueError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
         if max_steps is not None and max_steps < 1:
@@ -302,6 +307,7 @@ class CNF(Transform):
         self.adjoint_atol = atol if adjoint_atol is None else adjoint_atol
         self.adjoint_rtol = rtol if adjoint_rtol is None else adjoint_rtol
         self.divergence, self.noise, self.generator = divergence, noise, generator
+        self.eval_divergence = divergence if eval_divergence is None else eval_divergence
         self.regularize = regularize
         self.zero_com = bool(getattr(field, "zero_com", False)) if zero_com is None else zero_com
         self.max_steps = max_steps
@@ -362,7 +368,8 @@ class CNF(Transform):
         return None
 
     def _check_centred(self, inputs: Tensor, mask: Tensor | None) -> None:
-        offset = (inputs - subtract_mean(inputs, mask))
+        inputs = inputs.detach()  # a check, not part of the graph
+        offset = inputs - subtract_mean(inputs, mask)
         if mask is not None:
             offset = offset * mask.unsqueeze(-1).to(inputs.dtype)
         scale = 1.0 + float(inputs.abs().max())
@@ -380,7 +387,7 @@ class CNF(Transform):
         counter = _Counter()
         self._counter = counter
         probe = None
-        if self.divergence == "hutchinson":
+        if (self.divergence if self.training else self.eval_divergence) == "hutchinson":
             probe = draw_probe(z0, self.noise, mask, self.zero_com, self.generator)
         dynamics = _Dynamics(
             self.field, mask, probe, self.zero_com, regularize, counter, self.adjoint

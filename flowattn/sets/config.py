@@ -14,6 +14,8 @@ from ..runs import RunError
 
 __all__ = ["SetsConfig", "build_flow"]
 
+FIELDS = ("auto", "attention", "egnn")
+
 
 @dataclass
 class SetsConfig:
@@ -21,16 +23,17 @@ class SetsConfig:
 
     Data: ``data`` is a built-in name or an ``.npz`` path; ``num_train`` overrides the size of a
     built-in training split. Flow: ``flow`` is ``resflow`` (invertible residual blocks of
-    contractive L2 attention and Lipschitz MLPs) or ``cnf`` (a continuous flow whose field is
-    L2 attention). ``interaction`` chooses how elements meet in the residual flow: contractive
-    attention, ``radial`` (an E(n)-equivariant pairwise interaction, for particles), or the
-    baselines ``linear`` and ``none``; ``auto`` (the default) is ``radial`` for particle data
-    (zero centre of mass) and ``attention`` otherwise. With ``location`` (the default) the flow
-    starts with a :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid
-    given its size; it is left out for particle data (centroid fixed at 0) and for
-    ``interaction="none"``. ``manybody`` adds a
-    :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each radial one (``None``,
-    the default: with radial interactions, not otherwise);
+    contractive L2 attention and Lipschitz MLPs) or ``cnf`` (a continuous flow whose ``field``
+    is L2 attention or an E(n)-equivariant graph network, :class:`~flowattn.flows.EGNNField`;
+    ``auto``, the default: the graph network for particles). ``interaction`` chooses how
+    elements meet in the residual flow: contractive attention, ``radial`` (an E(n)-equivariant
+    pairwise interaction, for particles), or the baselines ``linear`` and ``none``; ``auto``
+    (the default) is ``radial`` for particle data (zero centre of mass) and ``attention``
+    otherwise. With ``location`` (the default) the flow starts with a
+    :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid given its size;
+    it is left out for particle data (centroid fixed at 0) and for ``interaction="none"``.
+    ``manybody`` adds a :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each
+    radial one (``None``, the default: with radial interactions, not otherwise);
     ``radial_max_slope`` makes the radial residuals monotone
     (:class:`~flowattn.flows.MonotoneResidual`).
     Training: Adam with linear warm-up and cosine decay, gradient clipping.
@@ -54,11 +57,13 @@ class SetsConfig:
     coeff: float = 0.9
     train_logdet: str = "auto"  # exact when N D <= 64 (radial: <= 512), else Russian roulette
     # continuous flow
-    field_layers: int = 2
-    field_hidden: int = 16
+    field: str = "auto"  # "attention", "egnn" (E(n)-equivariant); "auto": egnn for particles
+    field_layers: int | None = None  # None: 2 for attention, 3 for egnn
+    field_hidden: int | None = None  # None: 16 for attention, 32 for egnn
     t1: float = 1.0
     ode_tol: float = 1e-4
-    divergence: str = "auto"  # "auto": exact when N D <= 64, else Hutchinson
+    divergence: str = "auto"  # training: "auto" is exact when N D <= 64, else Hutchinson;
+    # evaluation is exact when N D <= 64 whatever this says
     # optimisation
     steps: int = 1500
     batch_size: int = 64
@@ -78,9 +83,13 @@ class SetsConfig:
             raise RunError(f"unknown flow {self.flow!r}: use 'resflow' or 'cnf'")
         positive = ["blocks", "heads", "hidden", "field_layers", "field_hidden", "steps",
                     "batch_size", "eval_every", "checkpoint_every", "val_sets", "radial_basis"]
+        optional = ("field_layers", "field_hidden")  # None: the field's own default
         for name in positive:
-            if getattr(self, name) < 1:
-                raise RunError(f"{name} must be a positive integer, got {getattr(self, name)}")
+            value = getattr(self, name)
+            if (value is None and name not in optional) or (value is not None and value < 1):
+                raise RunError(f"{name} must be a positive integer, got {value}")
+        if self.field not in FIELDS:
+            raise RunError(f"field must be one of {', '.join(FIELDS)}, got {self.field!r}")
         if self.interaction not in ("auto", *INTERACTIONS):
             raise RunError(f"interaction must be auto or one of {', '.join(INTERACTIONS)}, "
                            f"got {self.interaction!r}")
@@ -134,6 +143,24 @@ def resolved_interaction(config: SetsConfig, zero_com: bool) -> str:
     return "radial" if zero_com else "attention"
 
 
+def resolved_field(config: SetsConfig, zero_com: bool) -> str:
+    """The vector field a continuous flow uses: ``auto`` is egnn for particles, else attention."""
+    if config.field != "auto":
+        return config.field
+    return "egnn" if zero_com else "attention"
+
+
+def _build_field(config: SetsConfig, dim: int, zero_com: bool):
+    from ..flows.egnn import EGNNField
+    from ..flows.fields import AttentionField
+
+    if resolved_field(config, zero_com) == "egnn":
+        return EGNNField(dim, hidden=config.field_hidden or 32, layers=config.field_layers or 3,
+                         zero_com=zero_com)
+    return AttentionField(dim, heads=config.heads, layers=config.field_layers or 2,
+                          hidden=config.field_hidden or 16, zero_com=zero_com)
+
+
 def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> SetFlow:
     """The flow ``config`` describes, for sets of up to ``set_size`` elements in R^dim."""
     small = set_size * dim <= 64
@@ -175,20 +202,15 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
         raise RunError(f"interaction={config.interaction!r} is a residual-flow setting: "
                        "use flow=resflow")
     from ..flows.cnf import CNF
-    from ..flows.fields import AttentionField
 
     divergence = config.divergence
     if divergence == "auto":
         divergence = "exact" if small else "hutchinson"
-    field = AttentionField(
-        dim,
-        heads=config.heads,
-        layers=config.field_layers,
-        hidden=config.field_hidden,
-        zero_com=zero_com,
-    )
+    field = _build_field(config, dim, zero_com)
+    # likelihoods are reported with the exact trace wherever it is affordable
     cnf = CNF(field, t1=config.t1, atol=config.ode_tol, rtol=config.ode_tol,
-              divergence=divergence, zero_com=zero_com)
+              divergence=divergence, eval_divergence="exact" if small else divergence,
+              zero_com=zero_com)
     if not location:
         return SetFlow(cnf, dim, zero_com)
     return SetFlow(CompositeTransform([SetLocation(dim), cnf]), dim, zero_com)

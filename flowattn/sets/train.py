@@ -99,7 +99,7 @@ def _data_spec(train: SetData) -> dict:
 def _with_legacy_defaults(settings: dict) -> dict:
     """Settings missing from an older checkpoint take the values its flow was built with."""
     return {"location": False, "radial_basis": 32, "radial_range": 6.0, "manybody": False,
-            **settings}
+            "field": "attention", **settings}
 
 
 def load_flow(checkpoint_dir: str | Path, device: str = "cpu") -> tuple[SetFlow, dict]:
