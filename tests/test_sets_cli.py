@@ -240,7 +240,7 @@ def test_checkpoints_written_before_a_setting_existed_still_load(tmp_path):
     config = tiny_config(tmp_path, interaction="radial", manybody=False)
     assert run_cli("fit", *TINY, "--steps", "2", "--out", str(out), "--config", str(config)) == 0
     record = torch.load(out / "checkpoint.pt", weights_only=False)
-    for key in ("manybody", "radial_max_slope", "radial_inverse"):
+    for key in ("manybody", "radial_max_slope", "radial_inverse", "field"):
         del record["config"][key]  # as written by an older version
     torch.save(record, out / "checkpoint.pt")
     flow, _ = load_flow(out)
@@ -275,6 +275,8 @@ def test_cnf_field_is_the_graph_network_for_particles_and_attention_otherwise():
     assert len(egnn.layers) == 2 and egnn.embed_time.out_features == 8
     with pytest.raises(Exception, match="field must be one of"):
         SetsConfig(field="transformer")
+    with pytest.raises(Exception, match="setting of continuous flows"):
+        build_flow(SetsConfig(field="egnn"), 2, 4, zero_com=True)  # a residual flow
 
 
 def test_continuous_flows_saved_before_the_field_setting_keep_the_attention_field():

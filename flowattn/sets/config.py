@@ -177,6 +177,9 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
                            f"flow=resflow and interaction=radial (here {config.flow}, "
                            f"{interaction})")
     if config.flow == "resflow":
+        if config.field != "auto":
+            raise RunError(f"field={config.field!r} is a setting of continuous flows: use it "
+                           "with flow=cnf")
         logdet = config.train_logdet
         if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
             logdet = "exact" if small else ("auto" if interaction == "radial" else "roulette")

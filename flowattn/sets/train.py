@@ -98,8 +98,9 @@ def _data_spec(train: SetData) -> dict:
 
 def _with_legacy_defaults(settings: dict) -> dict:
     """Settings missing from an older checkpoint take the values its flow was built with."""
+    field = "attention" if settings.get("flow") == "cnf" else "auto"
     return {"location": False, "radial_basis": 32, "radial_range": 6.0, "manybody": False,
-            "field": "attention", **settings}
+            "field": field, **settings}
 
 
 def load_flow(checkpoint_dir: str | Path, device: str = "cpu") -> tuple[SetFlow, dict]:
