@@ -288,3 +288,18 @@ def test_continuous_flows_saved_before_the_field_setting_keep_the_attention_fiel
     del settings["field"]  # as written by an older version
     config = SetsConfig(**_with_legacy_defaults(settings))
     assert isinstance(build_flow(config, 2, 4, zero_com=True).transform.field, AttentionField)
+
+
+def test_resume_names_changed_settings_and_accepts_checkpoints_older_than_a_setting(
+        tmp_path, capsys):
+    out = tmp_path / "run"
+    config = tiny_config(tmp_path)
+    assert run_cli("fit", *TINY, "--steps", "4", "--out", str(out), "--config", str(config)) == 0
+    assert run_cli("fit", *TINY, "--steps", "6", "--out", str(out), "--config", str(config),
+                   "--resume", "--blocks", "2") == 2
+    assert "['blocks', 'steps'] differ" in capsys.readouterr().err
+    record = torch.load(out / "checkpoint.pt", weights_only=False)
+    del record["config"]["field"]  # as written before the setting existed
+    torch.save(record, out / "checkpoint.pt")
+    assert run_cli("fit", *TINY, "--steps", "4", "--out", str(out), "--config", str(config),
+                   "--resume") == 0

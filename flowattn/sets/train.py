@@ -148,8 +148,11 @@ def fit(config: SetsConfig, out: str | Path, resume: bool = False, progress: boo
     start = 0
     if resume and checkpoint_path.exists():
         record = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        if record["config"] != config.to_dict():
-            raise RunError("the settings differ from the checkpoint's; resume with the same ones")
+        saved = SetsConfig(**_with_legacy_defaults(record["config"])).to_dict()
+        changed = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v)
+        if changed:
+            raise RunError(f"the settings {changed} differ from the checkpoint's; resume with "
+                           "the same ones")
         flow.load_state_dict(record["model"])
         optimizer.load_state_dict(record["optimizer"])
         set_rng_state(generator, record["rng"])
