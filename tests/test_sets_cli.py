@@ -299,7 +299,8 @@ def test_resume_names_changed_settings_and_accepts_checkpoints_older_than_a_sett
                    "--resume", "--blocks", "2") == 2
     assert "['blocks', 'steps'] differ" in capsys.readouterr().err
     record = torch.load(out / "checkpoint.pt", weights_only=False)
-    del record["config"]["field"]  # as written before the setting existed
+    del record["config"]["field"]  # as written before the setting existed, when the field's
+    record["config"].update(field_layers=2, field_hidden=16)  # size had fixed defaults
     torch.save(record, out / "checkpoint.pt")
     assert run_cli("fit", *TINY, "--steps", "4", "--out", str(out), "--config", str(config),
                    "--resume") == 0

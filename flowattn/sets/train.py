@@ -98,9 +98,14 @@ def _data_spec(train: SetData) -> dict:
 
 def _with_legacy_defaults(settings: dict) -> dict:
     """Settings missing from an older checkpoint take the values its flow was built with."""
-    field = "attention" if settings.get("flow") == "cnf" else "auto"
+    settings = dict(settings)
+    if "field" not in settings:  # before the field setting: attention, 2 layers of width 16
+        settings["field"] = "attention" if settings.get("flow") == "cnf" else "auto"
+        for name, old_default in (("field_layers", 2), ("field_hidden", 16)):
+            if settings.get(name) == old_default:
+                settings[name] = None  # now "the field's default", which is the same
     return {"location": False, "radial_basis": 32, "radial_range": 6.0, "manybody": False,
-            "field": field, **settings}
+            **settings}
 
 
 def load_flow(checkpoint_dir: str | Path, device: str = "cpu") -> tuple[SetFlow, dict]:
