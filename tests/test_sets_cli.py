@@ -304,3 +304,23 @@ def test_resume_names_changed_settings_and_accepts_checkpoints_older_than_a_sett
     torch.save(record, out / "checkpoint.pt")
     assert run_cli("fit", *TINY, "--steps", "4", "--out", str(out), "--config", str(config),
                    "--resume") == 0
+
+
+def test_evaluation_and_sampling_keep_no_graph():
+    # a continuous flow's solve would otherwise hold every solver step of a batch in memory
+    from flowattn.data import SetData
+    from flowattn.sets.config import build_flow
+    from flowattn.sets.plots import draw_samples
+    from flowattn.sets.train import evaluate
+
+    flow = build_flow(SetsConfig(flow="cnf", field_hidden=4, field_layers=1), 2, 3, True)
+    seen = []
+    log_prob, inverse = flow.log_prob, flow.transform.inverse
+    flow.log_prob = lambda *a, **k: seen.append(torch.is_grad_enabled()) or log_prob(*a, **k)
+    flow.transform.inverse = lambda *a, **k: seen.append(torch.is_grad_enabled()) or inverse(
+        *a, **k)
+    x = torch.randn(4, 3, 2)
+    data = SetData(x - x.mean(1, keepdim=True), zero_com=True)
+    evaluate(flow, data)
+    draw_samples(flow, data, 2, seed=0)
+    assert seen == [False, False]

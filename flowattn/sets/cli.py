@@ -78,7 +78,8 @@ def _sample(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise RunError(f"cannot write {out}: folder {out.parent} does not exist")
     generator = torch.Generator(device=args.device).manual_seed(args.seed)
-    x = flow.sample(args.num, set_size, None, generator).detach()
+    with torch.no_grad():
+        x = flow.sample(args.num, set_size, None, generator)
     if not torch.isfinite(x).all():
         raise RunError("sampling produced non-finite values")
     save_npz(out, x)

@@ -23,7 +23,9 @@ def draw_samples(flow: SetFlow, like: SetData, count: int, seed: int) -> tuple[T
     mask = like.mask[:count] if like.mask is not None else None
     device = next(flow.parameters()).device
     generator = torch.Generator(device=device).manual_seed(seed)
-    x = flow.sample(count, like.set_size, None if mask is None else mask.to(device), generator)
+    with torch.no_grad():
+        x = flow.sample(count, like.set_size, None if mask is None else mask.to(device),
+                        generator)
     if mask is None:
         mask = torch.ones(count, like.set_size, dtype=torch.bool)
     return x.detach().cpu(), mask.cpu()

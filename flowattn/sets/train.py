@@ -81,8 +81,9 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     for start in range(0, count, batch_size):
         index = torch.arange(start, min(start + batch_size, count))
         x, mask = _batch(data, index, device)
-        with twice_differentiable():
-            log_prob = flow.log_prob(x, mask).detach()
+        # no graph: a continuous flow would otherwise keep every solver step of the batch
+        with twice_differentiable(), torch.no_grad():
+            log_prob = flow.log_prob(x, mask)
         if not torch.isfinite(log_prob).all():
             raise RunError(f"non-finite log-likelihood while evaluating {data.name}")
         total_nll -= log_prob.double().sum().item()
