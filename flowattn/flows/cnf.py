@@ -288,10 +288,11 @@ class CNF(Transform):
                           ("adjoint_rtol", adjoint_rtol)):
             if tol is not None and not (math.isfinite(tol) and tol > 0):
                 raise ValueError(f"{name} must be a finite number > 0, got {tol!r}")
-        for name, value in (("divergence", divergence), ("eval_divergence", eval_divergence)):
-            if value not in ("exact", "hutchinson") and not (name == "eval_divergence"
-                                                             and value is None):
-                raise ValueError(f"{name} must be 'exact' or 'hutchinson', got {value!r}")
+        if divergence not in ("exact", "hutchinson"):
+            raise ValueError(f"divergence must be 'exact' or 'hutchinson', got {divergence!r}")
+        if eval_divergence not in (None, "exact", "hutchinson"):
+            raise ValueError("eval_divergence must be None, 'exact' or 'hutchinson', got "
+                             f"{eval_divergence!r}")
         if noise not in ("rademacher", "gaussian"):
             raise ValueError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
         if max_steps is not None and max_steps < 1:

@@ -21,8 +21,9 @@ displacement in a layer by c, and dividing the direction by |d| + 1 keeps far pa
 dominating (both as in E-NF, where c = 15 / L).
 
 Unlike :class:`~flowattn.flows.AttentionField` this field has no certified Lipschitz
-constant: the ODE it defines is well posed (the field is smooth and grows at most linearly,
-|f| <= c L (n - 1)), but nothing bounds how fast nearby trajectories separate. It is the
+constant: the ODE it defines has a unique solution for all times (the field is smooth, hence
+locally Lipschitz, and bounded, |f_i| <= c L (n - 1) before centring, so no solution blows
+up), but nothing bounds how fast nearby trajectories separate. It is the
 reference dynamics for particle systems; the certified alternative is a residual flow of
 :class:`~flowattn.flows.RadialInteraction` and
 :class:`~flowattn.flows.NeighbourhoodInteraction` blocks.
