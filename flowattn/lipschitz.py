@@ -65,7 +65,7 @@ def lambertw0(x: Tensor | float, iterations: int = 8) -> Tensor:
         x: non-negative values (tensor or float).
         iterations: number of Halley steps.
 
-    Example:
+    Examples:
         >>> float(lambertw0(math.e))
         1.0
     """
@@ -152,7 +152,7 @@ class PowerIteration(nn.Module):
         tol: relative tolerance of the iteration.
         max_iter: iterations at most per call.
 
-    Example:
+    Examples:
         >>> est = PowerIteration(4)
         >>> w = torch.diag(torch.tensor([3.0, 1.0, 0.5, 0.1]))
         >>> round(float(est(w)), 4)
@@ -200,7 +200,7 @@ def l2_attention_bound(
         w_o: (D, D) output weights, applied as [heads] W^O.
         norm: "inf" or 2.
 
-    Example:
+    Examples:
         >>> eye = torch.eye(1, dtype=torch.float64)
         >>> b = l2_attention_bound(2, eye[None], eye[None], eye)
         >>> round(float(b), 6)  # 4 W0(1/e) + 1

@@ -28,7 +28,7 @@ def frozen_power_iteration() -> Iterator[None]:
     A training-mode layer changes its normalisation a little on every call; an iterative inverse
     or repeated evaluation of one residual map must see one fixed function.
 
-    Example:
+    Examples:
         >>> with frozen_power_iteration():
         ...     pass
     """
@@ -54,7 +54,7 @@ class LipSwish(nn.Module):
     gives a Lipschitz constant below 1. beta = softplus(rho) is learnable and initialised to 1
     (softplus(0.5413) = 1).
 
-    Example:
+    Examples:
         >>> act = LipSwish()
         >>> act(torch.zeros(3)).abs().max().item()
         0.0
@@ -101,7 +101,7 @@ class SpectralLinear(nn.Module):
         n_power_iterations: power-iteration steps per training forward pass.
         mode: ``"auto"`` (power iteration in training, exact in eval), ``"power"`` or ``"exact"``.
 
-    Example:
+    Examples:
         >>> lin = SpectralLinear(4, 4, coeff=0.5).eval()
         >>> float(lin.lipschitz_bound()) <= 0.5 + 1e-6
         True
@@ -210,7 +210,7 @@ class LipschitzMLP(nn.Module):
         per_layer_coeff: if True, ``coeff`` is applied to every layer (the convention of the
             Residual Flows code), so the branch bound is ``coeff ** L``.
 
-    Example:
+    Examples:
         >>> mlp = LipschitzMLP(2, 16, coeff=0.9).eval()
         >>> mlp(torch.randn(3, 5, 2)).shape
         torch.Size([3, 5, 2])

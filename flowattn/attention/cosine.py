@@ -42,7 +42,7 @@ class ScaledCosineMHA(nn.Module):
         nu: output scale nu.
         dropout: attention-weight dropout probability (training only).
 
-    Example:
+    Examples:
         >>> attn = ScaledCosineMHA(dim=16, heads=4)
         >>> attn(torch.randn(2, 5, 16)).shape
         torch.Size([2, 5, 16])

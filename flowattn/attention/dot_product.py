@@ -40,7 +40,7 @@ class DotProductMHA(nn.Module):
         dropout: dropout on the attention weights, in training mode only.
         bias: whether the projections have biases.
 
-    Example:
+    Examples:
         >>> attn = DotProductMHA(dim=16, heads=4)
         >>> attn(torch.randn(2, 5, 16)).shape
         torch.Size([2, 5, 16])

@@ -18,7 +18,7 @@ def twice_differentiable() -> AbstractContextManager:
     estimators or CNF divergences -- runs the attention under this context, which selects
     PyTorch's composite ("math") backend: the same function, built from differentiable ops.
 
-    Example:
+    Examples:
         >>> from flowattn.attention import L2MHA
         >>> attn = L2MHA(8, 2)
         >>> x = torch.randn(1, 3, 8, requires_grad=True)

@@ -73,7 +73,7 @@ class L2MHA(nn.Module):
         dropout: attention-weight dropout probability (training only).
         fused: use the fused kernel path.
 
-    Example:
+    Examples:
         >>> attn = L2MHA(dim=16, heads=4)
         >>> mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
         >>> y = attn(torch.randn(2, 5, 16), mask=mask)
@@ -202,7 +202,7 @@ class ContractiveL2MHA(nn.Module):
         output_dropout: classic dropout probability on the output.
         fused: use the fused kernel path of :class:`L2MHA`.
 
-    Example:
+    Examples:
         >>> f = ContractiveL2MHA(dim=8, heads=2, coeff=0.9)
         >>> round(float(f.lipschitz_bound(10)), 6)
         0.9

@@ -34,7 +34,7 @@ class ActNorm(Transform):
         zero_com: zero-centre-of-mass mode.
         eps: added to the standard deviation at initialisation.
 
-    Example:
+    Examples:
         >>> act = ActNorm(3)
         >>> y, logdet = act(torch.randn(8, 5, 3) * 4 + 1)
         >>> bool(y.mean(dim=(0, 1)).abs().max() < 1e-5)

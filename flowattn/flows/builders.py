@@ -40,7 +40,7 @@ class SetFlow(nn.Module):
         dim: feature width D.
         zero_com: zero-centre-of-mass mode.
 
-    Example:
+    Examples:
         >>> flow = set_flow(dim=2, blocks=1, heads=1, logdet="exact").eval()
         >>> flow.log_prob(torch.randn(3, 4, 2)).shape
         torch.Size([3])
@@ -273,7 +273,7 @@ def set_flow(
         residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
             ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
 
-    Example:
+    Examples:
         >>> flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact")
         >>> flow.log_prob(torch.randn(5, 4, 2)).shape
         torch.Size([5])
@@ -305,7 +305,7 @@ def sequence_flow(
     for any length (``logdet="exact"`` or the default ``"auto"``). Arguments as in
     :func:`set_flow`.
 
-    Example:
+    Examples:
         >>> flow = sequence_flow(dim=2, blocks=1, heads=1).eval()
         >>> flow.log_prob(torch.randn(2, 6, 2)).shape
         torch.Size([2])

@@ -239,7 +239,7 @@ class CNF(Transform):
         max_steps: maximum number of adaptive steps per solve (``None``: unlimited).
         solver_options: further options for the torchdiffeq solver.
 
-    Example:
+    Examples:
         >>> class Field(nn.Module):
         ...     def __init__(self):
         ...         super().__init__()

@@ -72,7 +72,7 @@ def exact_divergence(
     Returns:
         (f, divergence, frobenius or None); f has z's shape, the others shape (B,).
 
-    Example:
+    Examples:
         >>> z = torch.randn(2, 3, 2, requires_grad=True)
         >>> f, div, _ = exact_divergence(lambda x, m: 2 * x, z)
         >>> div.tolist()
@@ -123,7 +123,7 @@ def hutchinson_divergence(
     Returns:
         (divergence estimate, Frobenius estimate or None), each of shape (B,).
 
-    Example:
+    Examples:
         >>> z = torch.randn(2, 3, requires_grad=True)
         >>> eps = torch.ones(2, 3)
         >>> hutchinson_divergence(2 * z, z, eps)[0].tolist()
@@ -156,7 +156,7 @@ def draw_probe(
         zero_com: project the probe onto the zero-centre-of-mass subspace.
         generator: optional seeded torch.Generator.
 
-    Example:
+    Examples:
         >>> g = torch.Generator().manual_seed(0)
         >>> draw_probe(torch.zeros(1, 4), generator=g).abs().tolist()
         [[1.0, 1.0, 1.0, 1.0]]

@@ -100,7 +100,7 @@ class EGNNField(nn.Module):
         zero_com: remove the output's centre of mass.
         eps: smoothing of the distance, |d| = (d^2 + eps)^(1/2).
 
-    Example:
+    Examples:
         >>> field = EGNNField(dim=2, hidden=16, layers=2)
         >>> z = torch.randn(3, 4, 2)
         >>> field(torch.tensor(0.5), z).shape

@@ -65,7 +65,7 @@ class EquivariantLinear(Transform):
         dim: feature width D.
         zero_com: the data live in the zero-centre-of-mass subspace.
 
-    Example:
+    Examples:
         >>> layer = EquivariantLinear(2)
         >>> x = torch.randn(3, 5, 2)
         >>> y, logdet = layer(x)

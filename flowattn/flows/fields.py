@@ -125,7 +125,7 @@ class AttentionField(_StackedAttentionField):
         zero_com: remove the output's centre of mass (particle systems).
         max_lipschitz: optional cap on the certified Lipschitz constant in z.
 
-    Example:
+    Examples:
         >>> field = AttentionField(dim=2, heads=2, layers=2, hidden=8)
         >>> z = torch.randn(3, 5, 2)
         >>> field(torch.tensor(0.5), z).shape
@@ -216,7 +216,7 @@ class DotProductField(_StackedAttentionField):
         causal: causal attention, for sequences.
         zero_com: remove the output's centre of mass.
 
-    Example:
+    Examples:
         >>> field = DotProductField(dim=2, heads=2, layers=2, hidden=8)
         >>> field(0.0, torch.randn(3, 5, 2)).shape
         torch.Size([3, 5, 2])

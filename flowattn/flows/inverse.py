@@ -110,7 +110,7 @@ def fixed_point_inverse(
     Raises:
         InverseNotConverged: when some set misses ``tol`` after ``max_iter`` iterations.
 
-    Example:
+    Examples:
         >>> g = lambda x, mask: 0.5 * torch.tanh(x)
         >>> y = torch.randn(4, 3, 2)
         >>> x = fixed_point_inverse(g, y)
@@ -188,7 +188,7 @@ def anderson_inverse(
     Raises:
         InverseNotConverged: when some set misses ``tol`` after ``max_iter`` iterations.
 
-    Example:
+    Examples:
         >>> g = lambda x, mask: 0.9 * torch.tanh(x)
         >>> y = torch.randn(4, 3, 2)
         >>> x = anderson_inverse(g, y)

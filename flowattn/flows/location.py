@@ -93,7 +93,7 @@ class SetLocation(Transform):
         transform: a custom f, an nflows transform of (B, D) with ``context`` the (B, 2)
             size features; replaces the default.
 
-    Example:
+    Examples:
         >>> loc = SetLocation(2)
         >>> x = torch.randn(3, 5, 2)
         >>> y, logdet = loc(x)

@@ -113,7 +113,7 @@ def exact_logdet(
     Returns:
         Tensor (B,).
 
-    Example:
+    Examples:
         >>> x = torch.randn(2, 3, 2, dtype=torch.float64, requires_grad=True)
         >>> gx = 0.5 * torch.tanh(x)
         >>> exact_logdet(gx, x, structure="pointwise").shape
@@ -166,7 +166,7 @@ def jacobian_logdet(jac: Tensor, mask: Tensor | None = None, zero_com: bool = Fa
     onto the zero-centre-of-mass subspace (P), which gives the log-det of the block restricted
     to it (I + P J is block-triangular in a basis of the subspace and its complement).
 
-    Example:
+    Examples:
         >>> jac = 0.1 * torch.eye(6, dtype=torch.float64).reshape(1, 3, 2, 3, 2)
         >>> round(float(jacobian_logdet(jac)), 6) == round(6 * math.log(1.1), 6)
         True
@@ -313,7 +313,7 @@ def series_logdet(
     Returns:
         Tensor (B,).
 
-    Example:
+    Examples:
         >>> x = torch.randn(2, 3, 2, requires_grad=True)
         >>> series_logdet(0.3 * torch.sin(x), x, n_terms=5).shape
         torch.Size([2])
@@ -416,7 +416,7 @@ def roulette_logdet(
     Returns:
         Tensor (B,).
 
-    Example:
+    Examples:
         >>> x = torch.randn(2, 3, 2, requires_grad=True)
         >>> gen = torch.Generator().manual_seed(0)
         >>> roulette_logdet(0.3 * torch.sin(x), x, generator=gen).shape

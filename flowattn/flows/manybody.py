@@ -93,7 +93,7 @@ class NeighbourhoodInteraction(nn.Module):
         hidden: the number of tanh units of F.
         r_max: the centre of the outermost shell; the shells' width w is r_max / (C - 1).
 
-    Example:
+    Examples:
         >>> from flowattn.flows import InvertibleResidual
         >>> block = InvertibleResidual(NeighbourhoodInteraction(coeff=0.9), logdet="exact").eval()
         >>> x = torch.randn(3, 4, 2)

@@ -88,7 +88,7 @@ class MonotoneResidual(Transform):
     inner :class:`~flowattn.flows.InvertibleResidual` (``logdet``, ``zero_com``, inverse
     settings, ...); its inverse iterations converge at the rate q = (u + l) / (u - l + 2).
 
-    Example:
+    Examples:
         >>> from flowattn.flows import RadialInteraction
         >>> branch = RadialInteraction(coeff=0.9, max_slope=3.0)
         >>> block = MonotoneResidual(branch, logdet="exact", zero_com=True).eval()
@@ -154,7 +154,7 @@ class InverseMonotoneResidual(Transform):
         max_iter: Newton iterations before ``InverseNotConverged``.
         residual_kwargs: passed to the :class:`MonotoneResidual` of the sampling direction.
 
-    Example:
+    Examples:
         >>> from flowattn.flows import RadialInteraction
         >>> layer = InverseMonotoneResidual(RadialInteraction(coeff=0.9, max_slope=3.0)).eval()
         >>> x = torch.randn(2, 4, 2)

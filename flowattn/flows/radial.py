@@ -52,7 +52,7 @@ class RadialInteraction(nn.Module):
             x + g(x) is then the gradient of a strongly convex potential, invertible with
             expansions up to 1 + u.
 
-    Example:
+    Examples:
         >>> from flowattn.flows import InvertibleResidual
         >>> block = InvertibleResidual(RadialInteraction(coeff=0.9), logdet="exact").eval()
         >>> x = torch.randn(3, 4, 2)

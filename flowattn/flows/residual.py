@@ -140,7 +140,7 @@ class InvertibleResidual(Transform):
             global RNG).
         check_size: set size at which the branch bound is checked at construction.
 
-    Example:
+    Examples:
         >>> from flowattn.nn import LipschitzMLP
         >>> block = InvertibleResidual(LipschitzMLP(2, 16, coeff=0.9), logdet="exact").eval()
         >>> x = torch.randn(4, 3, 2)
@@ -414,7 +414,7 @@ class TransformerResidualPair(CompositeTransform):
         mlp: contractive pointwise branch (e.g. ``LipschitzMLP``).
         kwargs: passed to both :class:`InvertibleResidual` blocks.
 
-    Example:
+    Examples:
         >>> from flowattn.nn import LipschitzMLP
         >>> pair = TransformerResidualPair(LipschitzMLP(2, 8), LipschitzMLP(2, 8), logdet="exact")
         >>> pair(torch.randn(3, 4, 2))[1].shape

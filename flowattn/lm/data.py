@@ -41,7 +41,7 @@ class CharVocab:
         chars: the characters, each of length one, without repetition.
         unknown: reserve a final id for unknown characters.
 
-    Example:
+    Examples:
         >>> vocab = CharVocab.from_text("hello")
         >>> vocab.decode(vocab.encode("hole"))
         'hole'
@@ -176,7 +176,7 @@ def parse_ptb_char(text: str) -> str:
     """Decode the PTB-char format (Mikolov et al.): one sentence per line, characters separated by
     spaces, ``_`` between words. Returns plain text, one sentence per line.
 
-    Example:
+    Examples:
         >>> parse_ptb_char("a _ c a t\\nt h e _ e n d\\n")
         'a cat\\nthe end\\n'
     """
@@ -325,7 +325,7 @@ def get_batch(
     Offsets are uniform over every complete window, drawn from ``generator`` (on the CPU, so a
     seeded run draws the same batches on every device).
 
-    Example:
+    Examples:
         >>> data = torch.arange(100)
         >>> x, y = get_batch(data, 8, 4, torch.Generator().manual_seed(0))
         >>> bool((y == x + 1).all()), tuple(x.shape)

@@ -65,7 +65,7 @@ def invert_hidden_states(
     order with :func:`invert_block`. The model should be in evaluation mode, so that dropout
     is deterministic and the spectral normalisation uses exact singular values.
 
-    Example:
+    Examples:
         >>> from flowattn.lm.model import LMConfig
         >>> model = TransformerLM(LMConfig(vocab_size=7, block_size=6, layers=2, dim=8,
         ...                                heads=2, invertible=True)).eval()

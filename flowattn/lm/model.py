@@ -183,7 +183,7 @@ class CenterNorm(nn.Module):
     LayerNorm without the division by the standard deviation: Lipschitz with constant
     D/(D-1) max|gamma| in the 2-norm, where LayerNorm is not Lipschitz at all near constant x.
 
-    Example:
+    Examples:
         >>> norm = CenterNorm(4)
         >>> norm(torch.tensor([[1.0, 2.0, 3.0, 6.0]])).sum().abs().item() < 1e-6
         True
@@ -208,7 +208,7 @@ class ActNorm(nn.Module):
     than from the statistics of a first batch) keeps replicas of a distributed run identical
     and makes a resumed run independent of which batch came first.
 
-    Example:
+    Examples:
         >>> act = ActNorm(3)
         >>> x = torch.randn(2, 3)
         >>> torch.allclose(act.inverse(act(x)), x)
@@ -232,7 +232,7 @@ class ContractiveDropout(nn.Module):
     """Dropout without rescaling (Kim et al. 2021, §4): a 0/1 mask in training, multiplication
     by 1 - p in evaluation. Both are contractions, so a contractive branch stays contractive.
 
-    Example:
+    Examples:
         >>> drop = ContractiveDropout(0.5).eval()
         >>> drop(torch.ones(2)).tolist()
         [0.5, 0.5]
@@ -637,7 +637,7 @@ class TransformerLM(_CharLM):
     Arguments:
         config: an :class:`LMConfig`.
 
-    Example:
+    Examples:
         >>> model = TransformerLM(LMConfig(vocab_size=10, block_size=8, layers=1, dim=16,
         ...                                heads=2, attention="l2-tied"))
         >>> idx = torch.randint(10, (2, 8))
@@ -706,7 +706,7 @@ class LSTMLM(_CharLM):
     ``layers`` LSTM layers with hidden and cell width D, and an output layer (shared with the
     embedding if ``tie_embeddings``).
 
-    Example:
+    Examples:
         >>> model = LSTMLM(LMConfig(vocab_size=10, model="lstm", layers=1, dim=16))
         >>> logits, _ = model(torch.randint(10, (2, 5)))
         >>> tuple(logits.shape)
@@ -746,7 +746,7 @@ class LSTMLM(_CharLM):
 def build_model(config: LMConfig) -> TransformerLM | LSTMLM:
     """The model a configuration describes.
 
-    Example:
+    Examples:
         >>> type(build_model(LMConfig(vocab_size=5, model="lstm", layers=1, dim=8))).__name__
         'LSTMLM'
     """

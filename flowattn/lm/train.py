@@ -166,7 +166,7 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
       floored at ``min_lr``. The paper's gamma/sqrt(D) min(t^-1/2, t w^-3/2) is this with
       lr = gamma / sqrt(D w).
 
-    Example:
+    Examples:
         >>> cfg = TrainConfig(steps=100, warmup=10, lr=1.0, min_lr=0.1)
         >>> round(learning_rate(99, cfg), 3), round(learning_rate(9, cfg), 3)
         (0.1, 0.909)

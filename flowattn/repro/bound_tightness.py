@@ -72,7 +72,7 @@ PRESETS = {
 def identity_l2_attention(dim: int = 1, heads: int = 1, dtype=torch.float64) -> L2MHA:
     """Tied L2-MHA with W^Q = W^V = W^O = I, the module of Kim et al. (2021, §5.1, App. H).
 
-    Example:
+    Examples:
         >>> attn = identity_l2_attention()
         >>> round(attn.lipschitz_bound(2).item(), 6)  # 4 W0(1/e) + 1
         2.113858
@@ -191,7 +191,7 @@ def run_bound_tightness(
     Reproduces Fig. 2 of Kim et al. (2021): H = D = 1, W^Q = W^V = W^O = I, inputs optimised
     as in App. H. Writes ``bound_tightness.{png,csv,json}`` to ``out`` when given.
 
-    Example:
+    Examples:
         >>> cfg = BoundTightnessConfig(ns=(4, 8), restarts=2, steps=10)
         >>> result = run_bound_tightness(cfg)
         >>> result.summary["upper_above_lower_everywhere"]

@@ -91,7 +91,7 @@ def run_dp_divergence(
     than trained weights: the DP norm keeps growing (Thm 3.1), the L2 norm levels off below its
     certificate (Thm 3.2). Writes ``dp_divergence.{png,csv,json}`` to ``out`` when given.
 
-    Example:
+    Examples:
         >>> cfg = DivergenceConfig(n=3, dim=2, heads=1, restarts=1, steps=5)
         >>> result = run_dp_divergence(cfg)
         >>> result.summary["l2_below_bound"]

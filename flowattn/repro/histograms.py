@@ -132,7 +132,7 @@ def run_histograms(
     Thm 3.1 needs x_1 = 0 to attend to the spread-out other elements. Writes
     ``histograms.{png,csv,json}`` to ``out`` when given.
 
-    Example:
+    Examples:
         >>> cfg = HistogramConfig(n=8, dim=8, heads=2, batch=4, sources=("random",))
         >>> result = run_histograms(cfg)
         >>> [r["attention"] for r in result.rows]

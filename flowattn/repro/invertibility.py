@@ -129,7 +129,7 @@ def run_invertibility(
     initialised L2-MHA and DP-MHA, on inputs with x_1 = 0 and the other elements uniform.
     Writes ``invertibility.{png,csv,json}`` to ``out`` when given.
 
-    Example:
+    Examples:
         >>> cfg = InvertibilityConfig(sizes=((8, 8),), heads=2, batch=2, spreads=(1.0,),
         ...                           coeffs=(0.5,), iterations=30)
         >>> result = run_invertibility(cfg)

@@ -80,7 +80,7 @@ def run_layernorm(
     optimisation works on u with x = sqrt(eps) u (the Jacobian of u -> LN(sqrt(eps) u) /
     sqrt(eps) is J_LN(x)). Writes ``layernorm.{png,csv,json}`` to ``out`` when given.
 
-    Example:
+    Examples:
         >>> result = run_layernorm(LayerNormConfig(dims=(3,), samples=2, restarts=1, steps=5))
         >>> result.summary["measured_below_bound"]
         True

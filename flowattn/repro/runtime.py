@@ -154,7 +154,7 @@ def run_runtime(
     run in one process, interleaved round by round. Writes ``runtime.{png,csv,json}`` to
     ``out`` when given.
 
-    Example:
+    Examples:
         >>> cfg = RuntimeConfig(attentions=("dp", "l2-tied"), layers=(1,), dim=8, heads=2,
         ...                     block_size=4, batch_size=2, modules=("dp",), lengths=(4,),
         ...                     steps=1, warmup=0, rounds=1)
