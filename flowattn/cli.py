@@ -7,10 +7,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from .flows.inverse import InverseNotConverged
+from .errors import InverseNotConverged, RunError
 from .lm.cli import add_lm_subparsers
 from .repro.cli import add_repro_subparsers
-from .runs import RunError
 from .sets.cli import add_sets_subparsers
 
 __all__ = ["main", "build_parser", "OneLineErrorParser"]

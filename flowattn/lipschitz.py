@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from .errors import InputError
+
 __all__ = [
     "lambertw0",
     "phi_inverse",
@@ -45,7 +47,7 @@ def _norm_name(p) -> str:
         return "inf"
     if p in (2, "2", 2.0):
         return "2"
-    raise ValueError(f"norm must be 'inf' or 2, got {p!r}")
+    raise InputError(f"norm must be 'inf' or 2, got {p!r}")
 
 
 # ----------------------------------------------------------------------------- Lambert W
@@ -73,7 +75,7 @@ def lambertw0(x: Tensor | float, iterations: int = 8) -> Tensor:
     if not x.is_floating_point():
         x = x.to(torch.get_default_dtype())
     if (x < 0).any() or torch.isnan(x).any():
-        raise ValueError("lambertw0 is implemented for x >= 0 only")
+        raise InputError("lambertw0 is implemented for x >= 0 only")
     log1p = torch.log1p(x)
     w = log1p * (1 - torch.log1p(log1p) / (2 + log1p))
     for _ in range(iterations):
@@ -123,7 +125,7 @@ def power_iteration(
         (sigma, u, v), with u, v detached unit vectors.
     """
     if w.dim() != 2:
-        raise ValueError(f"power_iteration expects a matrix, got shape {tuple(w.shape)}")
+        raise InputError(f"power_iteration expects a matrix, got shape {tuple(w.shape)}")
     with torch.no_grad():
         if u is None:
             u = torch.randn(w.shape[0], generator=generator, dtype=w.dtype).to(w.device)
@@ -209,13 +211,13 @@ def l2_attention_bound(
     norm = _norm_name(norm)
     heads, dim, head_dim = w_q.shape
     if w_v.shape != w_q.shape or w_o.shape != (dim, dim):
-        raise ValueError(
+        raise InputError(
             f"inconsistent weight shapes: w_q {tuple(w_q.shape)}, w_v {tuple(w_v.shape)}, "
             f"w_o {tuple(w_o.shape)}"
         )
     n = torch.as_tensor(n, device=w_q.device)
     if (n < 1).any():
-        raise ValueError(f"sequence length must be >= 1, got {n}")
+        raise InputError(f"sequence length must be >= 1, got {n}")
     w0 = phi_inverse((n - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
     if norm == "inf":
         q_term = (matrix_inf_norm(w_q) * matrix_inf_norm(w_q.transpose(1, 2))).amax()
@@ -256,7 +258,7 @@ def centernorm_lipschitz_bound(weight: Tensor | None, dim: int, norm: str | int 
     """
     norm = _norm_name(norm)
     if dim < 2:
-        raise ValueError(f"CenterNorm needs D >= 2, got D={dim}")
+        raise InputError(f"CenterNorm needs D >= 2, got D={dim}")
     gamma = torch.ones(()) if weight is None else weight.detach().abs().max()
     return 2 * gamma if norm == "inf" else gamma * dim / (dim - 1)
 

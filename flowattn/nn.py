@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .errors import InputError
+
 __all__ = [
     "LipSwish",
     "SpectralLinear",
@@ -118,11 +120,11 @@ class SpectralLinear(nn.Module):
     ) -> None:
         super().__init__()
         if not coeff > 0:
-            raise ValueError(f"coeff must be positive, got {coeff}")
+            raise InputError(f"coeff must be positive, got {coeff}")
         if mode not in ("auto", "power", "exact"):
-            raise ValueError(f"mode must be 'auto', 'power' or 'exact', got {mode!r}")
+            raise InputError(f"mode must be 'auto', 'power' or 'exact', got {mode!r}")
         if n_power_iterations < 1:
-            raise ValueError(f"n_power_iterations must be >= 1, got {n_power_iterations}")
+            raise InputError(f"n_power_iterations must be >= 1, got {n_power_iterations}")
         self.in_features = in_features
         self.out_features = out_features
         self.coeff = float(coeff)
@@ -232,10 +234,10 @@ class LipschitzMLP(nn.Module):
     ) -> None:
         super().__init__()
         if not 0 < coeff < 1:
-            raise ValueError(f"coeff must lie in (0, 1) for an invertible residual, got {coeff}")
+            raise InputError(f"coeff must lie in (0, 1) for an invertible residual, got {coeff}")
         widths = [hidden] if isinstance(hidden, int) else list(hidden)
         if not widths or any(w < 1 for w in widths):
-            raise ValueError(f"hidden widths must be positive integers, got {hidden}")
+            raise InputError(f"hidden widths must be positive integers, got {hidden}")
         sizes = [dim, *widths, dim]
         n_layers = len(sizes) - 1
         layer_coeff = coeff if per_layer_coeff else coeff ** (1.0 / n_layers)
@@ -250,7 +252,7 @@ class LipschitzMLP(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Apply the MLP to every element; ``causal`` is accepted for the branch protocol."""
         if x.shape[-1] != self.dim:
-            raise ValueError(f"x has width D={x.shape[-1]}, but the MLP expects D={self.dim}")
+            raise InputError(f"x has width D={x.shape[-1]}, but the MLP expects D={self.dim}")
         h = x
         for i, layer in enumerate(self.layers):
             h = layer(h)

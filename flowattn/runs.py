@@ -13,8 +13,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .errors import RunError
+
 __all__ = [
-    "RunError",
     "prepare_out_dir",
     "atomic_torch_save",
     "atomic_write_text",
@@ -26,8 +27,6 @@ __all__ = [
 ]
 
 
-class RunError(RuntimeError):
-    """A run that cannot start or continue, with a one-line reason."""
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:

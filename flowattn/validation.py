@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .errors import InputError, NonFiniteError
+
 __all__ = ["check_sets", "check_finite", "present_counts"]
 
 
@@ -14,7 +16,7 @@ def check_finite(x: Tensor, name: str = "x") -> None:
     # then (or on an overflowing sum) are the values checked one by one.
     if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
         bad = (~torch.isfinite(x)).sum().item()
-        raise ValueError(f"{name} contains {bad} non-finite value(s) (NaN or Inf)")
+        raise NonFiniteError(f"{name} contains {bad} non-finite value(s) (NaN or Inf)")
 
 
 def check_sets(
@@ -40,31 +42,31 @@ def check_sets(
             dtype, or an empty set.
     """
     if not isinstance(x, Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3:
-        raise ValueError(f"{name} must have shape (B, N, D), got shape {tuple(x.shape)}")
+        raise InputError(f"{name} must have shape (B, N, D), got shape {tuple(x.shape)}")
     if not x.is_floating_point():
-        raise ValueError(f"{name} must be floating point, got dtype {x.dtype}")
+        raise InputError(f"{name} must be floating point, got dtype {x.dtype}")
     if dim is not None and x.shape[-1] != dim:
-        raise ValueError(f"{name} has width D={x.shape[-1]}, but the module expects D={dim}")
+        raise InputError(f"{name} has width D={x.shape[-1]}, but the module expects D={dim}")
     if x.shape[1] == 0:
-        raise ValueError(f"{name} holds empty sets (N=0): shape {tuple(x.shape)}")
+        raise InputError(f"{name} holds empty sets (N=0): shape {tuple(x.shape)}")
     check_finite(x, name)
     if mask is None:
         return None
     if not isinstance(mask, Tensor):
-        raise ValueError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
+        raise InputError(f"mask must be a bool torch.Tensor, got {type(mask).__name__}")
     if mask.dtype != torch.bool:
-        raise ValueError(f"mask must have dtype torch.bool (True = present), got {mask.dtype}")
+        raise InputError(f"mask must have dtype torch.bool (True = present), got {mask.dtype}")
     if mask.shape != x.shape[:2]:
-        raise ValueError(
+        raise InputError(
             f"mask must have shape (B, N) = {tuple(x.shape[:2])}, got {tuple(mask.shape)}"
         )
     mask = mask.to(x.device)
     empty = ~mask.any(dim=1)
     if empty.any():
         rows = empty.nonzero().flatten().tolist()[:8]
-        raise ValueError(f"mask leaves set(s) {rows} empty: every set needs a present element")
+        raise InputError(f"mask leaves set(s) {rows} empty: every set needs a present element")
     return mask
 
 

@@ -12,8 +12,9 @@ from nflows.transforms.base import CompositeTransform
 from torch import nn
 from torchdiffeq import odeint
 
+from flowattn.errors import ODESolverError
 from flowattn.flows.base import standard_normal_log_prob, subtract_mean
-from flowattn.flows.cnf import CNF, ODESolverError
+from flowattn.flows.cnf import CNF
 from flowattn.flows.divergence import draw_probe
 
 TIGHT = dict(atol=1e-10, rtol=1e-10)

@@ -8,7 +8,8 @@ import torch
 
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 from flowattn.attention.dot_product import merge_heads, split_heads
-from flowattn.lm.invertible import InverseNotConverged, invert_hidden_states, reconstruction_report
+from flowattn.errors import InverseNotConverged
+from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
     ATTENTIONS,
     ActNorm,

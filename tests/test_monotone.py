@@ -190,7 +190,7 @@ def test_alternating_flow_and_its_settings():
     torch.testing.assert_close(flow.log_prob(x), log_prob, atol=1e-7, rtol=0)
     with pytest.raises(ValueError, match="radial_max_slope"):
         set_flow(2, blocks=2, heads=1, interaction="radial", radial_inverse=True)
-    from flowattn.runs import RunError
+    from flowattn.errors import RunError
     from flowattn.sets import SetsConfig
 
     with pytest.raises(RunError, match="radial_max_slope"):

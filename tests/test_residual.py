@@ -7,7 +7,8 @@ from nflows.flows import Flow
 from nflows.transforms import CompositeTransform
 
 from flowattn.attention import ContractiveL2MHA
-from flowattn.flows import InverseNotConverged, InvertibleResidual, TransformerResidualPair
+from flowattn.errors import InverseNotConverged
+from flowattn.flows import InvertibleResidual, TransformerResidualPair
 from flowattn.flows.logdet import exact_logdet, project
 from flowattn.nn import LipschitzMLP
 

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
@@ -59,11 +60,11 @@ class ScaledCosineMHA(nn.Module):
     ):
         super().__init__()
         if dim % heads != 0:
-            raise ValueError(f"heads={heads} must divide dim={dim}")
+            raise InputError(f"heads={heads} must divide dim={dim}")
         if tau <= 0 or eps <= 0 or nu <= 0:
-            raise ValueError(f"tau, eps and nu must be positive, got {tau}, {eps}, {nu}")
+            raise InputError(f"tau, eps and nu must be positive, got {tau}, {eps}, {nu}")
         if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+            raise InputError(f"dropout must lie in [0, 1), got {dropout}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.tau, self.eps, self.nu, self.dropout = tau, eps, nu, dropout
         self.w_q, self.w_k = square_weight(dim), square_weight(dim)
@@ -95,7 +96,7 @@ class ScaledCosineMHA(nn.Module):
     def lipschitz_bound(self, n: int | Tensor, norm: str | int = "inf") -> Tensor:
         """Theorem 1 of Qi et al. (2023) for sets of ``n`` elements, combined over heads."""
         if self.training and self.dropout > 0:
-            raise ValueError(
+            raise InputError(
                 "attention dropout is active (training mode, dropout > 0): the certificate does "
                 "not hold; call .eval() or use dropout=0"
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..validation import check_sets
 from .masking import attention_mask, zero_padded
 
@@ -49,9 +50,9 @@ class DotProductMHA(nn.Module):
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
         if dim % heads != 0:
-            raise ValueError(f"heads={heads} must divide dim={dim}")
+            raise InputError(f"heads={heads} must divide dim={dim}")
         if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+            raise InputError(f"dropout must lie in [0, 1), got {dropout}")
         self.dim, self.heads, self.head_dim, self.dropout = dim, heads, dim // heads, dropout
         self.qkv = nn.Linear(dim, 3 * dim, bias=bias)
         self.out = nn.Linear(dim, dim, bias=bias)

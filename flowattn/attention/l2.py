@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..lipschitz import _norm_name, l2_attention_bound
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
@@ -91,9 +92,9 @@ class L2MHA(nn.Module):
     ):
         super().__init__()
         if dim % heads != 0:
-            raise ValueError(f"heads={heads} must divide dim={dim}")
+            raise InputError(f"heads={heads} must divide dim={dim}")
         if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {dropout}")
+            raise InputError(f"dropout must lie in [0, 1), got {dropout}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.tied, self.dropout, self.fused = tied, dropout, fused
         self.w_q = square_weight(dim)
@@ -165,12 +166,12 @@ class L2MHA(nn.Module):
         mask, App. G); the result then has its shape. Differentiable in the weights.
         """
         if not self.tied:
-            raise ValueError(
+            raise InputError(
                 "untied L2 attention is not Lipschitz (Kim et al. 2021, Lemma F.1): "
                 "use tied=True for a certified bound"
             )
         if self.training and self.dropout > 0:
-            raise ValueError(
+            raise InputError(
                 "attention dropout is active (training mode, dropout > 0): rescaled attention "
                 "rows void the certificate; call .eval() or use dropout=0"
             )
@@ -220,14 +221,14 @@ class ContractiveL2MHA(nn.Module):
     ):
         super().__init__()
         if not 0.0 < coeff < 1.0:
-            raise ValueError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
+            raise InputError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
         if dropout != 0.0:
-            raise ValueError(
+            raise InputError(
                 "ContractiveL2MHA does not take attention dropout: rescaled attention rows void "
                 "the certified bound; use output_dropout (classic dropout) instead"
             )
         if not 0.0 <= output_dropout < 1.0:
-            raise ValueError(f"output_dropout must lie in [0, 1), got {output_dropout}")
+            raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
         self.coeff, self.norm, self.output_dropout = coeff, _norm_name(norm), output_dropout
         self.attention = L2MHA(dim, heads, tied=True, dropout=0.0, fused=fused)
         self.dim, self.heads = dim, heads

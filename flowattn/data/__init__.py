@@ -1,5 +1,6 @@
 """Data for density estimation on sets: users' ``.npz`` files, particle systems, synthetic sets."""
 
+from ..errors import DataError
 from .particles import (
     PARTICLE_SYSTEMS,
     ParticleSystem,
@@ -10,7 +11,7 @@ from .particles import (
     particle_data,
 )
 from .registry import DATASETS, load_dataset, split_sets
-from .sets import DataError, SetData, load_npz, save_npz
+from .sets import SetData, load_npz, save_npz
 from .synthetic import cluster_sets, cluster_sets_log_prob, gaussian_sets, gaussian_sets_log_prob
 
 __all__ = [

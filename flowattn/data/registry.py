@@ -7,8 +7,9 @@ from pathlib import Path
 
 import torch
 
+from ..errors import DataError
 from .particles import particle_data
-from .sets import DataError, SetData, load_npz
+from .sets import SetData, load_npz
 from .synthetic import cluster_sets, gaussian_sets
 
 __all__ = ["DATASETS", "load_dataset", "split_sets"]

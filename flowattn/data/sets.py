@@ -12,11 +12,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["DataError", "SetData", "load_npz", "save_npz"]
+from ..errors import DataError
+
+__all__ = ["SetData", "load_npz", "save_npz"]
 
 
-class DataError(ValueError):
-    """A data set that cannot be used, with a one-line reason naming what is wrong."""
 
 
 @dataclass

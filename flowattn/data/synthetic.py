@@ -19,6 +19,7 @@ import math
 import torch
 from torch import Tensor
 
+from ..errors import InputError
 from .sets import SetData
 
 __all__ = ["gaussian_sets", "cluster_sets", "gaussian_sets_log_prob", "cluster_sets_log_prob"]
@@ -96,7 +97,7 @@ def cluster_sets(
 ) -> SetData:
     """Variable-size sets around one of ``clusters`` centres (see the module docstring)."""
     if dim < 2:
-        raise ValueError(f"cluster_sets needs dim >= 2 (centres lie on a circle), got {dim}")
+        raise InputError(f"cluster_sets needs dim >= 2 (centres lie on a circle), got {dim}")
     k = torch.randint(clusters, (num_sets,), generator=generator)
     centres = _centres(clusters, radius, dim).float()[k]
     x = centres[:, None] + scale * torch.randn(num_sets, max_size, dim, generator=generator)

@@ -20,6 +20,8 @@ from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
 from flowattn.nn import LipschitzMLP
 from flowattn.validation import check_sets
 
+from ..errors import InputError
+
 __all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS"]
 
 INTERACTIONS = ("attention", "radial", "linear", "none")
@@ -102,18 +104,18 @@ class SetFlow(nn.Module):
     def _base_sample(self, num_samples, set_size, mask, generator):
         if mask is not None:
             if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != num_samples:
-                raise ValueError(
+                raise InputError(
                     f"mask must be bool of shape ({num_samples}, N), got {tuple(mask.shape)}"
                 )
             if set_size is not None and set_size != mask.shape[1]:
-                raise ValueError(f"set_size={set_size} disagrees with mask width {mask.shape[1]}")
+                raise InputError(f"set_size={set_size} disagrees with mask width {mask.shape[1]}")
             set_size = mask.shape[1]
         if set_size is None or set_size < 1:
-            raise ValueError(f"set_size must be a positive integer, got {set_size}")
+            raise InputError(f"set_size must be a positive integer, got {set_size}")
         if num_samples < 1:
-            raise ValueError(f"num_samples must be positive, got {num_samples}")
+            raise InputError(f"num_samples must be positive, got {num_samples}")
         if self.zero_com and set_size < 2 and mask is None:
-            raise ValueError("zero_com needs sets of at least 2 elements")
+            raise InputError("zero_com needs sets of at least 2 elements")
         ref = self._reference_tensor()
         if mask is not None:
             mask = mask.to(ref.device)
@@ -157,19 +159,19 @@ def _build(
     radial_inverse: bool = False,
 ) -> SetFlow:
     if blocks < 1:
-        raise ValueError(f"blocks must be >= 1, got {blocks}")
+        raise InputError(f"blocks must be >= 1, got {blocks}")
     if not 0 < coeff < 1:
-        raise ValueError(f"coeff must lie in (0, 1), got {coeff}")
+        raise InputError(f"coeff must lie in (0, 1), got {coeff}")
     if interaction not in INTERACTIONS:
-        raise ValueError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
+        raise InputError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
     if manybody and interaction != "radial":
-        raise ValueError("manybody=True adds NeighbourhoodInteraction blocks to "
+        raise InputError("manybody=True adds NeighbourhoodInteraction blocks to "
                          f"interaction='radial', not {interaction!r}")
     if radial_inverse and (radial_max_slope is None or interaction != "radial"):
-        raise ValueError("radial_inverse=True inverts every second monotone radial block: it "
+        raise InputError("radial_inverse=True inverts every second monotone radial block: it "
                          "needs interaction='radial' and a radial_max_slope")
     if location and zero_com:
-        raise ValueError("location=True models the centroid, which zero_com fixes at 0")
+        raise InputError("location=True models the centroid, which zero_com fixes at 0")
     factory = attention or _default_attention
     # In zero-COM mode the attention output is projected (x - mean x); that projection can
     # double an inf-norm Lipschitz constant (2 (n - 1) / n), so the coefficient is halved.

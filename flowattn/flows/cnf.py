@@ -10,6 +10,7 @@ from nflows.transforms.base import Transform
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
+from ..errors import InputError, ODESolverError
 from ..validation import check_finite, check_sets
 from .base import sample_standard_normal, standard_normal_log_prob, subtract_mean
 from .divergence import draw_probe, exact_divergence, hutchinson_divergence
@@ -23,20 +24,6 @@ FIXED_GRID_SOLVERS = ("euler", "midpoint", "heun2", "heun3", "rk4", "explicit_ad
                       "implicit_adams")
 
 
-class ODESolverError(RuntimeError):
-    """The ODE solve failed. ``cause`` names why, one of:
-
-    * ``"step size underflow"``: the adaptive step shrank below the resolution of t (the field
-      is too stiff, or the solution blows up, at the reported time);
-    * ``"non-finite state"``: the state became NaN or Inf;
-    * ``"non-finite vector field"``: the field returned NaN or Inf;
-    * ``"too many steps"``: the solve needed more than ``max_steps`` steps;
-    * ``"solver assertion"``: any other internal check of torchdiffeq failed (message kept).
-    """
-
-    def __init__(self, message: str, cause: str):
-        super().__init__(message)
-        self.cause = cause
 
 
 class _Counter:
@@ -78,7 +65,7 @@ class _Dynamics(nn.Module):
     def _field(self, t: Tensor, z: Tensor, mask: Tensor | None) -> Tensor:
         f = self.field(t, z) if mask is None else self.field(t, z, mask=mask)
         if f.shape != z.shape:
-            raise ValueError(
+            raise InputError(
                 f"the vector field must return the state's shape {tuple(z.shape)}, "
                 f"got {tuple(f.shape)}"
             )
@@ -277,28 +264,28 @@ class CNF(Transform):
     ):
         super().__init__()
         if not isinstance(field, nn.Module):
-            raise ValueError(f"field must be an nn.Module, got {type(field).__name__}")
+            raise InputError(f"field must be an nn.Module, got {type(field).__name__}")
         if not (isinstance(t1, (int, float)) and math.isfinite(t1) and t1 > 0):
-            raise ValueError(f"t1 must be a finite number > 0, got {t1!r}")
+            raise InputError(f"t1 must be a finite number > 0, got {t1!r}")
         if solver not in ADAPTIVE_SOLVERS + FIXED_GRID_SOLVERS:
-            raise ValueError(
+            raise InputError(
                 f"unknown solver {solver!r}; choose one of {ADAPTIVE_SOLVERS + FIXED_GRID_SOLVERS}"
             )
         for name, tol in (("atol", atol), ("rtol", rtol), ("adjoint_atol", adjoint_atol),
                           ("adjoint_rtol", adjoint_rtol)):
             if tol is not None and not (math.isfinite(tol) and tol > 0):
-                raise ValueError(f"{name} must be a finite number > 0, got {tol!r}")
+                raise InputError(f"{name} must be a finite number > 0, got {tol!r}")
         if divergence not in ("exact", "hutchinson"):
-            raise ValueError(f"divergence must be 'exact' or 'hutchinson', got {divergence!r}")
+            raise InputError(f"divergence must be 'exact' or 'hutchinson', got {divergence!r}")
         if eval_divergence not in (None, "exact", "hutchinson"):
-            raise ValueError("eval_divergence must be None, 'exact' or 'hutchinson', got "
+            raise InputError("eval_divergence must be None, 'exact' or 'hutchinson', got "
                              f"{eval_divergence!r}")
         if noise not in ("rademacher", "gaussian"):
-            raise ValueError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
+            raise InputError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
         if max_steps is not None and max_steps < 1:
-            raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
+            raise InputError(f"max_steps must be a positive integer, got {max_steps!r}")
         if solver in FIXED_GRID_SOLVERS and "step_size" not in (solver_options or {}):
-            raise ValueError(
+            raise InputError(
                 f"fixed-grid solver {solver!r} needs solver_options={{'step_size': h}}"
             )
         self.field = field
@@ -333,7 +320,7 @@ class CNF(Transform):
 
     def _resolve_mask(self, inputs: Tensor, context, mask: Tensor | None) -> Tensor | None:
         if not isinstance(inputs, Tensor):
-            raise ValueError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+            raise InputError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
         if context is not None:
             is_mask = (
                 isinstance(context, Tensor)
@@ -343,28 +330,28 @@ class CNF(Transform):
             )
             if not is_mask:
                 shape = tuple(context.shape) if isinstance(context, Tensor) else type(context)
-                raise ValueError(
+                raise InputError(
                     "CNF takes no conditioning context: context may only carry the padding "
                     f"mask, a bool tensor of shape (B, N) = {tuple(inputs.shape[:2])}; got "
                     f"{shape}"
                 )
             if mask is not None and not torch.equal(mask.to(context.device), context):
-                raise ValueError("mask and context are both given and differ")
+                raise InputError("mask and context are both given and differ")
             mask = context
         if inputs.dim() == 3:
             return check_sets(inputs, mask, getattr(self.field, "dim", None), name="inputs")
         if inputs.dim() < 2:
-            raise ValueError(
+            raise InputError(
                 f"inputs must have shape (B, N, D) or (B, D), got shape {tuple(inputs.shape)}"
             )
         if not inputs.is_floating_point():
-            raise ValueError(f"inputs must be floating point, got dtype {inputs.dtype}")
+            raise InputError(f"inputs must be floating point, got dtype {inputs.dtype}")
         if mask is not None:
-            raise ValueError(
+            raise InputError(
                 f"a padding mask needs (B, N, D) inputs, got shape {tuple(inputs.shape)}"
             )
         if self.zero_com:
-            raise ValueError("zero_com needs (B, N, D) inputs")
+            raise InputError("zero_com needs (B, N, D) inputs")
         check_finite(inputs, "inputs")
         return None
 
@@ -377,7 +364,7 @@ class CNF(Transform):
         tol = math.sqrt(torch.finfo(inputs.dtype).eps) * scale
         worst = float(offset.abs().max())
         if worst > tol:
-            raise ValueError(
+            raise InputError(
                 f"zero_com flow needs centred inputs (sum of present elements = 0 per set); "
                 f"largest centre-of-mass coordinate is {worst:.3g} > {tol:.3g}"
             )
@@ -483,7 +470,7 @@ class CNF(Transform):
     ) -> tuple[Tensor, Tensor]:
         """Draw samples of ``shape`` (B, N, D) and their log-densities, shape (B,)."""
         if len(shape) != 3:
-            raise ValueError(f"sample shape must be (B, N, D), got {tuple(shape)}")
+            raise InputError(f"sample shape must be (B, N, D), got {tuple(shape)}")
         z = sample_standard_normal(tuple(shape), mask, self.zero_com, generator, device, dtype)
         base = standard_normal_log_prob(z, mask, self.zero_com)
         x, logabsdet = self.inverse(z, mask=mask)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..errors import InputError
 from .base import subtract_mean
 
 __all__ = ["exact_divergence", "hutchinson_divergence", "draw_probe", "project_tangent"]
@@ -168,5 +169,5 @@ def draw_probe(
     elif noise == "gaussian":
         eps = torch.randn(like.shape, generator=generator, device=device, dtype=like.dtype)
     else:
-        raise ValueError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
+        raise InputError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
     return project_tangent(eps.to(like.device), mask, zero_com)

@@ -36,6 +36,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..validation import check_sets
 from .base import _present, subtract_mean
 
@@ -116,11 +117,11 @@ class EGNNField(nn.Module):
         super().__init__()
         for name, value in (("dim", dim), ("hidden", hidden), ("layers", layers)):
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         if not (math.isfinite(coords_range) and coords_range > 0):
-            raise ValueError(f"coords_range must be a positive number, got {coords_range!r}")
+            raise InputError(f"coords_range must be a positive number, got {coords_range!r}")
         if not eps > 0:
-            raise ValueError(f"eps must be positive, got {eps!r}")
+            raise InputError(f"eps must be positive, got {eps!r}")
         self.dim, self.zero_com = dim, zero_com
         self.embed_time = nn.Linear(1, hidden)
         step = coords_range / layers

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from ..attention import L2MHA, DotProductMHA, twice_differentiable
+from ..errors import InputError
 from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_sets
 from .base import subtract_mean
@@ -33,9 +34,9 @@ class _StackedAttentionField(nn.Module):
         for name, value in (("dim", dim), ("heads", heads), ("layers", layers),
                             ("hidden", hidden), ("time_hidden", time_hidden)):
             if not (isinstance(value, int) and value >= 1):
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
         if hidden % heads != 0:
-            raise ValueError(f"heads={heads} must divide hidden={hidden}")
+            raise InputError(f"heads={heads} must divide hidden={hidden}")
         self.dim, self.heads, self.layers, self.hidden = dim, heads, layers, hidden
         self.causal, self.zero_com = causal, zero_com
         self.lift = nn.Linear(dim, hidden)
@@ -149,7 +150,7 @@ class AttentionField(_StackedAttentionField):
         super().__init__(L2MHA, dim, heads, layers, hidden, time_hidden, causal, zero_com)
         self.norm = _norm_name(norm)
         if max_lipschitz is not None and not (math.isfinite(max_lipschitz) and max_lipschitz > 0):
-            raise ValueError(f"max_lipschitz must be a finite number > 0, got {max_lipschitz!r}")
+            raise InputError(f"max_lipschitz must be a finite number > 0, got {max_lipschitz!r}")
         self.max_lipschitz = max_lipschitz
 
     def _matrix_norm(self, w: Tensor) -> Tensor:
@@ -161,7 +162,7 @@ class AttentionField(_StackedAttentionField):
         """The product bound before the ``max_lipschitz`` cap (see the class docstring)."""
         n = torch.as_tensor(n, device=self.lift.weight.device)
         if (n < 1).any():
-            raise ValueError(f"set size n must be >= 1, got {n}")
+            raise InputError(f"set size n must be >= 1, got {n}")
         bound = self._matrix_norm(self.lift.weight) * self._matrix_norm(self.project.weight)
         gains = None if t is None else self.gains_and_shifts(t, self.lift.weight)[0]
         for i, attend in enumerate(self.attention):

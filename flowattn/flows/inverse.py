@@ -10,6 +10,8 @@ from torch import Tensor
 
 from flowattn.flows.logdet import project
 
+from ..errors import InputError, InverseNotConverged
+
 __all__ = [
     "InverseNotConverged",
     "fixed_point_inverse",
@@ -21,27 +23,6 @@ __all__ = [
 INVERSE_METHODS = ("anderson", "fixed-point")
 
 
-class InverseNotConverged(RuntimeError):
-    """Raised when the inverse of a residual block does not reach its tolerance.
-
-    Attributes:
-        residual: the worst residual max_i |x_i + g(x)_i - y_i| (over the unconverged sets),
-            relative to max(1, max |y|) as in the convergence test.
-        iterations: the number of iterations run.
-        unconverged: how many sets of the batch did not converge.
-        tol: the tolerance that was asked for.
-    """
-
-    def __init__(self, residual: float, iterations: int, unconverged: int, tol: float) -> None:
-        self.residual = residual
-        self.iterations = iterations
-        self.unconverged = unconverged
-        self.tol = tol
-        super().__init__(
-            f"inverse did not converge: {unconverged} set(s) still have relative residual up to "
-            f"{residual:.3e} > tol={tol:.1e} after {iterations} iterations (is the branch "
-            "contractive? raise inverse_max_iter or inverse_tol, or use Anderson acceleration)"
-        )
 
 
 def _residual_norm(r: Tensor, scale: Tensor) -> Tensor:
@@ -53,7 +34,7 @@ def _prepare(y: Tensor, x0: Tensor | None, mask: Tensor | None, zero_com: bool):
         x = y.clone()
     else:
         if x0.shape != y.shape:
-            raise ValueError(
+            raise InputError(
                 f"x0 must have the shape of y {tuple(y.shape)}, got {tuple(x0.shape)}"
             )
         x = x0.detach().clone()
@@ -70,9 +51,9 @@ def _prepare(y: Tensor, x0: Tensor | None, mask: Tensor | None, zero_com: bool):
 
 def _check_args(tol: float, max_iter: int) -> None:
     if not tol > 0:
-        raise ValueError(f"tol must be positive, got {tol}")
+        raise InputError(f"tol must be positive, got {tol}")
     if max_iter < 1:
-        raise ValueError(f"max_iter must be >= 1, got {max_iter}")
+        raise InputError(f"max_iter must be >= 1, got {max_iter}")
 
 
 @torch.no_grad()
@@ -197,7 +178,7 @@ def anderson_inverse(
     """
     _check_args(tol, max_iter)
     if memory < 1:
-        raise ValueError(f"memory must be >= 1, got {memory}")
+        raise InputError(f"memory must be >= 1, got {memory}")
     x, scale = _prepare(y, x0, mask, zero_com)
     B = y.shape[0]
     M = y[0].numel()
@@ -282,7 +263,7 @@ def residual_inverse(
     elif method == "fixed-point":
         solver = fixed_point_inverse
     else:
-        raise ValueError(f"inverse_method must be one of {INVERSE_METHODS}, got {method!r}")
+        raise InputError(f"inverse_method must be one of {INVERSE_METHODS}, got {method!r}")
     x_star = solver(branch, y, mask, **kwargs)
     if not torch.is_grad_enabled():
         return x_star

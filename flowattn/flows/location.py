@@ -25,6 +25,7 @@ from nflows.transforms import (
 )
 from torch import Tensor
 
+from ..errors import InputError
 from ..validation import check_sets
 from .base import _present
 from .residual import mask_from_context
@@ -113,12 +114,12 @@ class SetLocation(Transform):
     ) -> None:
         super().__init__()
         if dim < 1 or layers < 1 or hidden < 1 or bins < 1:
-            raise ValueError(
+            raise InputError(
                 f"dim, layers, hidden and bins must be positive, got {dim}, {layers}, "
                 f"{hidden}, {bins}"
             )
         if not (math.isfinite(tail_bound) and tail_bound > 0):
-            raise ValueError(f"tail_bound must be positive, got {tail_bound}")
+            raise InputError(f"tail_bound must be positive, got {tail_bound}")
         self.dim = dim
         self.centroid_flow = transform or _spline_flow(dim, layers, hidden, bins, tail_bound)
 

@@ -25,6 +25,8 @@ from torch import Tensor
 
 from flowattn.flows.base import subtract_mean
 
+from ..errors import InputError
+
 __all__ = [
     "project",
     "exact_logdet",
@@ -71,11 +73,11 @@ def _vjp(gx: Tensor, x: Tensor, w: Tensor, create_graph: bool, batched: bool) ->
 
 def _check_pair(gx: Tensor, x: Tensor) -> None:
     if gx.shape != x.shape or x.dim() != 3:
-        raise ValueError(
+        raise InputError(
             f"gx and x must both have shape (B, N, D); got {tuple(gx.shape)} and {tuple(x.shape)}"
         )
     if not x.requires_grad or gx.grad_fn is None:
-        raise ValueError("x must require grad and gx must be computed from x with its graph")
+        raise InputError("x must require grad and gx must be computed from x with its graph")
 
 
 def exact_logdet(
@@ -121,7 +123,7 @@ def exact_logdet(
     """
     _check_pair(gx, x)
     if structure not in STRUCTURES:
-        raise ValueError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+        raise InputError(f"structure must be one of {STRUCTURES}, got {structure!r}")
     B, N, D = x.shape
     if zero_com:
         structure = "full"
@@ -214,7 +216,7 @@ def sample_probes(
         bits = torch.randint(0, 2, tuple(shape), generator=generator, device=gen_device)
         v = (2 * bits - 1).to(dtype if dtype is not None else torch.get_default_dtype())
     else:
-        raise ValueError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
+        raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
     return v.to(device)
 
 
@@ -252,7 +254,7 @@ def _series_core(
             total = total + c[:, k] * dot(w, v)
         return total
     if grad != "neumann":
-        raise ValueError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
+        raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
     # Neumann series (Chen et al. 2019, eq. 8): d/dθ c_k tr(J^k) = k c_k tr(J^(k-1) dJ/dθ), so the
     # gradient needs u^T dJ v with u = sum_{k=1}^K k c_k (J^T)^(k-1) v, built without a graph.
     with torch.no_grad():
@@ -320,9 +322,9 @@ def series_logdet(
     """
     _check_pair(gx, x)
     if n_terms < 1:
-        raise ValueError(f"n_terms must be >= 1, got {n_terms}")
+        raise InputError(f"n_terms must be >= 1, got {n_terms}")
     if n_samples < 1:
-        raise ValueError(f"n_samples must be >= 1, got {n_samples}")
+        raise InputError(f"n_samples must be >= 1, got {n_samples}")
     probes = sample_probes((n_samples, *x.shape), probe, generator, x.device, x.dtype)
     probes = project(probes, mask, zero_com)
     coeffs = _series_coefficients(n_terms, x.dtype, x.device)
@@ -342,7 +344,7 @@ def roulette_tail_probability(distribution: str, param: float, m: int) -> float:
     if distribution == "poisson":
         cdf = sum(math.exp(-param) * param**j / math.factorial(j) for j in range(m - 1))
         return max(1.0 - cdf, 0.0)
-    raise ValueError(f"distribution must be 'geometric' or 'poisson', got {distribution!r}")
+    raise InputError(f"distribution must be 'geometric' or 'poisson', got {distribution!r}")
 
 
 def sample_roulette_lengths(
@@ -355,16 +357,16 @@ def sample_roulette_lengths(
     gen_device = generator.device if generator is not None else torch.device("cpu")
     if distribution == "geometric":
         if not 0 < param < 1:
-            raise ValueError(f"the geometric parameter p must lie in (0, 1), got {param}")
+            raise InputError(f"the geometric parameter p must lie in (0, 1), got {param}")
         draws = torch.empty(tuple(shape), dtype=torch.float64, device=gen_device)
         draws.geometric_(param, generator=generator)
     elif distribution == "poisson":
         if not param > 0:
-            raise ValueError(f"the Poisson rate must be positive, got {param}")
+            raise InputError(f"the Poisson rate must be positive, got {param}")
         rates = torch.full(tuple(shape), float(param), dtype=torch.float64, device=gen_device)
         draws = 1 + torch.poisson(rates, generator=generator)
     else:
-        raise ValueError(f"distribution must be 'geometric' or 'poisson', got {distribution!r}")
+        raise InputError(f"distribution must be 'geometric' or 'poisson', got {distribution!r}")
     return draws.long().cpu()
 
 
@@ -424,9 +426,9 @@ def roulette_logdet(
     """
     _check_pair(gx, x)
     if n_exact_terms < 0:
-        raise ValueError(f"n_exact_terms must be >= 0, got {n_exact_terms}")
+        raise InputError(f"n_exact_terms must be >= 0, got {n_exact_terms}")
     if lengths not in ("batch", "sample"):
-        raise ValueError(f"lengths must be 'batch' or 'sample', got {lengths!r}")
+        raise InputError(f"lengths must be 'batch' or 'sample', got {lengths!r}")
     B = x.shape[0]
     extra = sample_roulette_lengths(
         distribution, param, (B,) if lengths == "sample" else (1,), generator

@@ -35,6 +35,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
 from .base import _present
 
 __all__ = ["NeighbourhoodInteraction"]
@@ -108,9 +109,9 @@ class NeighbourhoodInteraction(nn.Module):
                  r_max: float = 4.0) -> None:
         super().__init__()
         if not 0 < coeff < 1:
-            raise ValueError(f"coeff must lie in (0, 1), got {coeff}")
+            raise InputError(f"coeff must lie in (0, 1), got {coeff}")
         if channels < 2 or hidden < 1 or not (math.isfinite(r_max) and r_max > 0):
-            raise ValueError(f"need channels >= 2, hidden >= 1 and r_max > 0, got {channels}, "
+            raise InputError(f"need channels >= 2, hidden >= 1 and r_max > 0, got {channels}, "
                              f"{hidden}, {r_max}")
         self.coeff = float(coeff)
         self.width = r_max / (channels - 1)
@@ -188,7 +189,7 @@ class NeighbourhoodInteraction(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         if causal:
-            raise ValueError("NeighbourhoodInteraction acts on sets; a causal mask would break "
+            raise InputError("NeighbourhoodInteraction acts on sets; a causal mask would break "
                              "the symmetric Jacobian its bound relies on")
         diff, _, phi, radial, _ = self._pairs(x, mask)
         slope, _ = self._embedding(phi.sum(2))  # at s_i = (1/n) sum_j phi(rho_ij)

@@ -26,10 +26,11 @@ from nflows.transforms import Transform
 from torch import Tensor, nn
 
 from flowattn.flows.base import _present, subtract_mean
-from flowattn.flows.inverse import InverseNotConverged
 from flowattn.flows.logdet import jacobian_logdet, project, residual_matrix
 from flowattn.flows.residual import InvertibleResidual, mask_from_context
 from flowattn.validation import check_sets
+
+from ..errors import InputError, InverseNotConverged
 
 __all__ = ["MonotoneResidual", "InverseMonotoneResidual"]
 
@@ -37,7 +38,7 @@ __all__ = ["MonotoneResidual", "InverseMonotoneResidual"]
 def _spectrum(branch: nn.Module) -> tuple[Tensor, Tensor]:
     spectrum = getattr(branch, "spectrum", None)
     if not callable(spectrum):
-        raise ValueError(f"branch {type(branch).__name__} has no spectrum() method: a monotone "
+        raise InputError(f"branch {type(branch).__name__} has no spectrum() method: a monotone "
                          "block needs certified bounds on the eigenvalues of a symmetric Jacobian")
     return spectrum()
 
@@ -102,7 +103,7 @@ class MonotoneResidual(Transform):
     def __init__(self, branch: nn.Module, **residual_kwargs: Any) -> None:
         super().__init__()
         if residual_kwargs.get("causal"):
-            raise ValueError("a monotone block needs a symmetric Jacobian: no causal mask")
+            raise InputError("a monotone block needs a symmetric Jacobian: no causal mask")
         self.residual = InvertibleResidual(_Recentred(branch), **residual_kwargs)
 
     @property
@@ -167,10 +168,10 @@ class InverseMonotoneResidual(Transform):
                  max_iter: int = 50, **residual_kwargs: Any) -> None:
         super().__init__()
         if not callable(getattr(branch, "jacobian", None)):
-            raise ValueError(f"branch {type(branch).__name__} has no closed-form jacobian(x, "
+            raise InputError(f"branch {type(branch).__name__} has no closed-form jacobian(x, "
                              "mask): the Newton solve of an inverse monotone block needs one")
         if not tol > 0 or max_iter < 1:
-            raise ValueError(f"need tol > 0 and max_iter >= 1, got {tol}, {max_iter}")
+            raise InputError(f"need tol > 0 and max_iter >= 1, got {tol}, {max_iter}")
         residual_kwargs.setdefault("logdet", "exact")
         self.block = MonotoneResidual(branch, zero_com=zero_com, **residual_kwargs)
         self.zero_com = bool(zero_com)

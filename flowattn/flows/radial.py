@@ -28,6 +28,7 @@ import math
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
 from .base import _present
 
 __all__ = ["RadialInteraction"]
@@ -67,11 +68,11 @@ class RadialInteraction(nn.Module):
                  max_slope: float | None = None) -> None:
         super().__init__()
         if not 0 < coeff < 1:
-            raise ValueError(f"coeff must lie in (0, 1), got {coeff}")
+            raise InputError(f"coeff must lie in (0, 1), got {coeff}")
         if basis < 2 or not (math.isfinite(r_max) and r_max > 0):
-            raise ValueError(f"need basis >= 2 and r_max > 0, got {basis}, {r_max}")
+            raise InputError(f"need basis >= 2 and r_max > 0, got {basis}, {r_max}")
         if max_slope is not None and not (math.isfinite(max_slope) and max_slope > 0):
-            raise ValueError(f"max_slope must be a positive number or None, got {max_slope}")
+            raise InputError(f"max_slope must be a positive number or None, got {max_slope}")
         self.coeff = float(coeff)
         self.max_slope = None if max_slope is None else float(max_slope)
         self.width = r_max / (basis - 1)
@@ -174,7 +175,7 @@ class RadialInteraction(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         if causal:
-            raise ValueError("RadialInteraction acts on sets; a causal mask would break the "
+            raise InputError("RadialInteraction acts on sets; a causal mask would break the "
                              "symmetric Jacobian its bound relies on")
         diff, _, dist, c, _ = self._pairs(x, mask)
         coupling = c * self.psi(dist) / dist  # (B, N, N); the i = j terms multiply a zero vector

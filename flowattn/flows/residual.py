@@ -22,6 +22,8 @@ from flowattn.flows.logdet import (
 from flowattn.nn import frozen_power_iteration
 from flowattn.validation import check_sets
 
+from ..errors import InputError
+
 __all__ = ["InvertibleResidual", "TransformerResidualPair", "mask_from_context", "branch_bound"]
 
 LOGDET_METHODS = ("auto", "exact", "series", "roulette")
@@ -41,7 +43,7 @@ def mask_from_context(context, x: Tensor) -> Tensor | None:
         if context is None:
             return None
     if not isinstance(context, Tensor) or context.dtype != torch.bool:
-        raise ValueError(
+        raise InputError(
             "the context of a set transform must be None, a bool mask (B, N) or {'mask': mask}; "
             f"got {type(context).__name__}"
             + (f" of dtype {context.dtype}" if isinstance(context, Tensor) else "")
@@ -61,7 +63,7 @@ def branch_bound(branch: nn.Module, n: int, zero_com: bool = False) -> float:
     """
     fn = getattr(branch, "lipschitz_bound", None)
     if not callable(fn):
-        raise ValueError(
+        raise InputError(
             f"branch {type(branch).__name__} has no lipschitz_bound(n) method: an invertible "
             "residual block needs a certified Lipschitz constant below 1"
         )
@@ -70,7 +72,7 @@ def branch_bound(branch: nn.Module, n: int, zero_com: bool = False) -> float:
     if zero_com and getattr(branch, "norm", None) != "2" and n > 1:
         bound *= 2.0 * (n - 1) / n
     if not math.isfinite(bound):
-        raise ValueError(f"branch {type(branch).__name__} reports a non-finite bound {bound}")
+        raise InputError(f"branch {type(branch).__name__} reports a non-finite bound {bound}")
     return bound
 
 
@@ -177,27 +179,27 @@ class InvertibleResidual(Transform):
     ) -> None:
         super().__init__()
         if not isinstance(branch, nn.Module):
-            raise ValueError(f"branch must be an nn.Module, got {type(branch).__name__}")
+            raise InputError(f"branch must be an nn.Module, got {type(branch).__name__}")
         bound = branch_bound(branch, check_size, zero_com)
         if bound >= 1:
-            raise ValueError(
+            raise InputError(
                 f"branch {type(branch).__name__} is not contractive: certified Lipschitz bound "
                 f"{bound:.4f} >= 1 on sets of {check_size} elements"
             )
         if logdet not in LOGDET_METHODS:
-            raise ValueError(f"logdet must be one of {LOGDET_METHODS}, got {logdet!r}")
+            raise InputError(f"logdet must be one of {LOGDET_METHODS}, got {logdet!r}")
         if grad not in ("backprop", "neumann"):
-            raise ValueError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
+            raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
         if probe not in ("rademacher", "gaussian"):
-            raise ValueError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
+            raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
         if inverse_method not in INVERSE_METHODS:
-            raise ValueError(
+            raise InputError(
                 f"inverse_method must be one of {INVERSE_METHODS}, got {inverse_method!r}"
             )
         if roulette not in ("geometric", "poisson"):
-            raise ValueError(f"roulette must be 'geometric' or 'poisson', got {roulette!r}")
+            raise InputError(f"roulette must be 'geometric' or 'poisson', got {roulette!r}")
         if roulette_lengths not in ("batch", "sample"):
-            raise ValueError(
+            raise InputError(
                 f"roulette_lengths must be 'batch' or 'sample', got {roulette_lengths!r}"
             )
         for name, value, low in (
@@ -208,9 +210,9 @@ class InvertibleResidual(Transform):
             ("eval_n_samples", eval_n_samples, 1),
         ):
             if int(value) != value or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}, got {value}")
+                raise InputError(f"{name} must be an integer >= {low}, got {value}")
         if not inverse_tol > 0:
-            raise ValueError(f"inverse_tol must be positive, got {inverse_tol}")
+            raise InputError(f"inverse_tol must be positive, got {inverse_tol}")
         self.branch = branch
         self.logdet = logdet
         self.n_terms = int(n_terms)
@@ -252,7 +254,7 @@ class InvertibleResidual(Transform):
         else:
             out = self.branch(x, mask=mask, causal=self.causal)
         if out.shape != x.shape:
-            raise ValueError(
+            raise InputError(
                 f"branch {type(self.branch).__name__} returned shape {tuple(out.shape)} "
                 f"for input shape {tuple(x.shape)}"
             )
@@ -261,7 +263,7 @@ class InvertibleResidual(Transform):
     def _check_contractive(self, n: int) -> float:
         bound = branch_bound(self.branch, n, self.zero_com)
         if bound >= 1:
-            raise ValueError(
+            raise InputError(
                 f"branch {type(self.branch).__name__} is not contractive on sets of {n} "
                 f"elements: certified Lipschitz bound {bound:.4f} >= 1"
             )

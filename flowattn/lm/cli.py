@@ -10,6 +10,7 @@ import sys
 
 import torch
 
+from ..errors import InputError
 from .data import DEFAULT_CORPUS, FORMATS, check_block_size, load_corpus
 from .model import ATTENTIONS, INITS, MODELS, NORMS
 from .train import SCHEDULES, TrainConfig, evaluate, load_checkpoint, train
@@ -229,13 +230,13 @@ def _add_sample(sub) -> None:
 
 def _sample(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 0:
-        raise ValueError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+        raise InputError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt:
-        raise ValueError("--prompt must not be empty")
+        raise InputError("--prompt must not be empty")
     model, _, vocab = load_checkpoint(args.checkpoint, args.device)
     missing = vocab.missing(args.prompt)
     if missing:
-        raise ValueError(f"the prompt holds characters the model never saw: {''.join(missing)!r}")
+        raise InputError(f"the prompt holds characters the model never saw: {''.join(missing)!r}")
     idx = vocab.encode(args.prompt).unsqueeze(0).to(args.device)
     generator = torch.Generator().manual_seed(args.seed)
     out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, generator)
@@ -276,10 +277,10 @@ def _invert_check(args: argparse.Namespace) -> int:
     from .invertible import reconstruction_report
 
     if args.sequences < 1:
-        raise ValueError(f"--sequences must be >= 1, got {args.sequences}")
+        raise InputError(f"--sequences must be >= 1, got {args.sequences}")
     model, ckpt, vocab = load_checkpoint(args.checkpoint, args.device)
     if not model.config.invertible:
-        raise ValueError(
+        raise InputError(
             f"{args.checkpoint} holds a non-invertible model: train with --invertible"
         )
     model = model.to(getattr(torch, args.dtype))

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from ..errors import InputError
+
 __all__ = [
     "CharVocab",
     "CharCorpus",
@@ -52,11 +54,11 @@ class CharVocab:
     def __init__(self, chars: Sequence[str], unknown: bool = False):
         chars = list(chars)
         if any(len(c) != 1 for c in chars):
-            raise ValueError("a character vocabulary holds strings of length one")
+            raise InputError("a character vocabulary holds strings of length one")
         if len(set(chars)) != len(chars):
-            raise ValueError("the vocabulary lists a character twice")
+            raise InputError("the vocabulary lists a character twice")
         if not chars:
-            raise ValueError("the vocabulary is empty")
+            raise InputError("the vocabulary is empty")
         self.chars, self.unknown = chars, bool(unknown)
         self.index = {c: i for i, c in enumerate(chars)}
 
@@ -85,7 +87,7 @@ class CharVocab:
             missing = self.missing(text)
             if missing:
                 shown = "".join(missing[:20])
-                raise ValueError(
+                raise InputError(
                     f"{len(missing)} character(s) not in the vocabulary: {shown!r}"
                 )
             return torch.tensor([self.index[c] for c in text], dtype=torch.long)
@@ -156,18 +158,18 @@ def read_text(path: str | Path) -> str:
     if not path.exists():
         raise FileNotFoundError(f"no such file: {path}")
     if path.is_dir():
-        raise ValueError(f"{path} is a directory, not a text file")
+        raise InputError(f"{path} is a directory, not a text file")
     raw = path.read_bytes()
     if not raw.strip():
-        raise ValueError(f"{path} is empty: a corpus needs some text")
+        raise InputError(f"{path} is empty: a corpus needs some text")
     nul = raw.find(b"\x00")
     if nul >= 0:
-        raise ValueError(f"{path} looks binary (NUL byte at offset {nul}), not UTF-8 text")
+        raise InputError(f"{path} looks binary (NUL byte at offset {nul}), not UTF-8 text")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         bad = raw[err.start : err.start + 1].hex()
-        raise ValueError(
+        raise InputError(
             f"{path} is not UTF-8 text: invalid byte 0x{bad} at offset {err.start}"
         ) from None
 
@@ -187,13 +189,13 @@ def parse_ptb_char(text: str) -> str:
             continue
         long = next((t for t in tokens if len(t) != 1), None)
         if long is not None:
-            raise ValueError(
+            raise InputError(
                 f"line {number} is not in the PTB-char format (space-separated single "
                 f"characters): token {long[:20]!r}"
             )
         lines.append("".join(" " if t == "_" else t for t in tokens))
     if not lines:
-        raise ValueError("the PTB-char text holds no characters")
+        raise InputError("the PTB-char text holds no characters")
     return "\n".join(lines) + "\n"
 
 
@@ -224,7 +226,7 @@ def default_corpus_text() -> str:
     try:
         from pydoc_data.topics import topics
     except ImportError as err:  # stripped-down Python builds may omit it
-        raise ValueError(
+        raise InputError(
             "the embedded corpus (pydoc_data.topics) is missing from this Python; pass --data"
         ) from err
     return "".join(topics[key] for key in sorted(topics))
@@ -232,7 +234,7 @@ def default_corpus_text() -> str:
 
 def _decoded(path: str, fmt: str) -> tuple[str, str]:
     if fmt not in FORMATS:
-        raise ValueError(f"format must be one of {FORMATS}, got {fmt!r}")
+        raise InputError(f"format must be one of {FORMATS}, got {fmt!r}")
     text = default_corpus_text() if path == DEFAULT_CORPUS else read_text(path)
     if fmt == "auto":
         fmt = "ptb-char" if looks_like_ptb_char(text) else "text"
@@ -270,14 +272,14 @@ def load_corpus(
     text, fmt = _decoded(source, fmt)
     if val_path is None:
         if not 0.0 < val_fraction < 1.0:
-            raise ValueError(f"val_fraction must lie in (0, 1), got {val_fraction}")
+            raise InputError(f"val_fraction must lie in (0, 1), got {val_fraction}")
         split = int(len(text) * (1.0 - val_fraction))
         train_text, val_text = text[:split], text[split:]
     else:
         train_text = text
         val_text, _ = _decoded(str(val_path), fmt)
     if not train_text or not val_text:
-        raise ValueError(
+        raise InputError(
             f"{source} has {len(text)} character(s): too short to split for training and "
             "validation"
         )
@@ -304,10 +306,10 @@ def check_block_size(corpus: CharCorpus, block_size: int) -> None:
     """Raise ``ValueError`` unless both splits hold at least one window of ``block_size`` + 1
     characters (inputs and shifted targets)."""
     if block_size < 1:
-        raise ValueError(f"block size must be >= 1, got {block_size}")
+        raise InputError(f"block size must be >= 1, got {block_size}")
     for name, data in (("training", corpus.train), ("validation", corpus.val)):
         if len(data) <= block_size:
-            raise ValueError(
+            raise InputError(
                 f"block size {block_size} is longer than the corpus: the {name} split of "
                 f"{corpus.source} has {len(data)} characters, at least {block_size + 1} needed"
             )
@@ -332,7 +334,7 @@ def get_batch(
         (True, (4, 8))
     """
     if len(data) <= block_size:
-        raise ValueError(f"{len(data)} characters hold no window of {block_size + 1}")
+        raise InputError(f"{len(data)} characters hold no window of {block_size + 1}")
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
     offsets = torch.arange(block_size + 1)
     windows = data[starts[:, None] + offsets]

@@ -7,7 +7,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..flows.inverse import InverseNotConverged, anderson_inverse, fixed_point_inverse
+from ..errors import InputError, InverseNotConverged
+from ..flows.inverse import anderson_inverse, fixed_point_inverse
 from .model import ActNorm, Block, TransformerLM
 
 __all__ = ["invert_block", "invert_hidden_states", "reconstruction_report", "InverseNotConverged"]
@@ -20,7 +21,7 @@ def _invert_norm(norm: nn.Module, y: Tensor) -> Tensor:
         return norm.inverse(y)
     if isinstance(norm, nn.Identity):
         return y
-    raise ValueError(f"{type(norm).__name__} is not invertible")
+    raise InputError(f"{type(norm).__name__} is not invertible")
 
 
 @torch.no_grad()
@@ -41,9 +42,9 @@ def invert_block(
         InverseNotConverged: when a sequence misses ``tol`` after ``max_iter`` iterations.
     """
     if not block.invertible:
-        raise ValueError("the block is not invertible (the model was built without invertible)")
+        raise InputError("the block is not invertible (the model was built without invertible)")
     if method not in SOLVERS:
-        raise ValueError(f"method must be one of {tuple(SOLVERS)}, got {method!r}")
+        raise InputError(f"method must be one of {tuple(SOLVERS)}, got {method!r}")
     solve = SOLVERS[method]
     w = solve(lambda x, mask: block.ff_branch(x), y, tol=tol, max_iter=max_iter)
     v = _invert_norm(block.norm_ff, w)
@@ -75,12 +76,12 @@ def invert_hidden_states(
         True
     """
     if not model.config.invertible:
-        raise ValueError(
+        raise InputError(
             "this language model is not invertible: train it with --invertible (contractive "
             "blocks, invertible normalisation)"
         )
     if model.training:
-        raise ValueError("call model.eval() before inverting: training mode is stochastic")
+        raise InputError("call model.eval() before inverting: training mode is stochastic")
     x = h
     for block in reversed(model.blocks):
         x = invert_block(block, x, tol=tol, max_iter=max_iter, method=method)

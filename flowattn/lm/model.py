@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 from ..attention.dot_product import split_heads
+from ..errors import InputError
 
 __all__ = [
     "LMConfig",
@@ -40,7 +41,7 @@ MODELS = ("transformer", "lstm")
 
 def _choice(name: str, value, options) -> None:
     if value not in options:
-        raise ValueError(f"unknown {name} {value!r}: choose from {', '.join(options)}")
+        raise InputError(f"unknown {name} {value!r}: choose from {', '.join(options)}")
 
 
 @dataclass
@@ -124,38 +125,38 @@ class LMConfig:
         _choice("init", self.init, INITS)
         for name in ("vocab_size", "block_size", "layers", "dim", "heads", "ff_mult"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.model == "transformer" and self.dim % self.heads:
-            raise ValueError(f"heads={self.heads} must divide dim={self.dim}")
+            raise InputError(f"heads={self.heads} must divide dim={self.dim}")
         if self.norm == "centernorm" and self.dim < 2:
-            raise ValueError("centernorm needs dim >= 2")
+            raise InputError("centernorm needs dim >= 2")
         if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must lie in [0, 1), got {self.dropout}")
+            raise InputError(f"dropout must lie in [0, 1), got {self.dropout}")
         if not 0.0 < self.contractive_coeff < 1.0:
-            raise ValueError(f"contractive_coeff must lie in (0, 1), got {self.contractive_coeff}")
+            raise InputError(f"contractive_coeff must lie in (0, 1), got {self.contractive_coeff}")
         if self.init_scale <= 0:
-            raise ValueError(f"init_scale must be positive, got {self.init_scale}")
+            raise InputError(f"init_scale must be positive, got {self.init_scale}")
         for name in ("ortho_attention", "ortho_ff", "ortho_affinity"):
             if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+                raise InputError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.model == "lstm":
             if self.invertible:
-                raise ValueError("invalid combination: the LSTM baseline cannot be invertible")
+                raise InputError("invalid combination: the LSTM baseline cannot be invertible")
             if self.init != "default":
-                raise ValueError(f"the LSTM baseline takes init 'default' only, not {self.init!r}")
+                raise InputError(f"the LSTM baseline takes init 'default' only, not {self.init!r}")
         if self.invertible:
             if self.norm_position != "pre":
-                raise ValueError(
+                raise InputError(
                     "invalid combination: --invertible with post-norm; N(x + f(x)) puts the "
                     "normalisation inside the invertible map, use norm position 'pre'"
                 )
             if self.attention != "contractive-l2":
-                raise ValueError(
+                raise InputError(
                     f"invalid combination: --invertible needs contractive-l2 attention; "
                     f"{self.attention!r} attention is not a contraction"
                 )
             if self.norm not in ("actnorm", "none"):
-                raise ValueError(
+                raise InputError(
                     f"invalid combination: --invertible with {self.norm}, which discards the "
                     "mean of each token and cannot be inverted; use norm 'actnorm' or 'none'"
                 )
@@ -170,7 +171,7 @@ class LMConfig:
         names = {f.name for f in fields(cls)}
         unknown = set(d) - names
         if unknown:
-            raise ValueError(f"unknown model configuration keys: {sorted(unknown)}")
+            raise InputError(f"unknown model configuration keys: {sorted(unknown)}")
         return cls(**d)
 
 
@@ -371,7 +372,7 @@ class Block(nn.Module):
         sequences of ``n`` tokens: attention in the inf-norm, feed-forward in the 2-norm
         (each per token). Meaningful in evaluation mode, where they are exact certificates."""
         if not self.invertible:
-            raise ValueError("certified branch bounds exist for invertible blocks only")
+            raise InputError("certified branch bounds exist for invertible blocks only")
         with torch.no_grad():
             attn = float(self.attn.lipschitz_bound(n))
             ff = float(self.ff.lipschitz_bound(n))
@@ -413,7 +414,7 @@ def attention_probabilities(attn: nn.Module, x: Tensor, causal: bool = True) -> 
 
         logits = attn.tau * unit(attn.w_q) @ unit(attn.w_k).transpose(-1, -2)
     else:
-        raise ValueError(f"no attention matrix for {type(attn).__name__}")
+        raise InputError(f"no attention matrix for {type(attn).__name__}")
     if causal:
         n = x.shape[1]
         allowed = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
@@ -574,11 +575,11 @@ class _CharLM(nn.Module):
 
     def _check_idx(self, idx: Tensor) -> None:
         if idx.dim() != 2 or idx.dtype != torch.long:
-            raise ValueError(
+            raise InputError(
                 f"idx must be a (B, T) LongTensor, got {idx.dtype} {tuple(idx.shape)}"
             )
         if idx.shape[1] > self.config.block_size:
-            raise ValueError(
+            raise InputError(
                 f"sequence length {idx.shape[1]} exceeds the block size {self.config.block_size}"
             )
 
@@ -605,9 +606,9 @@ class _CharLM(nn.Module):
         optionally restricted to the ``top_k`` most likely). Draws are made on the CPU from
         ``generator``, so that a seed gives the same text on every device."""
         if temperature <= 0:
-            raise ValueError(f"temperature must be positive, got {temperature}")
+            raise InputError(f"temperature must be positive, got {temperature}")
         if top_k is not None and top_k < 1:
-            raise ValueError(f"top_k must be >= 1, got {top_k}")
+            raise InputError(f"top_k must be >= 1, got {top_k}")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
             logits = logits[:, -1, :] / temperature
@@ -649,7 +650,7 @@ class TransformerLM(_CharLM):
     def __init__(self, config: LMConfig):
         super().__init__()
         if config.model != "transformer":
-            raise ValueError(f"TransformerLM needs model='transformer', got {config.model!r}")
+            raise InputError(f"TransformerLM needs model='transformer', got {config.model!r}")
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
         self.pos_emb = nn.Embedding(config.block_size, config.dim)
@@ -716,7 +717,7 @@ class LSTMLM(_CharLM):
     def __init__(self, config: LMConfig):
         super().__init__()
         if config.model != "lstm":
-            raise ValueError(f"LSTMLM needs model='lstm', got {config.model!r}")
+            raise InputError(f"LSTMLM needs model='lstm', got {config.model!r}")
         self.config = config
         self.tok_emb = nn.Embedding(config.vocab_size, config.dim)
         self.drop = nn.Dropout(config.dropout)

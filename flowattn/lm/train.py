@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..errors import InputError, NonFiniteError
 from ..runs import atomic_torch_save, atomic_write_text, truncate_metrics
 from .data import (
     DEFAULT_CORPUS,
@@ -131,22 +132,22 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}: choose from {SCHEDULES}")
+            raise InputError(f"unknown schedule {self.schedule!r}: choose from {SCHEDULES}")
         positive = ("steps", "batch_size", "eval_interval", "log_interval")
         for name in positive:
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0 or self.min_lr < 0 or self.min_lr > self.lr:
-            raise ValueError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, "
+            raise InputError(f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, "
                              f"min_lr={self.min_lr}")
         if self.warmup < 0 or self.eval_iters < 0 or self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError("warmup, eval_iters, weight_decay and grad_clip must be >= 0")
+            raise InputError("warmup, eval_iters, weight_decay and grad_clip must be >= 0")
         if self.schedule == "noam" and self.warmup < 1:
-            raise ValueError("the noam schedule needs warmup >= 1")
+            raise InputError("the noam schedule needs warmup >= 1")
         if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
-            raise ValueError(f"betas must lie in [0, 1), got {self.beta1}, {self.beta2}")
+            raise InputError(f"betas must lie in [0, 1), got {self.beta1}, {self.beta2}")
         if self.divergence_factor <= 1:
-            raise ValueError(f"divergence_factor must exceed 1, got {self.divergence_factor}")
+            raise InputError(f"divergence_factor must exceed 1, got {self.divergence_factor}")
 
 
 def model_config(cfg: TrainConfig, vocab_size: int) -> LMConfig:
@@ -213,9 +214,7 @@ def evaluate(
         x, y = x.to(device), y.to(device)
         try:
             logits, _ = model(x)
-        except ValueError as err:  # the attention modules refuse NaN/Inf activations
-            if not _non_finite(err):
-                raise
+        except NonFiniteError:  # the attention modules refuse NaN/Inf activations
             total[0] = math.nan
             break
         loss = nn.functional.cross_entropy(
@@ -249,7 +248,7 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
         raise FileNotFoundError(f"no checkpoint at {file}")
     ckpt = torch.load(file, map_location=device, weights_only=True)
     if not isinstance(ckpt, dict) or ckpt.get("kind") != "flowattn-lm":
-        raise ValueError(f"{file} is not a flowattn language-model checkpoint")
+        raise InputError(f"{file} is not a flowattn language-model checkpoint")
     config = LMConfig.from_dict(ckpt["model_config"])
     model = build_model(config).to(device)
     model.load_state_dict(ckpt["model"])
@@ -298,7 +297,7 @@ def _check_resumable(saved: dict, cfg: TrainConfig) -> None:
         if k not in RESUMABLE and k in saved and saved[k] != current[k]
     ]
     if changed:
-        raise ValueError("cannot resume with different settings: " + "; ".join(changed))
+        raise InputError("cannot resume with different settings: " + "; ".join(changed))
 
 
 def _corpus_record(corpus: CharCorpus) -> dict:
@@ -363,7 +362,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, master
     ckpt = None
     if ckpt_path.exists():
         if not cfg.resume:
-            raise ValueError(
+            raise InputError(
                 f"{out} already holds a checkpoint: pass --resume to continue it, or choose "
                 "another --out"
             )
@@ -486,9 +485,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, master
         failed = torch.zeros((), device=device)
         try:
             _, losses = model(x, y)
-        except ValueError as err:  # the attention modules refuse NaN/Inf activations
-            if not _non_finite(err):
-                raise
+        except NonFiniteError:  # the attention modules refuse NaN/Inf activations
             failed += 1
         if world > 1:  # every process stops if one does
             dist.all_reduce(failed)
@@ -574,9 +571,6 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int, master
         "divergence": divergence,
     }
 
-
-def _non_finite(err: ValueError) -> bool:
-    return "non-finite" in str(err)
 
 
 def _trim_metrics(path: Path, step: int) -> None:

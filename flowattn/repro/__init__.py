@@ -16,6 +16,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ..errors import InputError
 from . import bound_tightness, dp_divergence, histograms, invertibility, layernorm, runtime
 from .common import GRIDS, ReproResult, grid_config
 
@@ -115,7 +116,7 @@ def run_reproduction(
         overrides: configuration fields to change (e.g. ``ns=(100, 1000)``).
     """
     if name not in REPRODUCTIONS:
-        raise ValueError(f"unknown reproduction {name!r}: choose from {', '.join(REPRODUCTIONS)}")
+        raise InputError(f"unknown reproduction {name!r}: choose from {', '.join(REPRODUCTIONS)}")
     repro = REPRODUCTIONS[name]
     config = grid_config(repro.config, repro.presets, grid, seed, overrides)
     return repro.run(config, out, grid if not overrides else "custom")

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from ..attention import L2MHA
 from ..attention.dot_product import split_heads
+from ..errors import InputError
 from ..lipschitz import jacobian_norm, lambertw0
 from .common import (
     ReproResult,
@@ -95,11 +96,11 @@ def attention_row(attn: L2MHA, x: Tensor, i: int = 0) -> Tensor:
         (B, D) tensor, equal to ``attn(x)[:, i]``.
     """
     if not attn.tied:
-        raise ValueError("attention_row needs tied L2 attention (W^K = W^Q)")
+        raise InputError("attention_row needs tied L2 attention (W^K = W^Q)")
     if x.dim() != 3 or x.shape[-1] != attn.dim:
-        raise ValueError(f"x must have shape (B, N, {attn.dim}), got {tuple(x.shape)}")
+        raise InputError(f"x must have shape (B, N, {attn.dim}), got {tuple(x.shape)}")
     if not -x.shape[1] <= i < x.shape[1]:
-        raise ValueError(f"row {i} is out of range for sets of {x.shape[1]} elements")
+        raise InputError(f"row {i} is out of range for sets of {x.shape[1]} elements")
     i = i % x.shape[1]
     scale = math.sqrt(attn.head_dim)
     q = split_heads(x @ attn.w_q, attn.heads)  # (B, H, N, d)
@@ -199,7 +200,7 @@ def run_bound_tightness(
     """
     config = config or BoundTightnessConfig()
     if min(config.ns) < 2 or config.restarts < 1 or config.steps < 0 or config.top < 1:
-        raise ValueError("need every N >= 2, restarts >= 1, steps >= 0 and top >= 1")
+        raise InputError("need every N >= 2, restarts >= 1, steps >= 0 and top >= 1")
     start = time.perf_counter()
     attn = identity_l2_attention(config.dim, config.heads)
     generator = torch.Generator().manual_seed(config.seed)

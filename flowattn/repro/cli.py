@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from ..errors import InputError
 from . import REPRODUCTIONS, run_reproduction
 from .common import ReproResult
 
@@ -55,7 +56,7 @@ def add_repro_subparsers(subparsers) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.threads is not None:
         if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+            raise InputError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
     names = list(REPRODUCTIONS) if args.repro_command == "all" else [args.repro_command]
     for name in names:

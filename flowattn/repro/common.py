@@ -15,6 +15,7 @@ import torch
 from matplotlib.figure import Figure
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..runs import prepare_out_dir
 
 __all__ = [
@@ -40,7 +41,7 @@ GRIDS = ("quick", "default", "full")
 def check_grid(grid: str) -> str:
     """Return ``grid`` if it names a grid size, else raise ``ValueError``."""
     if grid not in GRIDS:
-        raise ValueError(f"unknown grid {grid!r}: choose from {', '.join(GRIDS)}")
+        raise InputError(f"unknown grid {grid!r}: choose from {', '.join(GRIDS)}")
     return grid
 
 
@@ -54,7 +55,7 @@ def grid_config(cls, presets: dict[str, dict], grid: str, seed: int | None, over
     names = {f.name for f in fields(cls)}
     unknown = set(overrides) - names
     if unknown:
-        raise ValueError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
+        raise InputError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
     if seed is not None:
         overrides = {**overrides, "seed": seed}
     return replace(config, **overrides) if overrides else config
@@ -175,9 +176,9 @@ def uniform_sets(
     is least Lipschitz.
     """
     if batch < 1 or n < 2 or dim < 1:
-        raise ValueError(f"need batch >= 1, n >= 2, dim >= 1; got {batch}, {n}, {dim}")
+        raise InputError(f"need batch >= 1, n >= 2, dim >= 1; got {batch}, {n}, {dim}")
     if not spread > 0:
-        raise ValueError(f"spread must be positive, got {spread}")
+        raise InputError(f"spread must be positive, got {spread}")
     x = (2 * torch.rand(batch, n, dim, generator=generator, dtype=dtype) - 1) * spread
     x[:, 0] = 0.0
     return x.to(device)
@@ -195,7 +196,7 @@ def glorot_init_(module: nn.Module, generator: torch.Generator) -> nn.Module:
         if param.dim() == 2:
             width = param.shape[1]
             if param.shape[0] % width:
-                raise ValueError(f"{name}: shape {tuple(param.shape)} is not a stack of squares")
+                raise InputError(f"{name}: shape {tuple(param.shape)} is not a stack of squares")
             for block in param.split(width, dim=0):
                 values = torch.empty(block.shape, dtype=torch.float64)
                 nn.init.xavier_uniform_(values, generator=generator)

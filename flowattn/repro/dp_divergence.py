@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..lipschitz import jacobian_norm
 from .common import (
     ReproResult,
@@ -99,7 +100,7 @@ def run_dp_divergence(
     """
     config = config or DivergenceConfig()
     if config.n < 2 or config.restarts < 1 or config.steps < 1:
-        raise ValueError("need n >= 2, restarts >= 1 and steps >= 1")
+        raise InputError("need n >= 2, restarts >= 1 and steps >= 1")
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)
     modules = {k: make_attention(k, config.dim, config.heads, generator) for k in ("dp", "l2")}

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
 from .common import (
     ReproResult,
     finish_result,
@@ -141,9 +142,9 @@ def run_histograms(
     config = config or HistogramConfig()
     unknown = set(config.sources) - set(SOURCES)
     if unknown or not config.sources:
-        raise ValueError(f"sources must be a non-empty subset of {SOURCES}, got {config.sources}")
+        raise InputError(f"sources must be a non-empty subset of {SOURCES}, got {config.sources}")
     if config.train_steps < 1 or config.bins < 2:
-        raise ValueError("need train_steps >= 1 and bins >= 2")
+        raise InputError("need train_steps >= 1 and bins >= 2")
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)
     x = uniform_sets(config.batch, config.n, config.dim, config.spread, generator)

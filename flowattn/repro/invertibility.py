@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from ..attention import L2MHA, DotProductMHA
-from ..flows.inverse import InverseNotConverged, fixed_point_inverse
+from ..errors import InputError, InverseNotConverged
+from ..flows.inverse import fixed_point_inverse
 from .common import (
     ReproResult,
     finish_result,
@@ -73,7 +74,7 @@ def make_attention(kind: str, dim: int, heads: int, generator: torch.Generator) 
     elif kind == "dp":
         module = DotProductMHA(dim, heads)
     else:
-        raise ValueError(f"unknown attention {kind!r}: choose from {ATTENTION_TYPES}")
+        raise InputError(f"unknown attention {kind!r}: choose from {ATTENTION_TYPES}")
     return glorot_init_(module.to(torch.float64), generator).eval()
 
 
@@ -138,10 +139,10 @@ def run_invertibility(
     """
     config = config or InvertibilityConfig()
     if config.iterations < 1 or config.batch < 1:
-        raise ValueError("need iterations >= 1 and batch >= 1")
+        raise InputError("need iterations >= 1 and batch >= 1")
     for c in config.coeffs:
         if not c > 0:
-            raise ValueError(f"coefficients must be positive, got {c}")
+            raise InputError(f"coefficients must be positive, got {c}")
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)
     rows, cases, curves = [], [], []

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..lipschitz import jacobian_norm, layernorm_lipschitz_bound, lipschitz_lower_bound
 from .common import ReproResult, finish_result, new_figure, save_figure
 
@@ -87,7 +88,7 @@ def run_layernorm(
     """
     config = config or LayerNormConfig()
     if min(config.dims) < 2 or config.eps <= 0 or config.samples < 1 or config.restarts < 1:
-        raise ValueError("need every D >= 2, eps > 0, samples >= 1 and restarts >= 1")
+        raise InputError("need every D >= 2, eps > 0, samples >= 1 and restarts >= 1")
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)
     small = math.sqrt(config.eps)

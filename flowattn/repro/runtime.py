@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA
+from ..errors import InputError
 from ..lm.model import LMConfig, TransformerLM
 from .common import ReproResult, finish_result, new_figure, save_figure
 
@@ -164,9 +165,9 @@ def run_runtime(
     config = config or RuntimeConfig()
     unknown = set(config.modules) - set(MODULES)
     if unknown:
-        raise ValueError(f"unknown module(s) {sorted(unknown)}: choose from {tuple(MODULES)}")
+        raise InputError(f"unknown module(s) {sorted(unknown)}: choose from {tuple(MODULES)}")
     if config.steps < 1 or config.rounds < 1 or config.warmup < 0:
-        raise ValueError("need steps >= 1, rounds >= 1 and warmup >= 0")
+        raise InputError("need steps >= 1, rounds >= 1 and warmup >= 0")
     start = time.perf_counter()
     generator = torch.Generator().manual_seed(config.seed)
     torch.manual_seed(config.seed)  # module initialisations draw from the global generator

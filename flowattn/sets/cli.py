@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..data import DataError, load_dataset, load_npz, save_npz
+from ..data import load_dataset, load_npz, save_npz
+from ..errors import DataError, RunError
 from ..flows.builders import INTERACTIONS
-from ..runs import RunError
 from .config import SetsConfig
 
 __all__ = ["add_sets_subparsers", "main"]

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from nflows.transforms import CompositeTransform
 
+from ..errors import RunError
 from ..flows.builders import INTERACTIONS, SetFlow, set_flow
 from ..flows.location import SetLocation
-from ..runs import RunError
 
 __all__ = ["SetsConfig", "build_flow"]
 

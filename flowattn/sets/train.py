@@ -14,12 +14,12 @@ from tqdm.auto import tqdm
 
 from ..attention import twice_differentiable
 from ..data import SetData, load_dataset
+from ..errors import RunError
 from ..flows.base import set_dims
 from ..flows.builders import SetFlow
 from ..runs import (
     DistributedContext,
     MetricsLog,
-    RunError,
     atomic_torch_save,
     atomic_write_text,
     prepare_out_dir,
