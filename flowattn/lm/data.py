@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from ..errors import InputError
+from ..errors import DataError, InputError
+from .config import DEFAULT_CORPUS, FORMATS
 
 __all__ = [
     "CharVocab",
@@ -27,8 +28,6 @@ __all__ = [
     "eval_windows",
 ]
 
-FORMATS = ("auto", "text", "ptb-char")
-DEFAULT_CORPUS = "builtin:pydoc-topics"
 UNKNOWN = "\ufffd"  # shown for validation characters never seen in training
 
 
@@ -151,25 +150,25 @@ def read_text(path: str | Path) -> str:
     A leading byte-order mark is dropped. A file holding a NUL byte is taken to be binary.
 
     Raises:
-        FileNotFoundError: if ``path`` does not exist.
-        ValueError: for a directory, an empty file, a binary file or invalid UTF-8.
+        DataError: if ``path`` does not exist, is a directory, is empty or binary, or is not
+            valid UTF-8.
     """
     path = Path(path)
     if not path.exists():
-        raise FileNotFoundError(f"no such file: {path}")
+        raise DataError(f"{path}: no such file")
     if path.is_dir():
-        raise InputError(f"{path} is a directory, not a text file")
+        raise DataError(f"{path} is a directory, not a text file")
     raw = path.read_bytes()
     if not raw.strip():
-        raise InputError(f"{path} is empty: a corpus needs some text")
+        raise DataError(f"{path} is empty: a corpus needs some text")
     nul = raw.find(b"\x00")
     if nul >= 0:
-        raise InputError(f"{path} looks binary (NUL byte at offset {nul}), not UTF-8 text")
+        raise DataError(f"{path} looks binary (NUL byte at offset {nul}), not UTF-8 text")
     try:
         return raw.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         bad = raw[err.start : err.start + 1].hex()
-        raise InputError(
+        raise DataError(
             f"{path} is not UTF-8 text: invalid byte 0x{bad} at offset {err.start}"
         ) from None
 

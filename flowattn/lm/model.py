@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 from ..attention.dot_product import split_heads
 from ..errors import InputError
+from .config import ATTENTIONS, INITS, MODELS, NORMS, LMConfig
 
 __all__ = [
     "LMConfig",
@@ -31,149 +32,6 @@ __all__ = [
     "INITS",
     "MODELS",
 ]
-
-ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine")
-NORMS = ("layernorm", "centernorm", "actnorm", "none")
-NORM_POSITIONS = ("pre", "post")
-INITS = ("default", "glorot-l2", "lipschitz", "spectral")
-MODELS = ("transformer", "lstm")
-
-
-def _choice(name: str, value, options) -> None:
-    if value not in options:
-        raise InputError(f"unknown {name} {value!r}: choose from {', '.join(options)}")
-
-
-@dataclass
-class LMConfig:
-    """Hyper-parameters of a character language model; checked on construction.
-
-    ``attention``, ``norm`` and ``final_norm`` left as ``None`` resolve to defaults that depend
-    on ``invertible``: contractive-l2 attention and ActNorm inside the invertible stack, dot
-    product attention and LayerNorm otherwise.
-
-    Attributes:
-        vocab_size: number of token ids.
-        block_size: longest context T.
-        model: ``"transformer"`` or ``"lstm"``.
-        layers: Transformer blocks (or LSTM layers).
-        dim: model width D.
-        heads: attention heads H.
-        attention: one of ``ATTENTIONS``.
-        norm: normalisation of every block, one of ``NORMS``.
-        norm_position: ``"pre"`` (x + f(N(x))) or ``"post"`` (N(x + f(x))).
-        final_norm: normalisation before the output layer (default: ``norm`` for pre-norm
-            models, none for post-norm ones, LayerNorm for invertible ones).
-        weighted_residual: LipsFormer's x + alpha * f(x) with learnable per-channel alpha.
-        residual_alpha: initial alpha (default 1 / layers, Qi et al. 2023, Thm 2).
-        init: one of ``INITS``.
-        init_scale: the scale s of the L2 attention weights under ``glorot-l2``.
-        ff_mult: feed-forward hidden width as a multiple of D.
-        dropout: dropout probability.
-        bias: biases in linear layers and norms.
-        tie_embeddings: share the token embedding with the output layer (nanoGPT does; off by
-            default: with a character vocabulary the tie saves only vocab x D weights and cost
-            0.014-0.041 nats/char on Tiny Shakespeare over three seeds, docs/benchmarks.md).
-        invertible: make embeddings -> final hidden states invertible (contractive blocks).
-        contractive_coeff: Lipschitz coefficient c < 1 of contractive branches.
-        ortho_attention: lambda of Zhang et al.'s loss on the attention weights.
-        ortho_ff: lambda of the loss on the feed-forward weights.
-        ortho_affinity: lambda of the loss on the attention matrices.
-    """
-
-    vocab_size: int
-    block_size: int = 64
-    model: str = "transformer"
-    layers: int = 4
-    dim: int = 128
-    heads: int = 4
-    attention: str | None = None
-    norm: str | None = None
-    norm_position: str = "pre"
-    final_norm: str | None = None
-    weighted_residual: bool = False
-    residual_alpha: float | None = None
-    init: str = "default"
-    init_scale: float = 1.0 / 16
-    ff_mult: int = 4
-    dropout: float = 0.0
-    bias: bool = False
-    tie_embeddings: bool = False
-    invertible: bool = False
-    contractive_coeff: float = 0.9
-    ortho_attention: float = 0.0
-    ortho_ff: float = 0.0
-    ortho_affinity: float = 0.0
-
-    def __post_init__(self) -> None:
-        if self.attention is None:
-            self.attention = "contractive-l2" if self.invertible else "dp"
-        if self.norm is None:
-            self.norm = "actnorm" if self.invertible else "layernorm"
-        if self.final_norm is None:
-            if self.invertible:
-                self.final_norm = "layernorm"
-            else:
-                self.final_norm = self.norm if self.norm_position == "pre" else "none"
-        if self.residual_alpha is None:
-            self.residual_alpha = 1.0 / max(self.layers, 1)
-        _choice("model", self.model, MODELS)
-        _choice("attention type", self.attention, ATTENTIONS)
-        _choice("norm", self.norm, NORMS)
-        _choice("final norm", self.final_norm, NORMS)
-        _choice("norm position", self.norm_position, NORM_POSITIONS)
-        _choice("init", self.init, INITS)
-        for name in ("vocab_size", "block_size", "layers", "dim", "heads", "ff_mult"):
-            if getattr(self, name) < 1:
-                raise InputError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.model == "transformer" and self.dim % self.heads:
-            raise InputError(f"heads={self.heads} must divide dim={self.dim}")
-        if self.norm == "centernorm" and self.dim < 2:
-            raise InputError("centernorm needs dim >= 2")
-        if not 0.0 <= self.dropout < 1.0:
-            raise InputError(f"dropout must lie in [0, 1), got {self.dropout}")
-        if not 0.0 < self.contractive_coeff < 1.0:
-            raise InputError(f"contractive_coeff must lie in (0, 1), got {self.contractive_coeff}")
-        if self.init_scale <= 0:
-            raise InputError(f"init_scale must be positive, got {self.init_scale}")
-        for name in ("ortho_attention", "ortho_ff", "ortho_affinity"):
-            if getattr(self, name) < 0:
-                raise InputError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.model == "lstm":
-            if self.invertible:
-                raise InputError("invalid combination: the LSTM baseline cannot be invertible")
-            if self.init != "default":
-                raise InputError(f"the LSTM baseline takes init 'default' only, not {self.init!r}")
-        if self.invertible:
-            if self.norm_position != "pre":
-                raise InputError(
-                    "invalid combination: --invertible with post-norm; N(x + f(x)) puts the "
-                    "normalisation inside the invertible map, use norm position 'pre'"
-                )
-            if self.attention != "contractive-l2":
-                raise InputError(
-                    f"invalid combination: --invertible needs contractive-l2 attention; "
-                    f"{self.attention!r} attention is not a contraction"
-                )
-            if self.norm not in ("actnorm", "none"):
-                raise InputError(
-                    f"invalid combination: --invertible with {self.norm}, which discards the "
-                    "mean of each token and cannot be inverted; use norm 'actnorm' or 'none'"
-                )
-
-    def to_dict(self) -> dict:
-        """A plain dict (for checkpoints)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> LMConfig:
-        """Inverse of :meth:`to_dict`; unknown keys are an error."""
-        names = {f.name for f in fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise InputError(f"unknown model configuration keys: {sorted(unknown)}")
-        return cls(**d)
-
 
 # ----------------------------------------------------------------------------- layers
 
@@ -533,7 +391,8 @@ def initialise(model: TransformerLM, scheme: str, scale: float = 1.0 / 16) -> No
     normalised layers of an invertible block keep their own initialisation: their
     normalisation makes the scale irrelevant.
     """
-    _choice("init", scheme, INITS)
+    if scheme not in INITS:
+        raise InputError(f"unknown init {scheme!r}: choose from {', '.join(INITS)}")
     for module in model.modules():
         if isinstance(module, nn.Linear) and module.bias is not None:
             module.bias.zero_()

@@ -12,15 +12,17 @@ known). From a shell: ``flowattn repro bound-tightness --out repro``; from Pytho
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ..errors import InputError
-from . import bound_tightness, dp_divergence, histograms, invertibility, layernorm, runtime
-from .common import GRIDS, ReproResult, grid_config
 
-__all__ = ["Reproduction", "REPRODUCTIONS", "GRIDS", "ReproResult", "run_reproduction"]
+__all__ = ["Reproduction", "REPRODUCTIONS", "GRIDS", "run_reproduction"]
+
+GRIDS = ("quick", "default", "full")
 
 
 @dataclass(frozen=True)
@@ -31,17 +33,36 @@ class Reproduction:
         name: the command-line name.
         paper: which figure or table of the paper it reproduces.
         description: one line on what it shows.
-        config: its configuration dataclass.
-        presets: field values of the ``quick``, ``default`` and ``full`` grids.
-        run: ``run(config, out, grid) -> ReproResult``.
+        module: the module of ``flowattn.repro`` that holds it, imported on first use (the
+            command line lists the reproductions without importing torch).
+        config_name: its configuration dataclass, in that module.
+        run_name: ``run(config, out, grid) -> ReproResult``, in that module.
     """
 
     name: str
     paper: str
     description: str
-    config: type
-    presets: dict
-    run: Callable[..., ReproResult]
+    module: str
+    config_name: str
+    run_name: str
+
+    def _module(self) -> Any:
+        return importlib.import_module(f"{__name__}.{self.module}")
+
+    @property
+    def config(self) -> type:
+        """The configuration dataclass."""
+        return getattr(self._module(), self.config_name)
+
+    @property
+    def presets(self) -> dict:
+        """Field values of the ``quick``, ``default`` and ``full`` grids."""
+        return self._module().PRESETS
+
+    @property
+    def run(self) -> Callable[..., Any]:
+        """``run(config, out, grid) -> ReproResult``."""
+        return getattr(self._module(), self.run_name)
 
 
 REPRODUCTIONS: dict[str, Reproduction] = {
@@ -51,49 +72,49 @@ REPRODUCTIONS: dict[str, Reproduction] = {
             "bound-tightness",
             "Fig. 2, App. H",
             "Lip_inf of L2-MHA: Thm 3.2 bound against an optimised lower bound",
-            bound_tightness.BoundTightnessConfig,
-            bound_tightness.PRESETS,
-            bound_tightness.run_bound_tightness,
+            "bound_tightness",
+            "BoundTightnessConfig",
+            "run_bound_tightness",
         ),
         Reproduction(
             "invertibility",
             "Fig. 3, App. I",
             "fixed-point inversion of x + c f(x) for L2-MHA and DP-MHA",
-            invertibility.InvertibilityConfig,
-            invertibility.PRESETS,
-            invertibility.run_invertibility,
+            "invertibility",
+            "InvertibilityConfig",
+            "run_invertibility",
         ),
         Reproduction(
             "histograms",
             "Fig. 5",
             "spread of the outputs of L2-MHA and DP-MHA on the same inputs",
-            histograms.HistogramConfig,
-            histograms.PRESETS,
-            histograms.run_histograms,
+            "histograms",
+            "HistogramConfig",
+            "run_histograms",
         ),
         Reproduction(
             "runtime",
             "App. E, Table 2",
             "wall-clock cost of L2 against dot-product attention",
-            runtime.RuntimeConfig,
-            runtime.PRESETS,
-            runtime.run_runtime,
+            "runtime",
+            "RuntimeConfig",
+            "run_runtime",
         ),
         Reproduction(
             "dp-divergence",
             "App. K, Fig. 9",
             "the Jacobian norm of DP-MHA grows without bound under optimisation",
-            dp_divergence.DivergenceConfig,
-            dp_divergence.PRESETS,
-            dp_divergence.run_dp_divergence,
+            "dp_divergence",
+            "DivergenceConfig",
+            "run_dp_divergence",
         ),
         Reproduction(
             "layernorm",
             "App. N",
             "the LayerNorm Lipschitz bound against measured Jacobian norms",
-            layernorm.LayerNormConfig,
-            layernorm.PRESETS,
-            layernorm.run_layernorm,
+            "layernorm",
+            "LayerNormConfig",
+            "run_layernorm",
         ),
     )
 }
@@ -105,7 +126,7 @@ def run_reproduction(
     out: str | os.PathLike | None = None,
     seed: int | None = None,
     **overrides,
-) -> ReproResult:
+) -> Any:
     """Run reproduction ``name`` on ``grid``; write its files to ``out`` when given.
 
     Arguments:
@@ -117,6 +138,8 @@ def run_reproduction(
     """
     if name not in REPRODUCTIONS:
         raise InputError(f"unknown reproduction {name!r}: choose from {', '.join(REPRODUCTIONS)}")
+    from .common import grid_config
+
     repro = REPRODUCTIONS[name]
     config = grid_config(repro.config, repro.presets, grid, seed, overrides)
     return repro.run(config, out, grid if not overrides else "custom")

@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import argparse
-
-import torch
+from typing import Any
 
 from ..errors import InputError
 from . import REPRODUCTIONS, run_reproduction
-from .common import ReproResult
 
 __all__ = ["add_repro_subparsers", "describe"]
 
@@ -54,6 +52,8 @@ def add_repro_subparsers(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import torch
+
     if args.threads is not None:
         if args.threads < 1:
             raise InputError(f"--threads must be >= 1, got {args.threads}")
@@ -66,7 +66,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def describe(result: ReproResult) -> list[str]:
+def describe(result: Any) -> list[str]:
     """Human-readable lines: what ran, the headline numbers, the files written."""
     repro = REPRODUCTIONS[result.name]
     lines = [

@@ -16,10 +16,10 @@ from matplotlib.figure import Figure
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..runs import prepare_out_dir
+from ..training.run import prepare_out_dir
+from . import GRIDS
 
 __all__ = [
-    "GRIDS",
     "ReproResult",
     "check_grid",
     "grid_config",
@@ -34,8 +34,6 @@ __all__ = [
     "glorot_init_",
     "log_slope",
 ]
-
-GRIDS = ("quick", "default", "full")
 
 
 def check_grid(grid: str) -> str:

@@ -1,64 +1,87 @@
-"""``flowattn sets fit | eval | sample``: density estimation on sets from the command line."""
+"""``flowattn sets fit | eval | sample``: density estimation on sets from the command line.
+
+The parsers are built without importing torch (``--help`` answers at once); each command
+imports what it runs.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-import torch
+from ..errors import DataError, InputError
+from ..training.cli import (
+    add_run_arguments,
+    is_main_process,
+    print_run_config,
+    run_summary_lines,
+)
+from ..training.config import add_arguments, given_flags
+from .config import SetsRunConfig
 
-from ..data import load_dataset, load_npz, save_npz
-from ..errors import DataError, RunError
-from ..flows.builders import INTERACTIONS
-from .config import SetsConfig
-
-__all__ = ["add_sets_subparsers", "main"]
+__all__ = ["add_sets_subparsers"]
 
 
 def _fit(args: argparse.Namespace) -> int:
+    if args.print_config:
+        return print_run_config(SetsRunConfig, args)
+    from ..training.loop import EXIT_DIVERGED
     from .train import fit
 
-    config = SetsConfig.from_file(args.config) if args.config else SetsConfig()
-    overrides = {"data": args.data, "flow": args.flow, "steps": args.steps,
-                 "batch_size": args.batch_size, "device": args.device, "seed": args.seed,
-                 "num_train": args.num_train, "interaction": args.interaction,
-                 "blocks": args.blocks}
-    config = config.updated(**overrides)
-    if args.threads is not None:
-        if args.threads < 1:
-            raise RunError(f"--threads must be positive, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    if config.device.startswith("cuda") and not torch.cuda.is_available():
-        raise RunError("--device cuda was requested but no CUDA device is available")
-    print(f"fitting a {config.flow} flow to {config.data} for {config.steps} steps -> {args.out}")
-    summary = fit(config, args.out, resume=args.resume, progress=not args.no_progress)
-    if "test_nll" not in summary:  # a non-main distributed process
-        return 0
-    line = (f"test NLL: {summary['test_nll']:.4f} nats/set, "
-            f"{summary['test_nll_per_dim']:.4f} nats/dim ({summary['test_sets']} sets)")
-    if "true_nll" in summary:
-        line += (f"; true NLL: {summary['true_nll']:.4f} nats/set, "
-                 f"{summary['true_nll_per_dim']:.4f} nats/dim")
-    print(line)
-    for path in summary.get("plots", []):
-        print(f"plot: {path}")
-    print(f"checkpoint and metrics: {args.out}")
-    return 0
+    summary = fit(out=args.out, resume=args.resume, file=args.config,
+                  flags=given_flags(args, SetsRunConfig), progress=args.progress,
+                  tensorboard=args.tensorboard)
+    if not is_main_process():
+        return EXIT_DIVERGED if summary["diverged"] else 0
+    lines = run_summary_lines(summary)
+    if not summary["diverged"] and not summary.get("finished"):
+        split = summary.get("test_split", "test")
+        name = "test NLL" if split == "test" else f"{split} NLL (the data have no test split)"
+        line = (f"{name}: {summary['test_nll']:.4f} nats/set, "
+                f"{summary['test_nll_per_dim']:.4f} nats/dim ({summary['test_sets']} sets)")
+        if "true_nll" in summary:
+            line += (f"; true NLL: {summary['true_nll']:.4f} nats/set, "
+                     f"{summary['true_nll_per_dim']:.4f} nats/dim")
+        lines.append(line)
+        lines += [f"plot: {path}" for path in summary.get("plots", [])]
+        lines.append(f"checkpoint and metrics: {summary['out']}")
+    for line in lines:
+        print(line)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "test"}, allow_nan=False,
+                         default=str))
+    return EXIT_DIVERGED if summary["diverged"] else 0
+
+
+def _load(args: argparse.Namespace):
+    from ..training.device import resolve_device
+    from .train import load_flow
+
+    device = resolve_device(args.device)
+    return (*load_flow(args.checkpoint, device), device)
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from .train import evaluate, load_flow
+    from ..data import load_dataset, load_npz
+    from .train import evaluate
 
-    flow, record = load_flow(args.checkpoint, args.device)
-    data = load_npz(args.data) if args.data.endswith(".npz") else load_dataset(args.data)["test"]
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    flow, record, device = _load(args)
+    if args.data.endswith(".npz") or Path(args.data).exists():
+        data = load_npz(args.data)
+    else:
+        data = load_dataset(args.data)["test"]
     spec = record["data"]
     if data.dim != spec["dim"]:
         raise DataError(f"{args.data}: elements have D={data.dim}, the model was fitted to "
                         f"D={spec['dim']}")
     data.zero_com = spec["zero_com"]
-    result = evaluate(flow, data)
+    if data.zero_com and data.set_size < 2:
+        raise DataError(f"{args.data}: sets of one element have no degrees of freedom in the "
+                        "zero-centre-of-mass space the model was fitted in")
+    result = evaluate(flow, data, batch_size=args.batch_size, device=device)
     result["convention"] = "E-NF (zero centre of mass)" if spec["zero_com"] else "full space"
     print(f"NLL: {result['nll']:.4f} nats/set, {result['nll_per_dim']:.4f} nats/dim "
           f"over {result['num_sets']} sets ({result['convention']})")
@@ -68,83 +91,69 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _sample(args: argparse.Namespace) -> int:
-    from .train import load_flow
+    import torch
 
-    flow, record = load_flow(args.checkpoint, args.device)
-    set_size = args.set_size or record["data"]["set_size"]
-    if args.num < 1 or set_size < 1:
-        raise RunError(f"--num and --set-size must be positive, got {args.num}, {set_size}")
+    from ..data import save_npz
+    from ..errors import NonFiniteError
+
+    if args.num < 1:
+        raise InputError(f"--num must be positive, got {args.num}")
+    if args.set_size is not None and args.set_size < 1:
+        raise InputError(f"--set-size must be positive, got {args.set_size}")
     out = Path(args.out)
+    if out.suffix != ".npz":
+        raise InputError(f"--out must name a .npz file, got {out}")
     if not out.parent.is_dir():
-        raise RunError(f"cannot write {out}: folder {out.parent} does not exist")
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+        raise InputError(f"cannot write {out}: folder {out.parent} does not exist")
+    flow, record, device = _load(args)
+    set_size = args.set_size or record["data"]["set_size"]
+    generator = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():
         x = flow.sample(args.num, set_size, None, generator)
     if not torch.isfinite(x).all():
-        raise RunError("sampling produced non-finite values")
+        raise NonFiniteError("sampling produced non-finite values")
     save_npz(out, x)
     print(f"wrote {args.num} sets of {set_size} elements to {out}")
     return 0
 
 
 def add_sets_subparsers(subparsers) -> None:
-    """Register ``sets`` and its subcommands on a top-level ``subparsers`` object."""
-    sets = subparsers.add_parser("sets", help="density estimation on sets")
-    commands = sets.add_subparsers(dest="sets_command", required=True)
+    """Register ``sets`` and its commands ``fit``, ``eval`` and ``sample``."""
+    sets = subparsers.add_parser("sets", help="density estimation on sets",
+                                 description="Fit flows to collections of sets, score sets "
+                                 "under them and sample new ones.")
+    commands = sets.add_subparsers(dest="sets_command", metavar="COMMAND", required=True)
 
-    fit = commands.add_parser("fit", help="fit a flow to a collection of sets")
-    fit.add_argument("--data", help="built-in data set (gaussian-sets, cluster-sets, dw4, "
-                     "lj13) or a .npz file with x (M, N, D) and optional mask (M, N)")
-    fit.add_argument("--flow", choices=["resflow", "cnf"])
-    fit.add_argument("--interaction", choices=["auto", *INTERACTIONS],
-                     help="how elements interact in a resflow: contractive L2 attention, "
-                     "radial (E(n)-equivariant pairwise, for particles), or the baselines "
-                     "linear and none (default auto: radial for particle data, else attention)")
-    fit.add_argument("--blocks", type=int, help="residual blocks")
-    fit.add_argument("--out", default="runs/sets", help="output folder (default runs/sets)")
-    fit.add_argument("--config", help="JSON file of settings (see SetsConfig)")
-    fit.add_argument("--steps", type=int)
-    fit.add_argument("--batch-size", type=int)
-    fit.add_argument("--num-train", type=int, help="size of a built-in training split")
-    fit.add_argument("--device", help="cpu or cuda")
-    fit.add_argument("--seed", type=int)
-    fit.add_argument("--threads", type=int, help="intra-op CPU threads (default: torch's); on "
-                     "a busy machine 1 avoids OpenMP waits on the small kernels of set flows")
-    fit.add_argument("--resume", action="store_true", help="continue the run in --out")
-    fit.add_argument("--no-progress", action="store_true", help="no progress bar")
+    fit = commands.add_parser(
+        "fit", help="fit a flow to a collection of sets",
+        description="Fit a flow to sets and report the test NLL. Settings come from the "
+        "defaults, then --config FILE (JSON or YAML), then the flags; --print-config shows "
+        "them all.")
+    add_run_arguments(fit, default_out="runs/sets")
+    add_arguments(fit, SetsRunConfig)
     fit.set_defaults(handler=_fit)
 
     ev = commands.add_parser("eval", help="deterministic NLL of sets under a fitted flow")
-    ev.add_argument("--checkpoint", required=True, help="a run folder written by fit")
-    ev.add_argument("--data", required=True, help=".npz file (or a built-in name: its test split)")
-    ev.add_argument("--device", default="cpu")
+    ev.add_argument("--checkpoint", required=True, metavar="DIR",
+                    help="a run folder written by fit (or its checkpoint file)")
+    ev.add_argument("--data", required=True, help=".npz file (or a built-in name: its test "
+                    "split)")
+    ev.add_argument("--batch-size", type=int, default=256, help="sets per batch (default: "
+                    "%(default)s)")
+    ev.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
+                    "%(default)s)")
     ev.add_argument("--json", action="store_true", help="end with a JSON line of the results")
     ev.set_defaults(handler=_eval)
 
     sample = commands.add_parser("sample", help="draw new sets by inverting a fitted flow")
-    sample.add_argument("--checkpoint", required=True)
-    sample.add_argument("--num", type=int, required=True)
-    sample.add_argument("--set-size", type=int)
+    sample.add_argument("--checkpoint", required=True, metavar="DIR",
+                        help="a run folder written by fit (or its checkpoint file)")
+    sample.add_argument("--num", type=int, required=True, help="number of sets to draw")
+    sample.add_argument("--set-size", type=int, help="elements per set (default: the training "
+                        "sets' size)")
     sample.add_argument("--out", required=True, help="output .npz file")
-    sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--device", default="cpu")
+    sample.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
+                        "%(default)s)")
     sample.set_defaults(handler=_sample)
 
-
-def run_handler(args: argparse.Namespace) -> int:
-    """Run a parsed command; known failures become one line on stderr and exit status 2."""
-    try:
-        return args.handler(args)
-    except (DataError, RunError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="flowattn")
-    add_sets_subparsers(parser.add_subparsers(dest="command", required=True))
-    return run_handler(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    sys.exit(main())

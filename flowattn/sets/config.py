@@ -1,217 +1,232 @@
-"""Settings of a set-density run, and the flow they describe."""
+"""Settings of a ``flowattn sets fit`` run, and the flow they describe.
+
+:class:`SetsRunConfig` has three sections: ``data`` (:class:`SetsData`), ``flow``
+(:class:`SetsFlow`) and ``train`` (the shared :class:`~flowattn.training.config.TrainSettings`
+with this command's defaults). Types, ranges and the combinations that do not depend on the
+data are checked when the config is built; :func:`build_flow` checks the rest against the data.
+The settings classes import no torch (the command line builds its parser from them).
+"""
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, fields
-from pathlib import Path
+from typing import Any, ClassVar, Literal
 
-from nflows.transforms import CompositeTransform
+from pydantic import model_validator
 
-from ..errors import RunError
-from ..flows.builders import INTERACTIONS, SetFlow, set_flow
-from ..flows.location import SetLocation
+from ..errors import ConfigError
+from ..training.config import Field, RunConfig, Section, TrainSettings
 
-__all__ = ["SetsConfig", "build_flow"]
+__all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
+           "resolved_interaction", "resolved_field", "legacy_settings"]
 
-FIELDS = ("auto", "attention", "egnn")
+INTERACTIONS = ("attention", "radial", "linear", "none")
 
 
-@dataclass
-class SetsConfig:
-    """Everything that defines a ``flowattn sets fit`` run (JSON-serialisable).
+class SetsData(Section):
+    """Which sets the flow is fitted to."""
 
-    Data: ``data`` is a built-in name or an ``.npz`` path; ``num_train`` overrides the size of a
-    built-in training split. Flow: ``flow`` is ``resflow`` (invertible residual blocks of
-    contractive L2 attention and Lipschitz MLPs) or ``cnf`` (a continuous flow whose ``field``
-    is L2 attention or an E(n)-equivariant graph network, :class:`~flowattn.flows.EGNNField`;
-    ``auto``, the default: the graph network for particles). ``interaction`` chooses how
-    elements meet in the residual flow: contractive attention, ``radial`` (an E(n)-equivariant
-    pairwise interaction, for particles), or the baselines ``linear`` and ``none``; ``auto``
-    (the default) is ``radial`` for particle data (zero centre of mass) and ``attention``
-    otherwise. With ``location`` (the default) the flow starts with a
-    :class:`~flowattn.flows.SetLocation`, a spline flow of each set's centroid given its size;
-    it is left out for particle data (centroid fixed at 0) and for ``interaction="none"``.
-    ``manybody`` adds a :class:`~flowattn.flows.NeighbourhoodInteraction` residual after each
-    radial one (``None``, the default: with radial interactions, not otherwise);
-    ``radial_max_slope`` makes the radial residuals monotone
-    (:class:`~flowattn.flows.MonotoneResidual`).
-    Training: Adam with linear warm-up and cosine decay, gradient clipping.
+    data: str = Field("gaussian-sets", description="built-in data set (gaussian-sets, "
+                      "cluster-sets, dw4, lj13) or a .npz file with x (M, N, D) and an optional "
+                      "mask (M, N)")
+    num_train: int | None = Field(None, ge=1, description="size of a built-in training split "
+                                  "(none: the data set's default)")
+    val_sets: int = Field(500, ge=1, description="validation sets scored at each evaluation")
+
+
+class SetsFlow(Section):
+    """The flow: a residual flow of contractive blocks or a continuous flow.
+
+    ``interaction`` chooses how elements meet in the residual flow: contractive L2 attention,
+    ``radial`` (an E(n)-equivariant pairwise interaction, for particles), or the baselines
+    ``linear`` and ``none``; ``auto`` is ``radial`` for particle data (zero centre of mass) and
+    ``attention`` otherwise. ``field`` chooses the vector field of a continuous flow:
+    ``attention`` or ``egnn`` (:class:`~flowattn.flows.EGNNField`); ``auto`` is the graph
+    network for particles.
     """
 
-    data: str = "gaussian-sets"
-    num_train: int | None = None
-    flow: str = "resflow"
-    interaction: str = "auto"  # radial for particles, else attention; or "linear" / "none"
-    mlp: bool = True  # pointwise Lipschitz-MLP residual in every block
-    radial_basis: int = 64  # interaction="radial": Gaussian bumps of psi'
-    radial_range: float = 4.0  # ... and the largest bump centre (units after ActNorm)
-    manybody: bool | None = None  # radial: add NeighbourhoodInteraction residuals (None: yes)
-    radial_max_slope: float | None = None  # a number: monotone radial blocks, psi' <= it
-    radial_inverse: bool = False  # ... and every second one inverted (steep contraction)
-    location: bool = True  # spline flow of each set's centroid (not for particles, nor "none")
-    # residual flow
-    blocks: int = 4
-    heads: int = 1
-    hidden: int = 64
-    coeff: float = 0.9
-    train_logdet: str = "auto"  # exact when N D <= 64 (radial: <= 512), else Russian roulette
-    # continuous flow
-    field: str = "auto"  # "attention", "egnn" (E(n)-equivariant); "auto": egnn for particles
-    field_layers: int | None = None  # None: 2 for attention, 3 for egnn
-    field_hidden: int | None = None  # None: 16 for attention, 32 for egnn
-    t1: float = 1.0
-    ode_tol: float = 1e-4
-    divergence: str = "auto"  # training: "auto" is exact when N D <= 64, else Hutchinson;
-    # evaluation is exact when N D <= 64 whatever this says
-    # optimisation
-    steps: int = 1500
-    batch_size: int = 64
-    lr: float = 3e-3
-    warmup: int = 50
-    min_lr: float = 1e-4
-    grad_clip: float = 10.0
-    # bookkeeping
-    eval_every: int = 250
-    checkpoint_every: int = 250
-    val_sets: int = 500
-    seed: int = 0
-    device: str = "cpu"
+    flow: Literal["resflow", "cnf"] = Field(
+        "resflow", description="resflow: invertible residual blocks; cnf: a continuous flow")
+    interaction: Literal["auto", "attention", "radial", "linear", "none"] = Field(
+        "auto", description="how elements interact in a resflow (auto: radial for particles, "
+        "else attention)")
+    blocks: int = Field(4, ge=1, description="residual blocks")
+    heads: int = Field(1, ge=1, description="attention heads (must divide the data's D)")
+    hidden: int = Field(64, ge=1, description="hidden width of the residual branches")
+    coeff: float = Field(0.9, gt=0, lt=1, description="Lipschitz coefficient of every "
+                         "contractive branch")
+    mlp: bool = Field(True, description="a pointwise Lipschitz-MLP residual in every block")
+    location: bool = Field(True, description="a spline flow of each set's centroid first (not "
+                           "for particles, nor interaction none)")
+    train_logdet: Literal["auto", "exact", "series", "roulette"] = Field(
+        "auto", description="log-det estimator in training (auto: exact when N D <= 64, radial "
+        "<= 512; else Russian roulette)")
+    radial_basis: int = Field(64, ge=1, description="radial: Gaussian bumps of psi'")
+    radial_range: float = Field(4.0, gt=0, description="radial: the largest bump centre "
+                                "(units after ActNorm)")
+    manybody: bool | None = Field(None, description="radial: add NeighbourhoodInteraction "
+                                  "residuals (none: yes with radial blocks)")
+    radial_max_slope: float | None = Field(None, gt=0, description="radial: monotone blocks "
+                                           "with psi' <= this (none: contractive blocks)")
+    radial_inverse: bool = Field(False, description="radial: every second monotone block "
+                                 "inverted (needs radial_max_slope)")
+    field: Literal["auto", "attention", "egnn"] = Field(
+        "auto", description="cnf: vector field (auto: egnn for particles, else attention)")
+    field_layers: int | None = Field(None, ge=1, description="cnf: field layers (none: 2 for "
+                                     "attention, 3 for egnn)")
+    field_hidden: int | None = Field(None, ge=1, description="cnf: field width (none: 16 for "
+                                     "attention, 32 for egnn)")
+    t1: float = Field(1.0, gt=0, description="cnf: integration time")
+    ode_tol: float = Field(1e-4, gt=0, description="cnf: absolute and relative ODE tolerance")
+    divergence: Literal["auto", "exact", "hutchinson"] = Field(
+        "auto", description="cnf: divergence in training (auto: exact when N D <= 64); "
+        "evaluation is exact when N D <= 64")
 
-    def __post_init__(self) -> None:
-        if self.flow not in ("resflow", "cnf"):
-            raise RunError(f"unknown flow {self.flow!r}: use 'resflow' or 'cnf'")
-        positive = ["blocks", "heads", "hidden", "field_layers", "field_hidden", "steps",
-                    "batch_size", "eval_every", "checkpoint_every", "val_sets", "radial_basis"]
-        optional = ("field_layers", "field_hidden")  # None: the field's own default
-        for name in positive:
-            value = getattr(self, name)
-            if (value is None and name not in optional) or (value is not None and value < 1):
-                raise RunError(f"{name} must be a positive integer, got {value}")
-        if self.field not in FIELDS:
-            raise RunError(f"field must be one of {', '.join(FIELDS)}, got {self.field!r}")
-        if self.interaction not in ("auto", *INTERACTIONS):
-            raise RunError(f"interaction must be auto or one of {', '.join(INTERACTIONS)}, "
-                           f"got {self.interaction!r}")
-        if not 0 < self.coeff < 1:
-            raise RunError(f"coeff must lie in (0, 1) for invertible blocks, got {self.coeff}")
+    @model_validator(mode="after")
+    def _check_combinations(self) -> SetsFlow:
         if self.radial_inverse and self.radial_max_slope is None:
-            raise RunError("radial_inverse needs radial_max_slope (monotone radial blocks)")
-        if self.radial_max_slope is not None and not self.radial_max_slope > 0:
-            raise RunError(f"radial_max_slope must be positive (or null), got "
-                           f"{self.radial_max_slope}")
-        if not self.radial_range > 0:
-            raise RunError(f"radial_range must be positive, got {self.radial_range}")
-        if self.lr <= 0 or self.min_lr < 0 or self.t1 <= 0 or self.ode_tol <= 0:
-            raise RunError("lr, t1 and ode_tol must be positive and min_lr non-negative")
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> SetsConfig:
-        """Read a JSON object of settings; unknown keys are an error."""
-        try:
-            raw = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise RunError(f"cannot read config {path}: {err}") from None
-        if not isinstance(raw, dict):
-            raise RunError(f"config {path} must hold a JSON object")
-        return cls().updated(**raw)
-
-    def updated(self, **changes) -> SetsConfig:
-        """A copy with ``changes`` applied (``None`` values are ignored)."""
-        known = {f.name for f in fields(self)}
-        unknown = sorted(set(changes) - known)
-        if unknown:
-            raise RunError(f"unknown setting(s) {unknown}; known: {sorted(known)}")
-        values = asdict(self)
-        values.update({k: v for k, v in changes.items() if v is not None})
-        return SetsConfig(**values)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+            raise ValueError("radial_inverse needs radial_max_slope (monotone radial blocks)")
+        radial_only = {"manybody": self.manybody, "radial_max_slope": self.radial_max_slope,
+                       "radial_inverse": self.radial_inverse}
+        for name, value in radial_only.items():
+            if value not in (False, None) and (self.flow != "resflow" or
+                                               self.interaction not in ("auto", "radial")):
+                raise ValueError(f"{name} is a setting of radial interactions: use it with "
+                                 f"flow=resflow and interaction=radial (here {self.flow}, "
+                                 f"{self.interaction})")
+        if self.flow == "resflow" and self.field != "auto":
+            raise ValueError(f"field={self.field!r} is a setting of continuous flows: use it "
+                             "with flow=cnf")
+        if self.flow == "cnf" and self.interaction not in ("auto", "attention"):
+            raise ValueError(f"interaction={self.interaction!r} is a residual-flow setting: "
+                             "use flow=resflow")
+        return self
 
 
-def _heads_for(dim: int, heads: int) -> int:
-    if dim % heads != 0:
-        raise RunError(f"heads={heads} must divide the data dimension D={dim}")
-    return heads
+SetsTrain = TrainSettings.with_defaults(
+    "SetsTrain", steps=1500, batch_size=64, lr=3e-3, schedule="cosine", warmup=50,
+    min_lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.0, grad_clip=10.0,
+    divergence_factor=None, eval_every=250, checkpoint_every=250, log_every=10, seed=0,
+    device="cpu")
 
 
-def resolved_interaction(config: SetsConfig, zero_com: bool) -> str:
+class SetsRunConfig(RunConfig):
+    """Every setting of a ``flowattn sets fit`` run.
+
+    Examples:
+        >>> config = SetsRunConfig.build({"data": "dw4", "blocks": 8, "steps": 100})
+        >>> config.data.data, config.flow.blocks, config.train.steps, config.train.lr
+        ('dw4', 8, 100, 0.003)
+    """
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset(
+        {"steps", "device", "threads", "eval_every", "checkpoint_every", "log_every",
+         "val_sets"})
+
+    data: SetsData = SetsData()
+    flow: SetsFlow = SetsFlow()
+    train: SetsTrain = SetsTrain()
+
+
+def legacy_settings(settings: dict) -> dict:
+    """The settings of a checkpoint of format version 1 (one flat dict), as a nested config.
+
+    Settings that did not exist when it was written take the values its flow was built with.
+    """
+    settings = dict(settings)
+    if "field" not in settings:  # before the field setting: attention, 2 layers of width 16
+        settings["field"] = "attention" if settings.get("flow") == "cnf" else "auto"
+        for name, old_default in (("field_layers", 2), ("field_hidden", 16)):
+            if settings.get(name) == old_default:
+                settings[name] = None  # now "the field's default", which is the same
+    settings = {"location": False, "radial_basis": 32, "radial_range": 6.0, "manybody": False,
+                **settings}
+    if settings.get("grad_clip") == 0:
+        settings["grad_clip"] = None
+    return SetsRunConfig.nest(settings, "checkpoint settings")
+
+
+def resolved_interaction(flow: SetsFlow, zero_com: bool) -> str:
     """The interaction a residual flow uses: ``auto`` is radial for particles, else attention."""
-    if config.interaction != "auto":
-        return config.interaction
+    if flow.interaction != "auto":
+        return flow.interaction
     return "radial" if zero_com else "attention"
 
 
-def resolved_field(config: SetsConfig, zero_com: bool) -> str:
+def resolved_field(flow: SetsFlow, zero_com: bool) -> str:
     """The vector field a continuous flow uses: ``auto`` is egnn for particles, else attention."""
-    if config.field != "auto":
-        return config.field
+    if flow.field != "auto":
+        return flow.field
     return "egnn" if zero_com else "attention"
 
 
-def _build_field(config: SetsConfig, dim: int, zero_com: bool):
+def _build_field(flow: SetsFlow, dim: int, zero_com: bool):
     from ..flows.egnn import EGNNField
     from ..flows.fields import AttentionField
 
-    if resolved_field(config, zero_com) == "egnn":
-        return EGNNField(dim, hidden=config.field_hidden or 32, layers=config.field_layers or 3,
+    if resolved_field(flow, zero_com) == "egnn":
+        return EGNNField(dim, hidden=flow.field_hidden or 32, layers=flow.field_layers or 3,
                          zero_com=zero_com)
-    return AttentionField(dim, heads=config.heads, layers=config.field_layers or 2,
-                          hidden=config.field_hidden or 16, zero_com=zero_com)
+    return AttentionField(dim, heads=flow.heads, layers=flow.field_layers or 2,
+                          hidden=flow.field_hidden or 16, zero_com=zero_com)
 
 
-def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> SetFlow:
-    """The flow ``config`` describes, for sets of up to ``set_size`` elements in R^dim."""
+def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
+    """The flow ``flow`` describes, for sets of up to ``set_size`` elements in R^dim.
+
+    Raises:
+        ConfigError: for settings that do not fit the data (heads not dividing D, radial
+            settings where the interaction resolves to another one).
+    """
+    from nflows.transforms import CompositeTransform
+
+    from ..flows.builders import SetFlow, set_flow
+    from ..flows.location import SetLocation
+
+    if dim % flow.heads != 0:
+        raise ConfigError(f"heads={flow.heads} must divide the data dimension D={dim}")
     small = set_size * dim <= 64
-    interaction = resolved_interaction(config, zero_com)
-    location = config.location and not zero_com and interaction != "none"
-    manybody = config.manybody
+    interaction = resolved_interaction(flow, zero_com)
+    location = flow.location and not zero_com and interaction != "none"
+    manybody = flow.manybody
     if manybody is None:  # on by default wherever radial residual blocks are built
-        manybody = config.flow == "resflow" and interaction == "radial"
-    radial_only = {"manybody": manybody, "radial_max_slope": config.radial_max_slope,
-                   "radial_inverse": config.radial_inverse}
-    for name, value in radial_only.items():
-        if value not in (False, None) and (config.flow != "resflow" or interaction != "radial"):
-            raise RunError(f"{name} is a setting of radial interactions: use it with "
-                           f"flow=resflow and interaction=radial (here {config.flow}, "
-                           f"{interaction})")
-    if config.flow == "resflow":
-        if config.field != "auto":
-            raise RunError(f"field={config.field!r} is a setting of continuous flows: use it "
-                           "with flow=cnf")
-        logdet = config.train_logdet
+        manybody = flow.flow == "resflow" and interaction == "radial"
+    for name in ("radial_max_slope", "radial_inverse"):
+        if getattr(flow, name) not in (False, None) and interaction != "radial":
+            raise ConfigError(f"{name} is a setting of radial interactions, but the "
+                              f"interaction here is {interaction}")
+    if flow.manybody and interaction != "radial":
+        raise ConfigError(f"manybody is a setting of radial interactions, but the interaction "
+                          f"here is {interaction}")
+    if flow.flow == "resflow":
+        logdet = flow.train_logdet
         if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
             logdet = "exact" if small else ("auto" if interaction == "radial" else "roulette")
         return set_flow(
             dim,
-            config.blocks,
-            _heads_for(dim, config.heads),
-            hidden=config.hidden,
-            coeff=config.coeff,
+            flow.blocks,
+            flow.heads,
+            hidden=flow.hidden,
+            coeff=flow.coeff,
             zero_com=zero_com,
             norm="2" if zero_com else "inf",
             interaction=interaction,
-            mlp=config.mlp,
-            radial_basis=config.radial_basis,
-            radial_range=config.radial_range,
+            mlp=flow.mlp,
+            radial_basis=flow.radial_basis,
+            radial_range=flow.radial_range,
             manybody=manybody,
-            radial_max_slope=config.radial_max_slope,
-            radial_inverse=config.radial_inverse,
+            radial_max_slope=flow.radial_max_slope,
+            radial_inverse=flow.radial_inverse,
             location=location,
             logdet=logdet,
         )
-    if config.interaction not in ("auto", "attention"):
-        raise RunError(f"interaction={config.interaction!r} is a residual-flow setting: "
-                       "use flow=resflow")
     from ..flows.cnf import CNF
 
-    divergence = config.divergence
+    divergence = flow.divergence
     if divergence == "auto":
         divergence = "exact" if small else "hutchinson"
-    field = _build_field(config, dim, zero_com)
+    field = _build_field(flow, dim, zero_com)
     # likelihoods are reported with the exact trace wherever it is affordable
-    cnf = CNF(field, t1=config.t1, atol=config.ode_tol, rtol=config.ode_tol,
+    cnf = CNF(field, t1=flow.t1, atol=flow.ode_tol, rtol=flow.ode_tol,
               divergence=divergence, eval_divergence="exact" if small else divergence,
               zero_com=zero_com)
     if not location:

@@ -1,36 +1,34 @@
-"""Fit a flow to a collection of sets: one training loop, checkpoints, resume, evaluation."""
+"""Fitting a flow to a collection of sets: the model, data and loss the shared loop trains.
+
+:func:`fit` plans the run folder (fresh, resumed or refused, see :mod:`flowattn.training.run`),
+builds a :class:`SetsTask` — the splits, the flow and its negative log-likelihood per degree of
+freedom — and hands it to :func:`flowattn.training.loop.train`; :func:`evaluate` scores sets
+under a flow and :func:`load_flow` rebuilds the flow of a checkpoint.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
-from torch.nn.parallel import DistributedDataParallel
-from tqdm.auto import tqdm
 
 from ..attention import twice_differentiable
 from ..data import SetData, load_dataset
-from ..errors import RunError
+from ..errors import ConfigError, NonFiniteError
 from ..flows.base import set_dims
 from ..flows.builders import SetFlow
-from ..runs import (
-    DistributedContext,
-    MetricsLog,
-    atomic_torch_save,
-    atomic_write_text,
-    prepare_out_dir,
-    rng_state,
-    set_rng_state,
-)
-from .config import SetsConfig, build_flow
+from ..training.checkpoint import read_checkpoint
+from ..training.distributed import Distributed
+from ..training.loop import train as train_loop
+from ..training.run import data_fingerprint, plan_run
+from .config import SetsRunConfig, build_flow, legacy_settings
 
-__all__ = ["fit", "evaluate", "load_flow", "CHECKPOINT"]
-
-CHECKPOINT = "checkpoint.pt"
+__all__ = ["SetsTask", "fit", "evaluate", "load_flow"]
 
 
 class _LogProb(nn.Module):
@@ -44,23 +42,6 @@ class _LogProb(nn.Module):
         return self.flow.log_prob(x, mask)
 
 
-def _solver_counts(flow: SetFlow) -> dict:
-    """Field evaluations of the latest forward and backward solve (continuous flows only)."""
-    solvers = [m for m in flow.modules() if hasattr(m, "nfe_forward")]
-    if not solvers:
-        return {}
-    return {"nfe_forward": sum(int(m.nfe_forward) for m in solvers),
-            "nfe_backward": sum(int(m.nfe_backward) for m in solvers)}
-
-
-def learning_rate(config: SetsConfig, step: int) -> float:
-    """Linear warm-up, then cosine decay from ``lr`` to ``min_lr``."""
-    if step < config.warmup:
-        return config.lr * (step + 1) / config.warmup
-    progress = (step - config.warmup) / max(1, config.steps - config.warmup)
-    return config.min_lr + 0.5 * (config.lr - config.min_lr) * (1 + math.cos(math.pi * progress))
-
-
 def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]:
     mask = None if data.mask is None else data.mask[index].to(device)
     return data.x[index].to(device), mask
@@ -72,24 +53,29 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
 
     Returns NLL in nats per set (``nll``), per degree of freedom (``nll_per_dim``; (n - 1) D per
     set in zero-centre-of-mass mode, the E-NF convention) and the number of sets.
+
+    Raises:
+        NonFiniteError: if a log-likelihood is not finite.
     """
     was_training = flow.training
     flow.eval()
     device = device or next(flow.parameters()).device
     count = len(data) if limit is None else min(limit, len(data))
-    total_nll, total_dims = 0.0, 0.0
+    total_nll = torch.zeros((), dtype=torch.float64, device=device)
+    total_dims = torch.zeros((), dtype=torch.float64, device=device)
     for start in range(0, count, batch_size):
         index = torch.arange(start, min(start + batch_size, count))
         x, mask = _batch(data, index, device)
         # no graph: a continuous flow would otherwise keep every solver step of the batch
         with twice_differentiable(), torch.no_grad():
             log_prob = flow.log_prob(x, mask)
-        if not torch.isfinite(log_prob).all():
-            raise RunError(f"non-finite log-likelihood while evaluating {data.name}")
-        total_nll -= log_prob.double().sum().item()
-        total_dims += set_dims(x, mask, flow.zero_com).double().sum().item()
+        total_nll -= log_prob.double().sum()
+        total_dims += set_dims(x, mask, flow.zero_com).double().sum()
     flow.train(was_training)
-    return {"nll": total_nll / count, "nll_per_dim": total_nll / total_dims, "num_sets": count}
+    nll, dims = float(total_nll), float(total_dims)  # one host sync for the whole split
+    if not math.isfinite(nll):
+        raise NonFiniteError(f"non-finite log-likelihood while evaluating {data.name}")
+    return {"nll": nll / count, "nll_per_dim": nll / dims, "num_sets": count}
 
 
 def _data_spec(train: SetData) -> dict:
@@ -97,145 +83,152 @@ def _data_spec(train: SetData) -> dict:
             "zero_com": train.zero_com, "variable_size": train.mask is not None}
 
 
-def _with_legacy_defaults(settings: dict) -> dict:
-    """Settings missing from an older checkpoint take the values its flow was built with."""
-    settings = dict(settings)
-    if "field" not in settings:  # before the field setting: attention, 2 layers of width 16
-        settings["field"] = "attention" if settings.get("flow") == "cnf" else "auto"
-        for name, old_default in (("field_layers", 2), ("field_hidden", 16)):
-            if settings.get(name) == old_default:
-                settings[name] = None  # now "the field's default", which is the same
-    return {"location": False, "radial_basis": 32, "radial_range": 6.0, "manybody": False,
-            **settings}
+class SetsTask:
+    """A flow over sets: negative log-likelihood per degree of freedom, in nats.
 
-
-def load_flow(checkpoint_dir: str | Path, device: str = "cpu") -> tuple[SetFlow, dict]:
-    """The flow saved in ``checkpoint_dir`` (in evaluation mode) and its checkpoint record."""
-    path = Path(checkpoint_dir) / CHECKPOINT
-    if not path.is_file():
-        raise RunError(f"no checkpoint at {path}")
-    try:
-        record = torch.load(path, map_location=device, weights_only=False)
-    except Exception as err:  # truncated or foreign file
-        raise RunError(f"cannot read checkpoint {path}: {err}") from None
-    spec = record["data"]
-    config = SetsConfig(**_with_legacy_defaults(record["config"]))
-    flow = build_flow(config, spec["dim"], spec["set_size"], spec["zero_com"]).to(device)
-    flow.load_state_dict(record["model"])
-    return flow.eval(), record
-
-
-def fit(config: SetsConfig, out: str | Path, resume: bool = False, progress: bool = True,
-        plots: bool = True, log=print) -> dict:
-    """Train ``config``'s flow, writing checkpoints, metrics and plots under ``out``.
-
-    With ``resume`` the run continues from ``out/checkpoint.pt`` exactly where it stopped: the
-    model, optimiser, step and every random state are restored. Returns the final summary
-    (also written to ``out/summary.json``).
+    Arguments:
+        config: the run's settings.
+        dist: this process's place in the run (device, rank).
+        progress: show the progress of generating built-in data.
     """
-    ctx = DistributedContext.from_environment(config.device)
-    out = prepare_out_dir(out)
-    checkpoint_path = out / CHECKPOINT
-    if checkpoint_path.exists() and not resume:
-        raise RunError(f"{out} already holds a run: pass --resume to continue it, "
-                       "or choose another --out")
-    sizes = None if config.num_train is None else {"train": config.num_train}
-    splits = load_dataset(config.data, sizes, seed=config.seed, progress=progress and ctx.is_main)
-    train, val = splits["train"], splits["val"]
-    test = splits.get("test", val)
-    device = ctx.device(config.device)
 
-    # ---------------------------------------------------------------- model and optimiser
-    torch.manual_seed(config.seed)
-    flow = build_flow(config, train.dim, train.set_size, train.zero_com).to(device)
-    optimizer = torch.optim.Adam(flow.parameters(), lr=config.lr)
-    generator = torch.Generator().manual_seed(config.seed)
-    metrics = MetricsLog(out, enabled=ctx.is_main)
-    start = 0
-    if resume and checkpoint_path.exists():
-        record = torch.load(checkpoint_path, map_location=device, weights_only=False)
-        saved = SetsConfig(**_with_legacy_defaults(record["config"])).to_dict()
-        changed = sorted(k for k, v in config.to_dict().items() if saved.get(k) != v)
-        if changed:
-            raise RunError(f"the settings {changed} differ from the checkpoint's; resume with "
-                           "the same ones")
-        flow.load_state_dict(record["model"])
-        optimizer.load_state_dict(record["optimizer"])
-        set_rng_state(generator, record["rng"])
-        start = record["step"]
-        metrics.truncate_after(start)
-        log(f"resuming {out} at step {start}")
-    else:
-        # Data-dependent initialisation (ActNorm) on a batch every process shares.
-        x0, mask0 = _batch(train, torch.arange(min(len(train), config.batch_size)), device)
+    items = "sets"
+
+    def __init__(self, config: SetsRunConfig, dist: Distributed, progress: bool = False):
+        self.config, self.dist = config, dist
+        data = config.data
+        sizes = None if data.num_train is None else {"train": data.num_train}
+        splits = load_dataset(data.data, sizes, seed=config.train.seed,
+                              progress=progress and dist.is_main)
+        self.train_data, self.val_data = splits["train"], splits["val"]
+        self.test_data = splits.get("test", self.val_data)
+        torch.manual_seed(config.train.seed)  # identical initial weights in every process
+        self.flow = build_flow(config.flow, self.train_data.dim, self.train_data.set_size,
+                               self.train_data.zero_com).to(dist.device)
+        self.model = self.flow
+        self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
+
+    def initialise(self) -> None:
+        """Data-dependent initialisation (ActNorm) on a batch every process shares."""
+        size = min(len(self.train_data), self.config.train.batch_size)
+        x, mask = _batch(self.train_data, torch.arange(size), self.dist.device)
         with twice_differentiable():
-            flow.log_prob(x0, mask0)
-    if ctx.is_main:
-        atomic_write_text(json.dumps(config.to_dict(), indent=2) + "\n", out / "config.json")
-    model: nn.Module = _LogProb(flow)
-    if ctx.active:
-        model = DistributedDataParallel(model)
+            self.flow.log_prob(x, mask)
 
-    def save(step: int) -> None:
-        if ctx.is_main:
-            atomic_torch_save({"version": 1, "config": config.to_dict(), "data": _data_spec(train),
-                               "model": flow.state_dict(), "optimizer": optimizer.state_dict(),
-                               "step": step, "rng": rng_state(generator)}, checkpoint_path)
+    def batch(self, generator: torch.Generator, dist: Distributed):
+        index = torch.randint(len(self.train_data), (self.config.train.batch_size,),
+                              generator=generator)
+        return _batch(self.train_data, index[dist.rank :: dist.world], dist.device)
 
-    # ---------------------------------------------------------------- training loop
-    bar = tqdm(range(start, config.steps), initial=start, total=config.steps,
-               desc="fit", disable=not (progress and ctx.is_main), dynamic_ncols=True)
-    started = time.time()
-    for step in bar:
-        lr = learning_rate(config, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        index = torch.randint(len(train), (config.batch_size,), generator=generator)
-        x, mask = _batch(train, index[ctx.rank :: ctx.world_size], device)
-        flow.train()
+    def loss(self, module: nn.Module, batch):
+        x, mask = batch
         with twice_differentiable():
-            log_prob = model(x, mask)
-        loss = -log_prob.mean() / set_dims(x, mask, train.zero_com).mean()
-        if not torch.isfinite(loss):
-            metrics.log(step, "train", diverged=True, loss=float(loss))
-            raise RunError(f"training diverged at step {step}: the loss is {loss.item()}")
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(flow.parameters(), config.grad_clip)
-        optimizer.step()
-        done = step + 1
-        if done % 10 == 0 or done == config.steps:
-            metrics.log(done, "train", loss=loss.item(), nll_per_dim=loss.item(), lr=lr,
-                        grad_norm=grad_norm.item(), seconds=time.time() - started,
-                        **_solver_counts(flow))
-            bar.set_postfix(nll_per_dim=f"{loss.item():.3f}")
-        if ctx.is_main and (done % config.eval_every == 0 or done == config.steps):
-            result = evaluate(flow, val, limit=config.val_sets)
-            metrics.log(done, "val", **result)
-            say = bar.write if progress else log
-            say(f"step {done}: validation NLL {result['nll']:.4f} nats/set, "
-                f"{result['nll_per_dim']:.4f} nats/dim")
-        if done % config.checkpoint_every == 0 or done == config.steps:
-            save(done)
-    bar.close()
-    ctx.barrier()
+            log_prob = module(x, mask)
+        loss = -log_prob.mean() / set_dims(x, mask, self.train_data.zero_com).mean()
+        return loss, loss, x.shape[0]
 
-    # ---------------------------------------------------------------- final evaluation
-    summary = {"steps": config.steps, "train_seconds": time.time() - started}
-    if ctx.is_main:
-        result = evaluate(flow, test)
-        summary.update(test_nll=result["nll"], test_nll_per_dim=result["nll_per_dim"],
-                       test_sets=result["num_sets"], test_split=test.name)
+    def train_stats(self) -> dict[str, int]:
+        """Field evaluations of the latest forward and backward solve (continuous flows)."""
+        solvers = [m for m in self.flow.modules() if hasattr(m, "nfe_forward")]
+        if not solvers:
+            return {}
+        return {"nfe_forward": sum(int(m.nfe_forward) for m in solvers),
+                "nfe_backward": sum(int(m.nfe_backward) for m in solvers)}
+
+    def evaluate(self, dist: Distributed) -> dict[str, float]:
+        result = evaluate(self.flow, self.val_data, limit=self.config.data.val_sets)
+        return {"loss": result["nll_per_dim"], "nll": result["nll"]}
+
+    def finish(self, out: Path) -> dict[str, Any]:
+        test = self.test_data
+        split = test.name.rsplit("/", 1)[-1] if "/" in test.name else "val"
+        result = evaluate(self.flow, test)
+        report = {"test": result, "test_split": split, "test_nll": result["nll"],
+                  "test_nll_per_dim": result["nll_per_dim"], "test_sets": result["num_sets"]}
         true_nll = test.mean_true_nll()
         if true_nll is not None:
             dims = set_dims(test.x, test.mask, test.zero_com).double().mean().item()
-            summary.update(true_nll=true_nll, true_nll_per_dim=true_nll / dims)
-        metrics.log(config.steps, "test", **result)
-        if plots:
-            from .plots import plot_run
+            report.update(true_nll=true_nll, true_nll_per_dim=true_nll / dims)
+        from .plots import plot_run
 
-            summary["plots"] = [str(p) for p in plot_run(flow, test, out, config.seed)]
-        atomic_write_text(json.dumps(summary, indent=2) + "\n", out / "summary.json")
-    metrics.close()
-    ctx.close()
-    return summary
+        report["plots"] = [str(p) for p in plot_run(self.flow, test, out,
+                                                    self.config.train.seed)]
+        return report
+
+    def state(self) -> dict[str, Any]:
+        return {"data": _data_spec(self.train_data)}
+
+
+def _fingerprint(config: SetsRunConfig) -> dict:
+    source = config.data.data
+    if source.endswith(".npz") or Path(source).is_file():
+        return data_fingerprint(source)
+    return {"source": source, "sha256": None}  # built-in: defined by the settings
+
+
+def fit(
+    config: SetsRunConfig | None = None,
+    out: str | Path = "runs/sets",
+    *,
+    resume: bool = False,
+    file: str | Path | None = None,
+    flags: Mapping[str, Any] | None = None,
+    progress: bool = True,
+    tensorboard: bool = True,
+) -> dict:
+    """Fit a flow to sets; return the summary (also written to ``out/summary.json``).
+
+    From Python, pass ``config`` (a :class:`SetsRunConfig`); the command line passes the config
+    file and the flags the user typed. ``resume=True`` continues the run in ``out`` exactly
+    where its checkpoint left off; only the settings in ``SetsRunConfig.RESUMABLE`` may differ
+    from the stored ones. A finished run is not trained again (the summary comes back with
+    ``finished: True``).
+
+    The summary holds the test NLL (``test_nll`` per set, ``test_nll_per_dim``) on the test
+    split of a built-in data set, or on the validation split of a user's file
+    (``test_split`` says which), the true NLL where the data have a closed-form density, and
+    the paths of the plots.
+    """
+    if config is not None:
+        flags = {**config.flat(), **(flags or {})}
+    plan = plan_run(out, "sets", SetsRunConfig, resume=resume, file=file, flags=flags,
+                    fingerprint=_fingerprint)
+    if plan.finished:
+        import json
+
+        return {**json.loads((plan.out / "summary.json").read_text()), "finished": True}
+    if plan.config.train.threads is not None:
+        torch.set_num_threads(plan.config.train.threads)
+    ctx = Distributed.join(plan.config.train.device)
+    try:
+        task = SetsTask(plan.config, ctx, progress=progress)
+        return train_loop(task, plan, ctx, progress=progress, tensorboard=tensorboard)
+    except BaseException:
+        if ctx.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+
+
+def load_flow(checkpoint: str | Path, device: str | torch.device = "cpu") -> tuple[SetFlow, dict]:
+    """The flow saved in a run folder (or checkpoint file), in evaluation mode, and its record.
+
+    The record has at least ``step``, ``config`` (a :class:`SetsRunConfig`), ``data`` (the
+    training data's name, D, set size, zero-CoM flag) and ``version``.
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, unreadable or not a sets checkpoint.
+    """
+    record = read_checkpoint(checkpoint, "sets", map_location=device)
+    if record["version"] == 1:
+        config = SetsRunConfig.build(legacy_settings(record["config"]), record["path"])
+        spec = record["data"]
+    else:
+        config = SetsRunConfig.build(record["config"], record["path"])
+        spec = record["task"]["data"]
+    try:
+        flow = build_flow(config.flow, spec["dim"], spec["set_size"], spec["zero_com"])
+    except ConfigError as err:
+        raise ConfigError(f"{record['path']}: {err}") from None
+    flow = flow.to(device)
+    flow.load_state_dict(record["model"])
+    return flow.eval(), {**record, "config": config, "data": spec}

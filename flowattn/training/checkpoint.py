@@ -1,0 +1,139 @@
+"""Checkpoints: one format for every command, written atomically, read with ``weights_only``.
+
+A checkpoint is a dict of tensors and plain values::
+
+    {"format": "flowattn", "kind": "lm" | "sets", "version": 2, "config": {...},
+     "step": int, "model": state_dict, "optimizer": state_dict, "rng": [per process],
+     "loop": {...}, "task": {...}}
+
+:func:`read_checkpoint` turns every way a file can be unusable — missing, empty, truncated, not
+a torch file, another program's, another command's, a newer format — into one
+:class:`~flowattn.errors.CheckpointError` line that names the file. Files of format version 1
+(written before the training core was shared) are recognised and returned with ``version: 1``
+so that each command can still load its model from them.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError, RunError
+
+__all__ = ["CHECKPOINT", "VERSION", "save_checkpoint", "read_checkpoint", "find_checkpoint",
+           "atomic_write", "atomic_write_text"]
+
+CHECKPOINT = "checkpoint.pt"
+VERSION = 2
+LEGACY_NAMES = ("ckpt.pt",)  # the language-model checkpoint name of format version 1
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def atomic_write(path: str | os.PathLike, write) -> None:
+    """Call ``write(handle)`` on a temporary file beside ``path``, then rename it into place.
+
+    A reader never sees half a file; the file gets the permissions of an ordinary new file
+    (0666 less the umask), not the temporary file's 0600.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(text: str, path: str | os.PathLike) -> None:
+    """Write ``text`` to ``path`` atomically (see :func:`atomic_write`)."""
+    atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write ``payload`` (with format, kind and version added) atomically to ``path``."""
+    record = {"format": "flowattn", "version": VERSION, **payload}
+    atomic_write(path, lambda handle: torch.save(record, handle))
+
+
+def find_checkpoint(location: str | os.PathLike) -> Path:
+    """The checkpoint file of a run folder (or the file itself)."""
+    path = Path(location)
+    if path.is_dir():
+        for name in (CHECKPOINT, *LEGACY_NAMES):
+            if (path / name).is_file():
+                return path / name
+        raise CheckpointError(f"no checkpoint in {path} (expected {path / CHECKPOINT})")
+    if not path.exists():
+        raise CheckpointError(f"no checkpoint at {path}: no such file or folder")
+    return path
+
+
+def _kind_of(record: dict) -> tuple[str | None, int]:
+    if record.get("format") == "flowattn":
+        return record.get("kind"), int(record.get("version", 0))
+    if record.get("kind") == "flowattn-lm":  # version 1 language-model checkpoints
+        return "lm", 1
+    if {"config", "data", "model", "step"} <= record.keys() and record.get("version") == 1:
+        return "sets", 1  # version 1 set-flow checkpoints
+    return None, 0
+
+
+def read_checkpoint(location: str | os.PathLike, kind: str,
+                    map_location: str | torch.device = "cpu") -> dict:
+    """The checkpoint of a ``kind`` run (``lm`` or ``sets``) at ``location``, a file or folder.
+
+    Returns the record with ``kind`` and ``version`` filled in and ``path`` (the file read).
+
+    Raises:
+        CheckpointError: naming the file, if it is missing, empty, truncated or unreadable, not
+            a flowattn checkpoint, another command's, or of a newer format version.
+    """
+    path = find_checkpoint(location)
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): the run that wrote it was "
+                              "interrupted, or the file was truncated")
+    try:
+        record = torch.load(path, map_location=map_location, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError,
+            ValueError, AttributeError, KeyError, IndexError, UnicodeDecodeError) as err:
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise CheckpointError(f"checkpoint {path} cannot be read (truncated, corrupted or not a "
+                              f"torch file): {reason[:200]}") from None
+    if not isinstance(record, dict):
+        raise CheckpointError(f"{path} is not a flowattn checkpoint (it holds a "
+                              f"{type(record).__name__})")
+    found, version = _kind_of(record)
+    if found is None:
+        raise CheckpointError(f"{path} is not a flowattn checkpoint")
+    if found != kind:
+        raise CheckpointError(f"{path} is a checkpoint of a flowattn {found} run, not of a "
+                              f"{kind} run")
+    if version > VERSION:
+        raise CheckpointError(f"{path} was written in checkpoint format version {version}; this "
+                              f"flowattn reads versions up to {VERSION}: upgrade flowattn")
+    return {**record, "kind": found, "version": version, "path": str(path)}
+
+
+def check_resumable(record: dict) -> None:
+    """Refuse to resume from a checkpoint of an older format (its model still loads)."""
+    if record["version"] < VERSION:
+        raise RunError(f"{record['path']} was written in checkpoint format version "
+                       f"{record['version']}: its model can be evaluated and sampled, but the "
+                       f"run cannot be resumed by this flowattn (format version {VERSION}); "
+                       "start a new run")

@@ -1,0 +1,351 @@
+"""Typed, validated run settings: one pydantic model per command, from flags and config files.
+
+A command's settings are a :class:`RunConfig` of a few sections (``data``, ``model``,
+``train``...), each a :class:`Section` of typed fields with a default, a one-line description
+and their range. Everything is checked when the object is built, in one place: types are strict
+(``"false"`` is not a boolean, ``2.5`` is not a number of blocks), ranges and combinations are
+validators, and every failure becomes a :class:`~flowattn.errors.ConfigError` that names the key
+and the value. pydantic does the checking; this module adds what the command line needs:
+
+* leaf names are unique across a config's sections, so a flag (``--steps``) or a flat key of a
+  config file (``"steps": 500``) names one setting; nested files (``train: {steps: 500}``) work
+  too, in JSON or YAML;
+* :func:`add_arguments` turns the fields into argparse options with their help and default,
+  and :func:`from_sources` merges defaults, a file and the flags a user actually gave.
+
+No torch import here: the command line builds its parsers from these classes, and ``--help``
+answers without loading torch.
+
+Examples:
+    >>> class Train(Section):
+    ...     steps: int = Field(100, ge=1, description="optimiser steps")
+    >>> class Run(RunConfig):
+    ...     train: Train = Train()
+    >>> Run.build({"steps": 5}).train.steps
+    5
+    >>> try:
+    ...     Run.build({"train": {"steps": "five"}})
+    ... except ConfigError as err:
+    ...     print(err)
+    train.steps: Input should be a valid integer (got 'five')
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar, Literal, Union, get_args, get_origin
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..errors import ConfigError
+
+__all__ = [
+    "Section",
+    "RunConfig",
+    "Field",
+    "read_config_file",
+    "add_arguments",
+    "from_sources",
+    "DEVICE_PATTERN",
+]
+
+# cpu, cuda, cuda:N, or auto (cuda when available); resolved by training.device at run time.
+DEVICE_PATTERN = r"^(auto|cpu|cuda(:[0-9]+)?)$"
+
+
+class Section(BaseModel):
+    """A group of typed settings: strict types, no unknown keys, no NaN or infinity."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False,
+                              validate_default=True)
+
+    def to_dict(self) -> dict:
+        """The settings as plain JSON-serialisable values."""
+        return self.model_dump(mode="json")
+
+    @classmethod
+    def parse(cls, values: Mapping[str, Any], source: str = ""):
+        """Validate ``values``; a failure is a ConfigError naming the key and the value."""
+        try:
+            return cls.model_validate(values)
+        except ValidationError as err:
+            raise ConfigError(_describe(err, f"{source}: " if source else "")) from None
+
+
+def _describe(error: ValidationError, prefix: str = "") -> str:
+    """One line for a pydantic error: the key (dotted), the reason and the offending value."""
+    first = error.errors()[0]
+    key = ".".join(str(part) for part in first["loc"]) or "settings"
+    message = first["msg"]
+    if first["type"] == "extra_forbidden":
+        message = "unknown setting"
+    elif first["type"] in ("value_error", "assertion_error"):
+        message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    line = f"{prefix}{key}: {message}"
+    shown = "input" in first and not isinstance(first["input"], dict)
+    if shown and first["type"] not in ("missing", "model_type"):
+        line += f" (got {first['input']!r})"
+    more = error.error_count() - 1
+    return line + (f"; and {more} more problem(s)" if more else "")
+
+
+class RunConfig(Section):
+    """The settings of one command, in sections. Leaf names are unique across sections.
+
+    ``RESUMABLE`` names the leaves that may differ when a run is resumed (how long it trains,
+    where and how often it reports); every other setting is the run's and must not change.
+    """
+
+    RESUMABLE: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def sections(cls) -> dict[str, type[Section]]:
+        return {name: info.annotation for name, info in cls.model_fields.items()}
+
+    @classmethod
+    def leaves(cls) -> dict[str, tuple[str, Any]]:
+        """``leaf name -> (section name, field info)`` over every section."""
+        out: dict[str, tuple[str, Any]] = {}
+        for section, kind in cls.sections().items():
+            for name, info in kind.model_fields.items():
+                if name in out:
+                    raise TypeError(f"setting {name!r} appears in two sections of {cls.__name__}")
+                out[name] = (section, info)
+        return out
+
+    @classmethod
+    def nest(cls, values: Mapping[str, Any], source: str = "settings") -> dict:
+        """Sort flat keys (``steps``) into their sections; nested ones pass through."""
+        sections, leaves = cls.sections(), cls.leaves()
+        nested: dict[str, dict] = {}
+        for key, value in values.items():
+            if key in sections and (isinstance(value, Mapping) or key not in leaves):
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{source}: {key} must be a mapping of settings, got "
+                                      f"{value!r}")
+                for name, inner in value.items():
+                    nested.setdefault(key, {})[name] = inner
+            elif key in leaves:
+                nested.setdefault(leaves[key][0], {})[key] = value
+            else:
+                raise ConfigError(f"{source}: unknown setting {key!r} (see --print-config for "
+                                  "every key)")
+        return nested
+
+    @classmethod
+    def build(cls, values: Mapping[str, Any] | None = None, source: str = ""):
+        """Validate ``values`` (flat or nested) into a config; errors name the key and value."""
+        return cls.parse(cls.nest(values or {}, source or "settings"), source)
+
+    def flat(self) -> dict:
+        """``leaf name -> value`` over every section."""
+        return {k: v for section in self.to_dict().values() for k, v in section.items()}
+
+    def updated(self, changes: Mapping[str, Any], source: str = ""):
+        """A copy with ``changes`` (flat or nested) applied and validated."""
+        merged = self.to_dict()
+        for section, values in self.nest(changes, source or "settings").items():
+            merged[section].update(values)
+        return type(self).build(merged, source)
+
+    def changed(self, other: RunConfig) -> dict[str, tuple[Any, Any]]:
+        """``leaf -> (mine, theirs)`` for every setting that differs."""
+        mine, theirs = self.flat(), other.flat()
+        return {k: (mine[k], theirs.get(k)) for k in mine if mine[k] != theirs.get(k)}
+
+
+def read_config_file(path: str | Path) -> dict:
+    """A config file's settings: a JSON or YAML mapping (by suffix: .json, .yaml, .yml)."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ConfigError(f"cannot read config {path}: {err.strerror or err}") from None
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            values = yaml.safe_load(text)
+        else:
+            values = json.loads(text)
+    except Exception as err:  # a syntax error of either parser: one line naming the file
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(f"config {path} is not valid "
+                          f"{'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: "
+                          f"{reason}") from None
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"config {path} must hold a mapping of settings, got "
+                          f"{type(values).__name__}")
+    return values
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def _options(annotation) -> tuple[Any, bool]:
+    """``(inner type, optional)`` of ``X`` or ``X | None``."""
+    if get_origin(annotation) in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        return (args[0] if len(args) == 1 else annotation), True
+    return annotation, False
+
+
+def _parse(kind, optional: bool, flag: str):
+    def convert(text: str):
+        if optional and text.lower() in ("none", "auto", "off"):
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            name = {int: "an integer", float: "a number"}.get(kind, kind.__name__)
+            raise argparse.ArgumentTypeError(
+                f"{flag} expects {name}{' or none' if optional else ''}, got {text!r}"
+            ) from None
+
+    return convert
+
+
+def _flag(name: str, info) -> str:
+    extra = info.json_schema_extra or {}
+    return extra.get("flag", "--" + name.replace("_", "-"))
+
+
+def _show(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
+                  skip: tuple[str, ...] = ()) -> None:
+    """One option per setting of ``config``, grouped by section, with its help and default.
+
+    Options default to "not given" (``argparse.SUPPRESS``), so that :func:`from_sources` can
+    tell a flag the user typed from a default (it matters when a run is resumed).
+    """
+    for section, kind in config.sections().items():
+        group = parser.add_argument_group(f"{section} settings")
+        for name, info in kind.model_fields.items():
+            if name in skip:
+                continue
+            flag = _flag(name, info)
+            default = info.get_default(call_default_factory=True)
+            help_text = f"{info.description or ''} (default: {_show(default)})".strip()
+            help_text = help_text.replace("%", "%%")
+            inner, optional = _options(info.annotation)
+            common = dict(dest=name, default=argparse.SUPPRESS, help=help_text)
+            if inner is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+            elif get_origin(inner) is Literal:
+                choices = list(get_args(inner)) + (["none"] if optional else [])
+                group.add_argument(flag, choices=choices, type=_literal(optional), **common)
+            elif inner in (int, float, str):
+                metavar = {int: "N", float: "X", str: "TEXT"}[inner]
+                group.add_argument(flag, type=_parse(inner, optional, flag), metavar=metavar,
+                                   **common)
+            else:  # pragma: no cover - a field type the command line cannot express
+                raise TypeError(f"setting {name} has a type the command line cannot parse")
+
+
+def _literal(optional: bool):
+    def convert(text: str):
+        return None if optional and text == "none" else text
+
+    return convert
+
+
+def given_flags(args: argparse.Namespace, config: type[RunConfig]) -> dict:
+    """The settings the user typed on the command line (flat)."""
+    return {name: getattr(args, name) for name in config.leaves() if hasattr(args, name)}
+
+
+def from_sources(config: type[RunConfig], file: str | Path | None = None,
+                 flags: Mapping[str, Any] | None = None):
+    """Defaults, then a config file, then flags: one validated config."""
+    values = config.nest(read_config_file(file), str(file)) if file else {}
+    built = config.build(values, str(file) if file else "")
+    return built.updated(dict(flags or {}), "command line") if flags else built
+
+
+def print_config(config: RunConfig, form: str = "yaml") -> str:
+    """The full config as YAML (nested by section) or JSON: every key, with its value."""
+    values = config.to_dict()
+    if form == "json":
+        return json.dumps(values, indent=2)
+    import yaml
+
+    return yaml.safe_dump(values, sort_keys=False)
+
+
+def field_help(config: type[RunConfig]) -> typing.Iterator[tuple[str, str, str]]:
+    """``(section.key, default, description)`` for every setting (documentation tables)."""
+    for name, (section, info) in config.leaves().items():
+        yield f"{section}.{name}", _show(info.get_default(call_default_factory=True)), \
+            info.description or ""
+
+
+# ----------------------------------------------------------------------------- training section
+
+SCHEDULES = ("constant", "cosine", "noam")
+
+
+class TrainSettings(Section):
+    """How a model is optimised and how the run reports: shared by every training command.
+
+    Each command starts from its own defaults (:meth:`with_defaults`); the fields, their ranges
+    and their meaning are the same everywhere.
+    """
+
+    steps: int = Field(1000, ge=1, description="optimiser steps in total")
+    batch_size: int = Field(32, ge=1, description="examples per step (over all processes)")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate")
+    schedule: Literal["constant", "cosine", "noam"] = Field(
+        "cosine", description="learning-rate schedule after the warm-up")
+    warmup: int = Field(0, ge=0, description="linear warm-up steps")
+    min_lr: float = Field(1e-4, ge=0, description="final learning rate of cosine decay; floor "
+                          "of noam")
+    beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1")
+    beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2")
+    weight_decay: float = Field(0.0, ge=0, description="decoupled weight decay of matrices "
+                                "(AdamW)")
+    grad_clip: float | None = Field(1.0, gt=0, description="clip the gradient norm at this "
+                                    "value; none: no clipping")
+    divergence_factor: float | None = Field(
+        None, gt=1, description="stop when the smoothed training loss exceeds this multiple of "
+        "its best (for non-negative losses); none: stop only on non-finite values")
+    eval_every: int = Field(250, ge=1, description="steps between validations")
+    checkpoint_every: int = Field(250, ge=1, description="steps between checkpoints")
+    log_every: int = Field(10, ge=1, description="steps between training-metric records")
+    seed: int = Field(0, ge=0, description="seed of every random number generator")
+    device: str = Field("cpu", pattern=DEVICE_PATTERN, description="cpu, cuda, cuda:N or "
+                        "auto (cuda when available)")
+    threads: int | None = Field(None, ge=1, description="intra-op CPU threads; none: torch's "
+                                "default (1 avoids OpenMP waits on a busy machine)")
+
+    def model_post_init(self, __context) -> None:
+        if self.min_lr > self.lr:
+            raise ValueError(f"min_lr ({self.min_lr}) must not exceed lr ({self.lr})")
+        if self.schedule == "noam" and self.warmup < 1:
+            raise ValueError("the noam schedule needs warmup >= 1")
+
+    @classmethod
+    def with_defaults(cls, name: str, **defaults: Any) -> type[TrainSettings]:
+        """A subclass whose fields keep their type, range and help but start at ``defaults``."""
+        from pydantic import create_model
+
+        fields = {}
+        for key, value in defaults.items():
+            info = cls.model_fields[key]
+            copy = info.__class__.merge_field_infos(info)
+            copy.default = value
+            fields[key] = (info.annotation, copy)
+        return create_model(name, __base__=cls, **fields)

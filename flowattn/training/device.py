@@ -1,0 +1,48 @@
+"""Which device a run uses: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``, checked before any work."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from ..errors import ConfigError
+
+__all__ = ["resolve_device"]
+
+
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The torch device ``name`` asks for; ``cuda`` without an index is the process's GPU.
+
+    Arguments:
+        name: ``cpu``, ``cuda``, ``cuda:N`` or ``auto`` (CUDA when available, else CPU).
+        local_rank: the process's index on its machine (``torchrun``'s LOCAL_RANK).
+
+    Raises:
+        ConfigError: for any other name, or CUDA asked for where there is none, or a GPU index
+            the machine does not have.
+
+    Examples:
+        >>> resolve_device("cpu")
+        device(type='cpu')
+        >>> try:
+        ...     resolve_device("gpu")
+        ... except ConfigError as err:
+        ...     print(err)
+        device 'gpu' is not one of cpu, cuda, cuda:N, auto
+    """
+    match = re.fullmatch(r"auto|cpu|cuda(?::(\d+))?", name if isinstance(name, str) else "")
+    if match is None:
+        raise ConfigError(f"device {name!r} is not one of cpu, cuda, cuda:N, auto")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ConfigError(f"device {name!r} was asked for, but CUDA is not available on this "
+                          "machine (use --device cpu)")
+    index = local_rank if match.group(1) is None else int(match.group(1))
+    if index >= torch.cuda.device_count():
+        raise ConfigError(f"device cuda:{index} was asked for, but this machine has "
+                          f"{torch.cuda.device_count()} GPU(s)")
+    return torch.device("cuda", index)

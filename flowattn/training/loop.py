@@ -1,0 +1,248 @@
+"""The training loop every command shares, read top to bottom.
+
+A command supplies a :class:`Task` — its model, its batches, its loss, its validation and its
+final report — and :func:`train` does the rest the same way for all: random state, the
+optimiser (AdamW; matrices decay, vectors do not), the learning-rate schedule, gradient
+clipping, DistributedDataParallel under ``torchrun``, divergence detection, atomic checkpoints,
+metrics, TensorBoard, the progress bar, exact resume and the summary.
+
+Divergence has one behaviour: a non-finite loss, activation (:class:`~flowattn.errors.
+NonFiniteError`), gradient or validation loss — or a smoothed training loss above
+``divergence_factor`` times its best, when that is set — stops training; the event is recorded
+in metrics.jsonl and diverged.json, the checkpoint keeps the last good state, the summary says
+``diverged`` and the command exits with status :data:`EXIT_DIVERGED`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..errors import NonFiniteError
+from .checkpoint import CHECKPOINT, atomic_write_text, save_checkpoint
+from .distributed import Distributed
+from .metrics import MetricsLog
+from .run import DIVERGED_FILE, SUMMARY_FILE, RunPlan
+from .schedule import learning_rate
+
+__all__ = ["Task", "train", "EXIT_DIVERGED", "parameter_groups"]
+
+EXIT_DIVERGED = 3  # the exit status of a command whose training diverged
+
+
+class Task(Protocol):
+    """What a command brings to the loop.
+
+    Attributes:
+        model: the module whose parameters are trained and saved (built on every process from
+            the same seed, before any state is loaded). A task may also have a
+            ``forward_module`` (sharing the parameters) that :meth:`loss` calls and that
+            DistributedDataParallel wraps, when ``model``'s own forward is not the loss's.
+        items: what a batch is counted in, for throughput (``"tokens"``, ``"sets"``).
+    """
+
+    model: nn.Module
+    items: str
+
+    def initialise(self) -> None:
+        """Data-dependent initialisation of a fresh model (e.g. ActNorm); may do nothing."""
+
+    def batch(self, generator: torch.Generator, dist: Distributed) -> Any:
+        """This process's share of the next batch, on its device."""
+
+    def loss(self, module: nn.Module, batch: Any) -> tuple[Tensor, Tensor, int]:
+        """``(objective, reported loss, items)``: the scalar to minimise through ``module``
+        (the model, or its DDP wrapper), the loss to report (both may be the same tensor) and
+        how many items the batch held."""
+
+    def evaluate(self, dist: Distributed) -> dict[str, float]:
+        """Validation metrics with at least ``loss`` (run on every process)."""
+
+    def finish(self, out: Path) -> dict[str, Any]:
+        """The final report of a finished run (test metrics, plots); first process only."""
+
+    def state(self) -> dict[str, Any]:
+        """What the checkpoint needs besides the model to rebuild it (vocabulary, data)."""
+
+
+def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Matrices and embeddings decay; biases, gains and scalars do not (nanoGPT's rule)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
+
+def _rng_state(generator: torch.Generator, device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "batches": generator.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, generator: torch.Generator, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    generator.set_state(state["batches"].cpu())
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True,
+          tensorboard: bool = True, log=tqdm.write) -> dict:
+    """Train ``task`` as ``plan`` says; return the summary (also written to summary.json).
+
+    The run continues bit-exactly from ``plan.checkpoint`` when there is one: model,
+    optimiser, step, every random state and the loop's running statistics are restored.
+    """
+    cfg = plan.config.train
+    out, main = plan.out, dist.is_main
+
+    # ------------------------------------------------------------------ optimiser and state
+    model = task.model
+    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2),
+                                  fused=dist.device.type == "cuda")
+    generator = torch.Generator().manual_seed(cfg.seed)  # the same batches on every process
+    loop = {"smoothed": None, "best_smoothed": math.inf, "val_loss": math.nan,
+            "best_val_loss": math.inf, "train_loss": math.nan, "seconds": 0.0, "items": 0}
+    step = plan.start_step
+    if plan.checkpoint is not None:
+        record = plan.checkpoint
+        model.load_state_dict(record["model"])
+        optimizer.load_state_dict(record["optimizer"])
+        loop.update(record["loop"])
+        states = record["rng"]
+        if len(states) == dist.world:
+            _set_rng_state(states[dist.rank], generator, dist.device)
+        elif main:
+            log(f"resuming on {dist.world} process(es) from {len(states)}: random streams "
+                "restart, so the run will not repeat an uninterrupted one exactly")
+    else:
+        task.initialise()
+        torch.manual_seed(cfg.seed + dist.rank)  # dropout and probes differ per process
+    if main:
+        plan.prepare()
+        for note in plan.notes:
+            log(note)
+    dist.barrier()
+    module = dist.wrap(getattr(task, "forward_module", model))
+    metrics = MetricsLog(out, step, enabled=main, tensorboard=tensorboard)
+
+    def save() -> None:
+        states = dist.gather(_rng_state(generator, dist.device))
+        if main:
+            save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
+                             "data_fingerprint": plan.data, "step": step,
+                             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                             "rng": states, "loop": dict(loop), "task": task.state(),
+                             "world_size": dist.world}, out / CHECKPOINT)
+
+    # ------------------------------------------------------------------ the loop
+    bar = tqdm(total=cfg.steps, initial=step, disable=not (main and progress),
+               dynamic_ncols=True, desc=f"{plan.kind} train")
+    divergence = None
+    window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
+    model.train()
+    while step < cfg.steps:
+        t0 = time.perf_counter()
+        lr = learning_rate(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.schedule,
+                           warmup=cfg.warmup, min_lr=cfg.min_lr)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        batch = task.batch(generator, dist)
+        try:
+            objective, reported, items = task.loss(module, batch)
+            failed = False
+        except NonFiniteError:  # the modules refuse NaN/Inf activations
+            failed = True
+        if dist.any(failed):
+            divergence = {"step": step + 1, "loss": math.nan, "grad_norm": math.nan,
+                          "reason": "non-finite activations"}
+            break
+        optimizer.zero_grad(set_to_none=True)
+        objective.backward()
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+        stats = dist.mean(torch.stack([reported.detach().double(), grad_norm.detach().double()]))
+        loss, gnorm = (float(v) for v in stats)  # one host sync per step
+        if not math.isfinite(loss) or not math.isfinite(gnorm):
+            divergence = {"step": step + 1, "loss": loss, "grad_norm": gnorm,
+                          "reason": "non-finite loss" if not math.isfinite(loss)
+                          else "non-finite gradient"}
+            break
+        optimizer.step()
+        step += 1
+        seconds = time.perf_counter() - t0
+        items *= dist.world
+        loop["seconds"] += seconds
+        loop["items"] += items
+        for key, value in (("loss", loss), ("steps", 1), ("seconds", seconds), ("items", items)):
+            window[key] += value
+        smoothed = loss if loop["smoothed"] is None else 0.9 * loop["smoothed"] + 0.1 * loss
+        loop["smoothed"], loop["best_smoothed"] = smoothed, min(loop["best_smoothed"], smoothed)
+        if cfg.divergence_factor is not None and \
+                smoothed > cfg.divergence_factor * loop["best_smoothed"]:
+            divergence = {"step": step, "loss": loss, "grad_norm": gnorm,
+                          "reason": f"smoothed loss {smoothed:.3f} exceeds "
+                          f"{cfg.divergence_factor:g} x its best {loop['best_smoothed']:.3f}"}
+            break
+        bar.update(1)
+        if step % cfg.log_every == 0 or step == cfg.steps:
+            loop["train_loss"] = window["loss"] / window["steps"]
+            bar.set_postfix(loss=f"{loop['train_loss']:.4f}", lr=f"{lr:.2e}")
+            metrics.log(step, "train", loss=loop["train_loss"], lr=lr, grad_norm=gnorm,
+                        **{f"{task.items}_per_s": window["items"] / max(window["seconds"], 1e-9)},
+                        **getattr(task, "train_stats", dict)())
+            window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            result = task.evaluate(dist)
+            loop["val_loss"] = result["loss"]
+            loop["best_val_loss"] = min(loop["best_val_loss"], result["loss"])
+            metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
+            if main:
+                (bar.write if progress else log)(
+                    f"step {step}: validation loss {result['loss']:.4f}"
+                    + "".join(f", {k} {v:.4f}" for k, v in result.items()
+                              if k != "loss" and isinstance(v, float)))
+            if not math.isfinite(result["loss"]):
+                divergence = {"step": step, "loss": result["loss"], "grad_norm": gnorm,
+                              "reason": "non-finite validation loss"}
+                break
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save()
+    bar.close()
+
+    # ------------------------------------------------------------------ summary
+    summary = {"kind": plan.kind, "out": str(out), "step": step, "steps": cfg.steps,
+               "train_loss": loop["train_loss"], "val_loss": loop["val_loss"],
+               "best_val_loss": loop["best_val_loss"], "train_seconds": loop["seconds"],
+               f"{task.items}_per_s": loop["items"] / loop["seconds"] if loop["seconds"] else
+               math.nan, "params": sum(p.numel() for p in model.parameters()),
+               "world_size": dist.world, "diverged": divergence is not None,
+               "divergence": divergence}
+    if divergence is not None:
+        message = (f"training diverged at step {divergence['step']}: {divergence['reason']}; "
+                   "the checkpoint keeps the last good state")
+        summary["message"] = message
+        metrics.log(divergence["step"], "event", event="diverged", **divergence)
+        if main:
+            log(message)
+            atomic_write_text(json.dumps({**divergence, "message": message}, indent=2) + "\n",
+                              out / DIVERGED_FILE)
+    elif main:
+        report = task.finish(out)
+        summary.update(report)
+        if "test" in report:
+            metrics.log(step, "test", **report["test"])
+    metrics.close()
+    if main:
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                 for k, v in summary.items()}
+        atomic_write_text(json.dumps(clean, indent=2) + "\n", out / SUMMARY_FILE)
+    dist.leave()
+    return summary

@@ -1,0 +1,250 @@
+"""Run folders: start, refuse, restart or resume — the same rules for every command.
+
+A run folder holds ``run.json`` (which command's run it is and which data it read),
+``config.json`` (every setting), ``checkpoint.pt``, ``metrics.jsonl``, ``tensorboard/`` and,
+when it is done, ``summary.json``. :func:`plan_run` decides what a request means *before*
+anything is written:
+
+=====================================================  =======================================
+request                                                outcome
+=====================================================  =======================================
+fresh run, empty or new folder                         start at step 0
+fresh run, folder holds a checkpoint                   refused: pass ``--resume`` or another
+                                                       ``--out``
+fresh run or ``--resume``, folder holds a run that     restart clean at step 0 (its old
+stopped before its first checkpoint                    metrics are removed)
+``--resume``, no run in the folder                     refused: nothing to resume
+``--resume`` alone                                     continue with the stored settings
+``--resume`` with settings                             only ``RESUMABLE`` ones may differ
+                                                       (more steps, device, threads,
+                                                       cadence); others are refused by name
+``--resume`` of a finished run                         nothing to do (more ``--steps`` trains
+                                                       on)
+data file changed since the run began                  refused (its SHA-256 is recorded)
+another command's run folder                           refused
+=====================================================  =======================================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError, DataError, RunError
+from .checkpoint import (
+    CHECKPOINT,
+    LEGACY_NAMES,
+    atomic_write_text,
+    check_resumable,
+    read_checkpoint,
+)
+from .config import RunConfig, from_sources, read_config_file
+
+__all__ = ["RunPlan", "plan_run", "data_fingerprint", "prepare_out_dir", "RUN_FILE",
+           "CONFIG_FILE", "SUMMARY_FILE", "DIVERGED_FILE"]
+
+RUN_FILE = "run.json"
+CONFIG_FILE = "config.json"
+SUMMARY_FILE = "summary.json"
+DIVERGED_FILE = "diverged.json"
+_OUTPUTS = ("metrics.jsonl", SUMMARY_FILE, DIVERGED_FILE)
+
+
+@dataclass
+class RunPlan:
+    """What a training request will do, decided before anything is written.
+
+    Attributes:
+        out: the run folder.
+        kind: the command (``lm``, ``sets``).
+        config: the settings the run trains with.
+        data: the data fingerprint (``source``, ``sha256``) recorded in run.json.
+        checkpoint: the record to resume from, or None for a run from step 0.
+        finished: the run already reached its last step; nothing to do.
+        restart: the folder held a run that never reached a checkpoint; it starts over.
+    """
+
+    out: Path
+    kind: str
+    config: RunConfig
+    data: dict
+    checkpoint: dict | None = None
+    finished: bool = False
+    restart: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def start_step(self) -> int:
+        return 0 if self.checkpoint is None else int(self.checkpoint["step"])
+
+    def prepare(self) -> None:
+        """Create the folder, check it is writable, clear a stale start, write run.json and
+        config.json (call on the first process only)."""
+        prepare_out_dir(self.out)
+        if self.checkpoint is None:  # from step 0: nothing of an earlier attempt survives
+            for name in _OUTPUTS:
+                (self.out / name).unlink(missing_ok=True)
+            shutil.rmtree(self.out / "tensorboard", ignore_errors=True)
+        manifest = {"format": "flowattn-run", "kind": self.kind, "data": self.data,
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        atomic_write_text(json.dumps(manifest, indent=2) + "\n", self.out / RUN_FILE)
+        atomic_write_text(json.dumps(self.config.to_dict(), indent=2) + "\n",
+                          self.out / CONFIG_FILE)
+
+
+def prepare_out_dir(out: str | os.PathLike) -> Path:
+    """Create the folder ``out`` if needed and check that files can be written in it."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
+            pass
+    except OSError as err:
+        raise RunError(f"cannot write to output folder {path}: {err.strerror or err}") from None
+    return path
+
+
+def _manifest(out: Path) -> dict | None:
+    path = out / RUN_FILE
+    if not path.exists():
+        return None
+    try:
+        manifest = json.loads(path.read_text())
+        if not isinstance(manifest, dict) or manifest.get("format") != "flowattn-run":
+            raise ValueError
+    except (ValueError, OSError):
+        raise RunError(f"{path} is not a flowattn run file: choose another --out") from None
+    return manifest
+
+
+def _has_checkpoint(out: Path, kind: str) -> Path | None:
+    for name in (CHECKPOINT, *LEGACY_NAMES):
+        if (out / name).is_file():
+            return out / name
+    return None
+
+
+def _check_changes(stored: RunConfig, requested: RunConfig, step: int) -> None:
+    changed = stored.changed(requested)
+    refused = {k: v for k, v in changed.items() if k not in type(stored).RESUMABLE}
+    if refused:
+        listed = "; ".join(f"{k} ({a!r} in the run, {b!r} now)" for k, (a, b) in refused.items())
+        allowed = ", ".join(sorted(type(stored).RESUMABLE))
+        raise ConfigError(f"cannot change the run's settings when resuming: {listed}. Settings "
+                          f"that may change: {allowed}")
+    if requested.train.steps < step:
+        raise ConfigError(f"steps={requested.train.steps} is below the step the run has reached "
+                          f"({step})")
+
+
+def _check_data(stored: Mapping | None, now: dict, where: Path) -> None:
+    if not stored or stored.get("sha256") is None or now.get("sha256") is None:
+        return
+    if stored["sha256"] != now["sha256"]:
+        raise DataError(f"the data {now.get('source')} changed since the run in {where} began "
+                        f"(SHA-256 {stored['sha256'][:12]}... then, {now['sha256'][:12]}... "
+                        "now): resume with the original data, or start a new run")
+
+
+def plan_run(
+    out: str | os.PathLike,
+    kind: str,
+    config_class: type[RunConfig],
+    *,
+    resume: bool,
+    file: str | os.PathLike | None = None,
+    flags: Mapping[str, Any] | None = None,
+    fingerprint=None,
+) -> RunPlan:
+    """Decide what ``flowattn KIND train --out OUT [--resume] [--config FILE] [flags]`` does.
+
+    Arguments:
+        out: the run folder.
+        kind: the command's name, recorded in run.json and the checkpoint.
+        config_class: the command's :class:`~flowattn.training.config.RunConfig`.
+        resume: whether ``--resume`` was given.
+        file: a config file given with ``--config``.
+        flags: the settings typed on the command line (only those).
+        fingerprint: ``fingerprint(config) -> {"source": ..., "sha256": ...}`` of the data.
+
+    Raises:
+        RunError, CheckpointError, ConfigError, DataError: as in the module's table.
+    """
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise RunError(f"--out {out} is a file, not a folder")
+    manifest = _manifest(out) if out.is_dir() else None
+    if manifest is not None and manifest.get("kind") != kind:
+        raise RunError(f"{out} holds a flowattn {manifest.get('kind')} run, not a {kind} run: "
+                       "choose another --out")
+    checkpoint_file = _has_checkpoint(out, kind) if out.is_dir() else None
+    if manifest is None and checkpoint_file is None and out.is_dir() and \
+            any((out / name).exists() for name in (*_OUTPUTS, CONFIG_FILE)):
+        raise RunError(f"{out} holds files of another program or run (no {RUN_FILE}): choose "
+                       "another --out")
+    overrides: dict = {}
+    if file is not None:
+        overrides.update(config_class.nest(read_config_file(file), str(file)))
+    for key, value in (flags or {}).items():
+        overrides.setdefault(config_class.leaves()[key][0], {})[key] = value
+    notes: list[str] = []
+
+    record = None
+    if checkpoint_file is not None:
+        record = read_checkpoint(checkpoint_file, kind)  # also refuses another command's
+        if not resume:
+            raise RunError(f"{out} already holds a run (checkpoint at step {record['step']}): "
+                           "pass --resume to continue it, or choose another --out")
+        check_resumable(record)
+        stored = config_class.build(record["config"], f"{checkpoint_file}")
+        config = stored.updated(overrides, "resume") if overrides else stored
+        _check_changes(stored, config, int(record["step"]))
+        data = fingerprint(config) if fingerprint else {}
+        _check_data(record.get("data_fingerprint") or (manifest or {}).get("data"), data, out)
+        finished = int(record["step"]) >= config.train.steps and \
+            (out / SUMMARY_FILE).exists()
+        return RunPlan(out, kind, config, data, record, finished, notes=notes)
+
+    restart = manifest is not None
+    if resume and not restart:
+        raise RunError(f"no run to resume in {out} (no {CHECKPOINT}): start it without --resume")
+    if resume:  # interrupted before its first checkpoint: its stored settings, from step 0
+        stored = config_class.build(read_config_file(out / CONFIG_FILE), str(out / CONFIG_FILE))
+        config = stored.updated(overrides, "resume") if overrides else stored
+        _check_changes(stored, config, 0)
+        notes.append(f"{out} holds no checkpoint yet: the run starts again from step 0")
+    else:
+        config = from_sources(config_class, file, flags)
+        if restart:
+            notes.append(f"{out} held a run stopped before its first checkpoint: starting over")
+    data = fingerprint(config) if fingerprint else {}
+    return RunPlan(out, kind, config, data, None, False, restart, notes)
+
+
+def data_fingerprint(*paths: str | os.PathLike | None) -> dict:
+    """``{"source": ..., "sha256": ...}`` of the data files a run reads (built-in data: no
+    digest; its settings are part of the config). A missing file is a DataError."""
+    import hashlib
+
+    files = [Path(p) for p in paths if p is not None and not str(p).startswith("builtin:")]
+    if not files:
+        return {"source": [str(p) for p in paths if p is not None] or None, "sha256": None}
+    digest = hashlib.sha256()
+    for path in files:
+        try:
+            with path.open("rb") as handle:
+                for chunk in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(chunk)
+        except FileNotFoundError:
+            raise DataError(f"{path}: no such file") from None
+        except OSError as err:
+            raise DataError(f"cannot read {path}: {err.strerror or err}") from None
+        digest.update(b"\x00")
+    return {"source": [str(p.resolve()) for p in files], "sha256": digest.hexdigest()}
