@@ -34,14 +34,14 @@ import shutil
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 
+from flowattn.lm.config import LMConfig, LMRunConfig
 from flowattn.lm.data import get_batch, load_corpus
 from flowattn.lm.model import build_model
-from flowattn.lm.train import TrainConfig, model_config, train
+from flowattn.lm.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -53,7 +53,7 @@ THROUGHPUT_TARGET = 0.85  # tied-L2 tokens/s relative to dot product
 NANOGPT = dict(
     layers=4, heads=4, dim=128, block_size=64, batch_size=12, steps=2000, lr=1e-3,
     schedule="cosine", warmup=100, min_lr=1e-4, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
-    dropout=0.0, bias=False, eval_interval=250,
+    dropout=0.0, bias=False, eval_every=250, checkpoint_every=250,
 )
 VARIANTS = {
     "dp": dict(attention="dp"),
@@ -78,22 +78,23 @@ def machine() -> dict:
     }
 
 
-def run_one(name: str, cfg: TrainConfig, reuse: bool) -> dict:
-    """Train one configuration into its own folder (or reuse a finished run's summary)."""
-    out = Path(cfg.out)
-    summary_file = out / "summary.json"
+def run_one(name: str, cfg: dict, out: Path, reuse: bool) -> dict:
+    """Train one configuration (flat settings) into its own folder, or reuse a finished run's
+    summary."""
+    config = LMRunConfig.build(cfg)
+    summary_file = out / "benchmark.json"
     if reuse and summary_file.exists():
         saved = json.loads(summary_file.read_text())
-        if saved.get("config") == asdict(cfg):
+        if saved.get("config") == config.to_dict():
             print(f"[{name}] reusing {summary_file}", file=sys.stderr)
             return saved
     shutil.rmtree(out, ignore_errors=True)
     print(f"[{name}] training ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
     with contextlib.redirect_stdout(sys.stderr):  # keep stdout for the tables
-        summary = train(cfg)
+        summary = train(config, out, progress=False, tensorboard=False)
     summary["wall_s"] = time.perf_counter() - start
-    summary["config"] = asdict(cfg)
+    summary["config"] = config.to_dict()
     summary["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary_file.write_text(json.dumps(summary, indent=2, default=str) + "\n")
     val = summary["val_loss"]
@@ -103,18 +104,19 @@ def run_one(name: str, cfg: TrainConfig, reuse: bool) -> dict:
     return summary
 
 
-def interleaved_throughput(base: TrainConfig, names: list[str], rounds: int, steps: int) -> dict:
+def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int) -> dict:
     """Median training tokens/s of each variant over ``rounds`` interleaved rounds of ``steps``
     optimiser steps (forward, backward, clipping and AdamW update) on Tiny Shakespeare batches."""
-    corpus = load_corpus(base.data)
+    corpus = load_corpus(base["data"])
     models, optimisers = {}, {}
     for name in names:
         torch.manual_seed(0)
-        cfg = replace(base, **VARIANTS[name])
-        models[name] = build_model(model_config(cfg, corpus.vocab.size)).train()
+        network = LMRunConfig.build({**base, **VARIANTS[name]}).network
+        models[name] = build_model(LMConfig(vocab_size=corpus.vocab.size,
+                                            **network.to_dict())).train()
         optimisers[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(0)
-    batches = [get_batch(corpus.train, base.block_size, base.batch_size, generator)
+    batches = [get_batch(corpus.train, base["block_size"], base["batch_size"], generator)
                for _ in range(steps)]
 
     def step(name: str) -> float:
@@ -134,7 +136,7 @@ def interleaved_throughput(base: TrainConfig, names: list[str], rounds: int, ste
     for _ in range(rounds):
         for name in names:
             times[name].append(step(name))
-    tokens = steps * base.batch_size * base.block_size
+    tokens = steps * base["batch_size"] * base["block_size"]
     return {name: tokens / statistics.median(t) for name, t in times.items()}
 
 
@@ -153,23 +155,22 @@ def fmt(x, digits=4) -> str:
 # ----------------------------------------------------------------------------- studies
 
 
-def peer(args, base: TrainConfig) -> dict:
-    cfg = replace(base, attention="dp", out=str(args.out / "peer-dp"))
-    s = run_one("peer dp", cfg, args.reuse)
+def peer(args, base: dict) -> dict:
+    s = run_one("peer dp", {**base, "attention": "dp"}, args.out / "peer-dp", args.reuse)
     result = {"study": "peer", "machine": machine(), "summary": s,
               "nanogpt_val_loss": NANOGPT_VAL_LOSS, "target": PEER_TARGET,
               "met": s["val_loss"] <= PEER_TARGET}
     print(table([["nanoGPT (reference)", NANOGPT_VAL_LOSS, "", ""],
-                 ["flowattn dp", fmt(s["val_loss"]), f"{s['train_time_s']:.0f}",
+                 ["flowattn dp", fmt(s["val_loss"]), f"{s['train_seconds']:.0f}",
                   f"{s['tokens_per_s']:.0f}"]],
                 ["model", "val loss (nats/char)", "train time (s)", "tokens/s"]))
     return result
 
 
-def attention(args, base: TrainConfig) -> dict:
+def attention(args, base: dict) -> dict:
     names = args.variants
-    runs = {n: run_one(n, replace(base, out=str(args.out / f"attn-{n}"), **VARIANTS[n]),
-                       args.reuse) for n in names}
+    runs = {n: run_one(n, {**base, **VARIANTS[n]}, args.out / f"attn-{n}", args.reuse)
+            for n in names}
     timed = {}
     if args.rounds > 0:
         print("timing interleaved training steps ...", file=sys.stderr, flush=True)
@@ -189,7 +190,7 @@ def attention(args, base: TrainConfig) -> dict:
             "throughput_ratio_target": THROUGHPUT_TARGET}
 
 
-def throughput(args, base: TrainConfig) -> dict:
+def throughput(args, base: dict) -> dict:
     names = args.variants
     timed = interleaved_throughput(base, names, max(args.rounds, 1), args.timing_steps)
     rows = [[n, f"{timed[n]:.0f}", f"{timed[n] / timed[names[0]]:.2f}"] for n in names]
@@ -198,15 +199,15 @@ def throughput(args, base: TrainConfig) -> dict:
             "rounds": args.rounds, "timing_steps": args.timing_steps}
 
 
-def depth(args, base: TrainConfig) -> dict:
-    base = replace(base, schedule="constant", warmup=0, min_lr=0.0, lr=args.depth_lr,
-                   norm_position=args.depth_norm_position)
+def depth(args, base: dict) -> dict:
+    base = {**base, "schedule": "constant", "warmup": 0, "min_lr": 0.0, "lr": args.depth_lr,
+            "norm_position": args.depth_norm_position}
     results = {}
     for name in DEPTH_ATTENTIONS:
         for layers in args.depths:
-            cfg = replace(base, attention=name, layers=layers,
-                          out=str(args.out / f"depth-{name}-{layers}"))
-            s = run_one(f"{name} x{layers}", cfg, args.reuse)
+            cfg = {**base, "attention": name, "layers": layers}
+            s = run_one(f"{name} x{layers}", cfg, args.out / f"depth-{name}-{layers}",
+                        args.reuse)
             results[f"{name}/{layers}"] = {
                 "attention": name, "layers": layers, "best_val_loss": s["best_val_loss"],
                 "val_loss": s["val_loss"], "diverged": s["diverged"],
@@ -226,7 +227,7 @@ def depth(args, base: TrainConfig) -> dict:
             "norm_position": args.depth_norm_position, "results": results}
 
 
-def plot_depth(results: dict, depths, path: Path, base: TrainConfig) -> None:
+def plot_depth(results: dict, depths, path: Path, base: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -245,8 +246,8 @@ def plot_depth(results: dict, depths, path: Path, base: TrainConfig) -> None:
     ax.set_xticks(list(depths))
     ax.set_xlabel("layers")
     ax.set_ylabel("best validation loss (nats/char)")
-    ax.set_title(f"constant lr {base.lr:g}, no warm-up, {base.norm_position}-norm, "
-                 f"{base.steps} steps\n(x: diverged)", fontsize=9)
+    ax.set_title(f"constant lr {base['lr']:g}, no warm-up, {base['norm_position']}-norm, "
+                 f"{base['steps']} steps\n(x: diverged)", fontsize=9)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -279,19 +280,19 @@ def main(argv=None) -> int:
         parser.error(f"Tiny Shakespeare not found at {args.data} (pass --data)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    base = TrainConfig(data=str(args.data), device=args.device, progress=False,
-                       tensorboard=False, seed=args.seed, **NANOGPT)
+    base = {"data": str(args.data), "device": args.device, "seed": args.seed, **NANOGPT}
     if args.quick:
-        base = replace(base, steps=150, eval_interval=150)
+        base = {**base, "steps": 150, "eval_every": 150, "checkpoint_every": 150}
         if args.depths == parser.get_default("depths"):
             args.depths = [2, 4, 6]
         args.rounds, args.timing_steps = min(args.rounds, 2), min(args.timing_steps, 5)
     if args.steps:
-        base = replace(base, steps=args.steps, eval_interval=min(base.eval_interval, args.steps))
+        every = min(base["eval_every"], args.steps)
+        base = {**base, "steps": args.steps, "eval_every": every, "checkpoint_every": every}
     if args.dim:
-        base = replace(base, dim=args.dim)
+        base = {**base, "dim": args.dim}
     if args.heads:
-        base = replace(base, heads=args.heads)
+        base = {**base, "heads": args.heads}
     args.out.mkdir(parents=True, exist_ok=True)
     studies = ["peer", "attention", "depth"] if args.study == "all" else [args.study]
     for study in studies:
@@ -299,7 +300,7 @@ def main(argv=None) -> int:
         studies_by_name = {"peer": peer, "attention": attention, "throughput": throughput,
                            "depth": depth}
         result = studies_by_name[study](args, base)
-        result.update(quick=args.quick, steps=base.steps, command=" ".join(sys.argv))
+        result.update(quick=args.quick, steps=base["steps"], command=" ".join(sys.argv))
         path = args.out / f"lm_{study}.json"
         path.write_text(json.dumps(result, indent=2, default=str) + "\n")
         print(f"\nresults: {path}", flush=True)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from flowattn.data import load_dataset
-from flowattn.sets import SetsConfig, fit, load_flow
+from flowattn.sets import SetsRunConfig, fit, load_flow
 
 REFERENCE_NLL = {"dw4": 7.48, "lj13": 16.9}  # per configuration, E-NF convention
 VARIANTS = {
@@ -63,12 +63,13 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for data in args.data:
         for variant in args.variants:
-            config = SetsConfig(data=data, steps=steps, num_train=num_train,
-                                **VARIANTS[variant])
+            settings = {"data": data, "steps": steps, "num_train": num_train,
+                        **VARIANTS[variant]}
             if args.blocks:
-                config = config.updated(blocks=args.blocks)
+                settings["blocks"] = args.blocks
+            config = SetsRunConfig.build(settings)
             with tempfile.TemporaryDirectory() as tmp:
-                summary = fit(config, tmp, progress=False, plots=False, log=lambda *_: None)
+                summary = fit(config, tmp, progress=False, plots=False, tensorboard=False)
                 sample_ms = sampling_ms_per_set(Path(tmp), data)
             per_dim = summary["test_nll_per_dim"]
             if "true_nll_per_dim" in summary:

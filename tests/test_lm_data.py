@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowattn.errors import DataError
 from flowattn.lm.data import (
     DEFAULT_CORPUS,
     CharVocab,
@@ -75,7 +76,7 @@ def test_non_utf8_file_is_refused_with_the_offending_offset(tmp_path):
 
 
 def test_missing_file_and_directory_are_refused(tmp_path):
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(DataError, match="nope.txt: no such file"):
         read_text(tmp_path / "nope.txt")
     with pytest.raises(ValueError, match="directory"):
         read_text(tmp_path)

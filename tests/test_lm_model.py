@@ -272,10 +272,10 @@ def test_inverting_a_non_invertible_model_is_refused():
         (dict(invertible=True, norm_position="post"), "post-norm"),
         (dict(invertible=True, attention="dp"), "contractive-l2"),
         (dict(invertible=True, norm="layernorm"), "cannot be inverted"),
-        (dict(attention="softmax-free"), "unknown attention type"),
+        (dict(attention="softmax-free"), "attention: Input should be 'dp'"),
         (dict(heads=3), "must divide"),
         (dict(model="lstm", invertible=True), "LSTM"),
-        (dict(init="orthogonal"), "unknown init"),
+        (dict(init="orthogonal"), "init: Input should be 'default'"),
         (dict(contractive_coeff=1.0), "contractive_coeff"),
     ],
 )

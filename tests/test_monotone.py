@@ -190,11 +190,11 @@ def test_alternating_flow_and_its_settings():
     torch.testing.assert_close(flow.log_prob(x), log_prob, atol=1e-7, rtol=0)
     with pytest.raises(ValueError, match="radial_max_slope"):
         set_flow(2, blocks=2, heads=1, interaction="radial", radial_inverse=True)
-    from flowattn.errors import RunError
-    from flowattn.sets import SetsConfig
+    from flowattn.errors import ConfigError
+    from flowattn.sets import SetsRunConfig
 
-    with pytest.raises(RunError, match="radial_max_slope"):
-        SetsConfig(radial_inverse=True)
+    with pytest.raises(ConfigError, match="radial_max_slope"):
+        SetsRunConfig.build({"radial_inverse": True})
 
 
 def test_a_branch_without_closed_form_jacobian_uses_the_vjp_path():

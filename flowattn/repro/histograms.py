@@ -81,31 +81,30 @@ def trained_attention(kind: str, config: HistogramConfig) -> tuple[nn.Module, di
     Returns:
         (the attention module in float64 and evaluation mode, the training summary).
     """
-    from ..lm.train import TrainConfig, load_checkpoint, train
+    from ..lm.config import LMRunConfig
+    from ..lm.train import load_checkpoint, train
 
     with tempfile.TemporaryDirectory() as folder:
-        cfg = TrainConfig(
-            data=config.train_data,
-            layers=1,
-            dim=config.dim,
-            heads=config.heads,
-            block_size=config.n,
-            attention=LM_ATTENTION[kind],
-            init="glorot-l2",
-            steps=config.train_steps,
-            eval_interval=config.train_steps,
-            eval_iters=5,
-            warmup=min(100, config.train_steps // 10),
-            out=folder,
-            seed=config.seed,
-            progress=False,
-            tensorboard=False,
-        )
+        cfg = LMRunConfig.build({
+            "data": config.train_data,
+            "layers": 1,
+            "dim": config.dim,
+            "heads": config.heads,
+            "block_size": config.n,
+            "attention": LM_ATTENTION[kind],
+            "init": "glorot-l2",
+            "steps": config.train_steps,
+            "eval_every": config.train_steps,
+            "checkpoint_every": config.train_steps,
+            "eval_iters": 5,
+            "warmup": min(100, config.train_steps // 10),
+            "seed": config.seed,
+        })
         with contextlib.redirect_stdout(io.StringIO()):  # keep the training log off the console
-            summary = train(cfg)
+            summary = train(cfg, folder, progress=False, tensorboard=False)
         model, _, _ = load_checkpoint(folder)
     module = model.blocks[0].attn.to(torch.float64).eval()
-    keep = ("step", "val_loss", "train_loss", "train_time_s")
+    keep = ("step", "val_loss", "train_loss", "train_seconds")
     return module, {k: summary[k] for k in keep if k in summary}
 
 

@@ -90,12 +90,14 @@ class SetsTask:
         config: the run's settings.
         dist: this process's place in the run (device, rank).
         progress: show the progress of generating built-in data.
+        plots: draw samples and data side by side when the run finishes.
     """
 
     items = "sets"
 
-    def __init__(self, config: SetsRunConfig, dist: Distributed, progress: bool = False):
-        self.config, self.dist = config, dist
+    def __init__(self, config: SetsRunConfig, dist: Distributed, progress: bool = False,
+                 plots: bool = True):
+        self.config, self.dist, self.plots = config, dist, plots
         data = config.data
         sizes = None if data.num_train is None else {"train": data.num_train}
         splits = load_dataset(data.data, sizes, seed=config.train.seed,
@@ -149,10 +151,11 @@ class SetsTask:
         if true_nll is not None:
             dims = set_dims(test.x, test.mask, test.zero_com).double().mean().item()
             report.update(true_nll=true_nll, true_nll_per_dim=true_nll / dims)
-        from .plots import plot_run
+        if self.plots:
+            from .plots import plot_run
 
-        report["plots"] = [str(p) for p in plot_run(self.flow, test, out,
-                                                    self.config.train.seed)]
+            report["plots"] = [str(p) for p in plot_run(self.flow, test, out,
+                                                        self.config.train.seed)]
         return report
 
     def state(self) -> dict[str, Any]:
@@ -175,6 +178,7 @@ def fit(
     flags: Mapping[str, Any] | None = None,
     progress: bool = True,
     tensorboard: bool = True,
+    plots: bool = True,
 ) -> dict:
     """Fit a flow to sets; return the summary (also written to ``out/summary.json``).
 
@@ -201,7 +205,7 @@ def fit(
         torch.set_num_threads(plan.config.train.threads)
     ctx = Distributed.join(plan.config.train.device)
     try:
-        task = SetsTask(plan.config, ctx, progress=progress)
+        task = SetsTask(plan.config, ctx, progress=progress, plots=plots)
         return train_loop(task, plan, ctx, progress=progress, tensorboard=tensorboard)
     except BaseException:
         if ctx.owns_group and dist.is_initialized():

@@ -17,17 +17,13 @@ No torch import here: the command line builds its parsers from these classes, an
 answers without loading torch.
 
 Examples:
-    >>> class Train(Section):
-    ...     steps: int = Field(100, ge=1, description="optimiser steps")
-    >>> class Run(RunConfig):
-    ...     train: Train = Train()
-    >>> Run.build({"steps": 5}).train.steps
+    >>> TrainSettings.parse({"steps": 5, "lr": 0.01}).steps
     5
     >>> try:
-    ...     Run.build({"train": {"steps": "five"}})
+    ...     TrainSettings.parse({"steps": "five"}, "train")
     ... except ConfigError as err:
     ...     print(err)
-    train.steps: Input should be a valid integer (got 'five')
+    train: steps: Input should be a valid integer (got 'five')
 """
 
 from __future__ import annotations
@@ -64,6 +60,12 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False,
                               validate_default=True)
 
+    def __init__(self, **values: Any) -> None:
+        try:
+            super().__init__(**values)
+        except ValidationError as err:
+            raise ConfigError(_describe(err)) from None
+
     def to_dict(self) -> dict:
         """The settings as plain JSON-serialisable values."""
         return self.model_dump(mode="json")
@@ -80,15 +82,15 @@ class Section(BaseModel):
 def _describe(error: ValidationError, prefix: str = "") -> str:
     """One line for a pydantic error: the key (dotted), the reason and the offending value."""
     first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"]) or "settings"
+    key = ".".join(str(part) for part in first["loc"])
     message = first["msg"]
     if first["type"] == "extra_forbidden":
         message = "unknown setting"
     elif first["type"] in ("value_error", "assertion_error"):
         message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    line = f"{prefix}{key}: {message}"
+    line = f"{prefix}{key}: {message}" if key else f"{prefix}{message}"
     shown = "input" in first and not isinstance(first["input"], dict)
-    if shown and first["type"] not in ("missing", "model_type"):
+    if shown and first["type"] not in ("missing", "model_type", "value_error"):
         line += f" (got {first['input']!r})"
     more = error.error_count() - 1
     return line + (f"; and {more} more problem(s)" if more else "")
