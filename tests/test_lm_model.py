@@ -12,6 +12,7 @@ from flowattn.errors import InverseNotConverged
 from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
     ATTENTIONS,
+    INITS,
     ActNorm,
     Block,
     CenterNorm,
@@ -19,6 +20,7 @@ from flowattn.lm.model import (
     TransformerLM,
     attention_probabilities,
     build_model,
+    initialise,
     orthogonality_penalty,
 )
 
@@ -154,6 +156,49 @@ def test_orthogonality_losses_enter_the_training_objective_with_their_lambdas():
     _, affinity = regular.hidden_states(regular.embed(idx), affinity=True)
     assert weights > 0 and affinity > 0
     assert torch.allclose(b["reg"], weights + 1e-4 * affinity)
+
+
+class _Wrapped(torch.nn.Module):
+    """An attention type the LM has never seen: it only offers the module protocol."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.similarity = inner.similarity
+
+    def forward(self, x, mask=None, causal=False):
+        return self.inner(x, mask, causal)
+
+    def attention_probabilities(self, x, mask=None, causal=False):
+        return self.inner.attention_probabilities(x, mask, causal)
+
+    def projections(self):
+        return self.inner.projections()
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("init", INITS)
+def test_a_new_attention_type_needs_no_edit_of_the_lm(attention, init):
+    # penalties, affinity and every initialisation scheme read only the module's own methods
+    idx = torch.randint(V, (2, T), generator=torch.Generator().manual_seed(1))
+    lam = dict(ortho_attention=1e-2, ortho_ff=1e-3, ortho_affinity=1e-4)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(attention=attention, init=init, **lam)).double()
+    _, expected = model(idx, idx)
+    for block in model.blocks:
+        block.attn = _Wrapped(block.attn)
+    _, losses = model(idx, idx)
+    assert torch.equal(losses["loss"], expected["loss"])
+    before = [w.clone() for w in model.parameters()]
+    torch.manual_seed(3)
+    initialise(model, init, 0.25)
+    wrapped = [w.clone() for w in model.parameters()]
+    for block in model.blocks:
+        block.attn = block.attn.inner
+    torch.manual_seed(3)
+    initialise(model, init, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(wrapped, model.parameters(), strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(before, wrapped, strict=True))
 
 
 def test_glorot_l2_init_draws_l2_weights_from_plus_minus_s_over_sqrt_d():
