@@ -13,9 +13,9 @@ from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
     ATTENTIONS,
     INITS,
-    ActNorm,
     Block,
     CenterNorm,
+    ChannelAffine,
     LMConfig,
     TransformerLM,
     attention_probabilities,
@@ -267,6 +267,33 @@ def test_centernorm_centres_and_scales_by_d_over_d_minus_1():
     assert torch.allclose(y, (x - 4.0) * 4 / 3)
 
 
+def test_channel_affine_is_the_identity_at_start_and_inverts_exactly():
+    norm = ChannelAffine(3).double()
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    assert torch.equal(norm(x), x)
+    with torch.no_grad():
+        norm.shift.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        norm.log_scale.copy_(torch.tensor([0.1, -0.3, 0.0]))
+    assert torch.allclose(norm(x), (x + norm.shift) * norm.log_scale.exp(), rtol=0, atol=0)
+    assert torch.allclose(norm.inverse(norm(x)), x, rtol=0, atol=1e-14)
+
+
+def test_state_dict_keys_of_attention_and_norms_are_those_of_saved_checkpoints():
+    keys = set(TransformerLM(tiny(invertible=True, layers=1)).state_dict())
+    assert {
+        "blocks.0.attn.attention.w_q",
+        "blocks.0.attn.attention.w_v",
+        "blocks.0.attn.attention.w_o",
+        "blocks.0.norm_attn.shift",
+        "blocks.0.norm_attn.log_scale",
+        "blocks.0.norm_ff.shift",
+        "blocks.0.norm_ff.log_scale",
+    } <= keys
+    assert not [k for k in keys if k.startswith("blocks.0.attn.") and "attention.w_" not in k]
+    keys = set(TransformerLM(tiny(layers=1)).state_dict())
+    assert {"blocks.0.attn.qkv.weight", "blocks.0.attn.out.weight"} <= keys
+
+
 @pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True), dict(norm="none")])
 def test_invertible_model_certifies_every_branch_below_its_coefficient(kw):
     torch.manual_seed(0)
@@ -285,9 +312,9 @@ def test_invertible_model_certifies_every_branch_below_its_coefficient(kw):
 def test_invertible_stack_reconstructs_embeddings_to_1e_10_in_float64(kw):
     torch.manual_seed(0)
     model = TransformerLM(tiny(invertible=True, **kw)).double()
-    with torch.no_grad():  # move ActNorm away from the identity so its inverse is exercised
+    with torch.no_grad():  # move the affine norms off the identity so their inverse is exercised
         for norm in (m for b in model.blocks for m in (b.norm_attn, b.norm_ff)):
-            if isinstance(norm, ActNorm):
+            if isinstance(norm, ChannelAffine):
                 norm.log_scale.uniform_(-0.5, 0.5)
                 norm.shift.uniform_(-0.5, 0.5)
     model.eval()

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError, InverseNotConverged
 from ..flows.inverse import anderson_inverse, fixed_point_inverse
-from .model import ActNorm, Block, TransformerLM
+from .model import Block, ChannelAffine, TransformerLM
 
 __all__ = ["invert_block", "invert_hidden_states", "reconstruction_report", "InverseNotConverged"]
 
@@ -17,7 +17,7 @@ SOLVERS = {"fixed-point": fixed_point_inverse, "anderson": anderson_inverse}
 
 
 def _invert_norm(norm: nn.Module, y: Tensor) -> Tensor:
-    if isinstance(norm, ActNorm):
+    if isinstance(norm, ChannelAffine):
         return norm.inverse(y)
     if isinstance(norm, nn.Identity):
         return y
@@ -36,7 +36,8 @@ def invert_block(
 
     Each residual map is solved per sequence by the Banach iteration x <- y - g(x) (Behrmann et
     al. 2019, Alg. 1) or Anderson acceleration of it, to ||x + g(x) - y||_inf <=
-    tol * max(1, ||y||_inf); the ActNorm layers are inverted exactly.
+    tol * max(1, ||y||_inf); the :class:`~flowattn.lm.model.ChannelAffine` layers are inverted
+    exactly.
 
     Raises:
         InverseNotConverged: when a sequence misses ``tol`` after ``max_iter`` iterations.

@@ -18,7 +18,7 @@ __all__ = [
     "LSTMLM",
     "Block",
     "FeedForward",
-    "ActNorm",
+    "ChannelAffine",
     "CenterNorm",
     "ContractiveDropout",
     "build_model",
@@ -200,16 +200,19 @@ class CenterNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class ActNorm(nn.Module):
-    r"""Per-channel affine map y = (x + b) exp(s), initialised to the identity (Kingma &
-    Dhariwal 2018, §3.1, without the data-dependent initialisation).
+class ChannelAffine(nn.Module):
+    r"""Per-channel affine map y = (x + b) exp(s), initialised to the identity: the LM's
+    ``"actnorm"`` normalisation (Kingma & Dhariwal 2018, §3.1, without the data-dependent
+    initialisation).
 
     Invertible, so it may sit inside an invertible stack. Starting from the identity (rather
     than from the statistics of a first batch) keeps replicas of a distributed run identical
-    and makes a resumed run independent of which batch came first.
+    and makes a resumed run independent of which batch came first. Unlike the flow layer
+    :class:`flowattn.flows.ActNorm` it is a plain module: no data-dependent initialisation, no
+    log-determinant, no padding mask.
 
     Examples:
-        >>> act = ActNorm(3)
+        >>> act = ChannelAffine(3)
         >>> x = torch.randn(2, 3)
         >>> torch.allclose(act.inverse(act(x)), x)
         True
@@ -268,7 +271,7 @@ def _norm(kind: str, dim: int, bias: bool) -> nn.Module:
     if kind == "centernorm":
         return CenterNorm(dim, bias=bias)
     if kind == "actnorm":
-        return ActNorm(dim)
+        return ChannelAffine(dim)
     return nn.Identity()
 
 
@@ -300,9 +303,9 @@ class Block(nn.Module):
 
     * pre-norm: x + a * f(N(x)) (Xiong et al. 2020; nanoGPT),
     * post-norm: N(x + a * f(x)) (Vaswani et al. 2017),
-    * invertible: x -> N(x) -> x + g(x), with N invertible (ActNorm or none) and g contractive:
-      contractive L2 attention (Kim et al. 2021, §4) and a spectrally normalised MLP with
-      LipSwish (Chen et al. 2019), each certified below ``contractive_coeff``.
+    * invertible: x -> N(x) -> x + g(x), with N invertible (:class:`ChannelAffine` or none) and
+      g contractive: contractive L2 attention (Kim et al. 2021, §4) and a spectrally normalised
+      MLP with LipSwish (Chen et al. 2019), each certified below ``contractive_coeff``.
 
     a is 1, or LipsFormer's learnable per-channel alpha (Qi et al. 2023, eq. (4)); in an
     invertible block it is clamped to [-1, 1], which keeps each branch contractive.
@@ -589,8 +592,8 @@ class TransformerLM(_CharLM):
     Token and learned position embeddings, ``layers`` :class:`Block` s, a final normalisation
     and a linear output layer (shared with the token embedding if ``tie_embeddings``). With
     ``invertible=True`` the map from embeddings to final hidden states,
-    :meth:`hidden_states`, is a composition of invertible maps (ActNorm and x + g(x) with
-    Lip(g) < 1); :mod:`flowattn.lm.invertible` inverts it.
+    :meth:`hidden_states`, is a composition of invertible maps (:class:`ChannelAffine` and
+    x + g(x) with Lip(g) < 1); :mod:`flowattn.lm.invertible` inverts it.
 
     ``forward(idx, targets)`` returns the logits and, with targets, a dict of losses: ``nll``
     (mean cross-entropy, nats per character), ``reg`` (the orthogonality penalties of Zhang et
