@@ -324,6 +324,31 @@ def test_invertible_stack_reconstructs_embeddings_to_1e_10_in_float64(kw):
     assert report["token_accuracy"] == 1.0
 
 
+@pytest.mark.parametrize("method", ["fixed-point", "anderson"])
+def test_blocks_are_inverted_by_the_flows_residual_solver_in_float32(method, monkeypatch):
+    import flowattn.flows.inverse
+    import flowattn.lm.invertible as invertible
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["method"])
+        return flowattn.flows.inverse.residual_inverse(*args, **kwargs)
+
+    monkeypatch.setattr(invertible, "residual_inverse", counted)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(invertible=True)).eval()
+    report = reconstruction_report(model, torch.randint(V, (3, T)), method=method)
+    assert calls == [method] * 4  # two residual branches per block
+    assert report["max_error"] <= 1e-4 and report["token_accuracy"] == 1.0
+
+
+def test_an_unknown_inverse_method_is_refused_by_name():
+    model = TransformerLM(tiny(invertible=True)).eval()
+    with pytest.raises(ValueError, match="method must be one of"):
+        invert_hidden_states(model, torch.zeros(1, T, 16), method="newton")
+
+
 def test_inverse_that_cannot_converge_raises_instead_of_returning_garbage():
     torch.manual_seed(0)
     model = TransformerLM(tiny(invertible=True)).double().eval()
