@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
+from flowattn.attention.dot_product import merge_heads, split_heads
+from flowattn.attention.projections import PROJECTION_LAYOUTS, PROJECTION_ROLES
 from flowattn.lipschitz import jacobian_norm, lipschitz_lower_bound
 
 DIM, HEADS = 4, 2
@@ -242,6 +244,177 @@ def test_causal_outputs_do_not_depend_on_the_future():
     x2 = x.clone()
     x2[0, 4:] += 10.0
     assert torch.equal(module(x2, causal=True)[0, :4], y[0, :4])  # exactly, not to rounding
+
+
+# ----------------------------------------------------------------------------- attention matrices
+
+
+def _padding(batch, length):
+    mask = torch.ones(batch, length, dtype=torch.bool)
+    mask[1, 3:] = False
+    mask[2, 1] = False
+    return mask
+
+
+def _output_from_probabilities(module, x, p):
+    """The module's output recomputed as P V W^O from its attention matrices P."""
+    if isinstance(module, ContractiveL2MHA):
+        raise AssertionError("compare with the probabilities of its L2MHA instead")
+    if isinstance(module, DotProductMHA):
+        v = split_heads(module.qkv(x).chunk(3, dim=-1)[2], module.heads)
+        return module.out(merge_heads(p @ v))
+    if isinstance(module, L2MHA):
+        if module.tied:
+            wq, wv = module.head_weights(module.w_q), module.head_weights(module.w_v)
+            a_h = wq @ wq.transpose(1, 2) / math.sqrt(module.head_dim)  # A_h of eq. (8)
+            v = x.unsqueeze(1) @ a_h @ wv  # X A_h W^{V,h}
+        else:
+            v = split_heads(x @ module.w_v, module.heads)
+        return merge_heads(p @ v) @ module.w_o
+    h = split_heads(x @ module.w_v, module.heads)
+    v = h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + module.eps)
+    return module.nu * merge_heads(p @ v) @ module.w_o
+
+
+def _former_lm_probabilities(attn, x, causal):
+    """The attention matrices as flowattn.lm.model computed them from the modules' weights
+    before the modules gave them themselves (unmasked inputs), kept literally."""
+    if isinstance(attn, ContractiveL2MHA):
+        attn = attn.attention
+    heads = attn.heads
+    scale = 1.0 / math.sqrt(attn.head_dim)
+    if isinstance(attn, DotProductMHA):
+        q, k, _ = (split_heads(t, heads) for t in attn.qkv(x).chunk(3, dim=-1))
+        logits = q @ k.transpose(-1, -2) * scale
+    elif isinstance(attn, L2MHA):
+        q = split_heads(x @ attn.w_q, heads)
+        k = q if attn.tied else split_heads(x @ attn.w_k, heads)
+        centre = k.mean(dim=2, keepdim=True)
+        q, k = q - centre, k - centre
+        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
+        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * scale
+    else:
+
+        def unit(w):
+            h = split_heads(x @ w, heads)
+            return h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + attn.eps)
+
+        logits = attn.tau * unit(attn.w_q) @ unit(attn.w_k).transpose(-1, -2)
+    if causal:
+        n = x.shape[1]
+        allowed = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
+        logits = logits.masked_fill(~allowed, -math.inf)
+    return torch.softmax(logits, dim=-1)
+
+
+@pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_probabilities_are_row_stochastic_over_the_visible_keys(
+    cls, kwargs, causal, masked
+):
+    module = make(cls, seed=17, **kwargs)
+    x = randn(3, 6, DIM, seed=17) * 3
+    mask = _padding(3, 6) if masked else None
+    p = module.attention_probabilities(x, mask, causal)
+    assert p.shape == (3, HEADS, 6, 6)
+    assert torch.allclose(p.sum(-1), torch.ones(3, HEADS, 6, dtype=torch.float64), atol=1e-12)
+    visible = torch.ones(3, 1, 6, 6, dtype=torch.bool)
+    if causal:
+        visible = visible.tril()
+    if masked:
+        visible = visible & mask[:, None, None, :]
+    visible = visible | torch.eye(6, dtype=torch.bool)  # every element sees itself
+    assert (p.masked_select(~visible) == 0).all()
+    assert (p.masked_select(visible) > 0).all()
+
+
+@pytest.mark.parametrize("cls,kwargs", [m for m in ALL_MODULES if m[0] is not ContractiveL2MHA])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_probabilities_are_the_matrices_forward_applies(cls, kwargs, causal, masked):
+    module = make(cls, seed=18, **kwargs)
+    x = randn(3, 6, DIM, seed=18) * 2
+    mask = _padding(3, 6) if masked else None
+    p = module.attention_probabilities(x, mask, causal)
+    recomputed = _output_from_probabilities(module, x, p)
+    if masked:
+        recomputed = recomputed * mask.unsqueeze(-1)
+    torch.testing.assert_close(recomputed, module(x, mask, causal), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"norm": 2}])
+@pytest.mark.parametrize("causal", [False, True])
+def test_contractive_attention_probabilities_are_those_of_its_l2_attention(kwargs, causal):
+    module = make(ContractiveL2MHA, seed=19, **kwargs)
+    x, mask = randn(3, 5, DIM, seed=19), _padding(3, 5)
+    for m in (None, mask):
+        expected = module.attention.attention_probabilities(x, m, causal)
+        assert torch.equal(module.attention_probabilities(x, m, causal), expected)
+
+
+@pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_probabilities_equal_the_former_lm_computation_bit_for_bit(
+    cls, kwargs, causal
+):
+    module = make(cls, seed=20, **kwargs)
+    for dtype in (torch.float64, torch.float32):
+        module.to(dtype)
+        x = (randn(2, 7, DIM, seed=20) * 4 + 1).to(dtype)
+        expected = _former_lm_probabilities(module, x, causal)
+        assert torch.equal(module.attention_probabilities(x, causal=causal), expected)
+
+
+def test_attention_probabilities_ignore_attention_dropout_and_check_their_input():
+    module = make(L2MHA, seed=21, dropout=0.5).train()
+    x = randn(2, 5, DIM, seed=21)
+    assert torch.equal(
+        module.attention_probabilities(x), module.eval().attention_probabilities(x)
+    )
+    for cls, kwargs in ALL_MODULES:
+        with pytest.raises(ValueError, match="width"):
+            make(cls, **kwargs).attention_probabilities(randn(2, 3, DIM + 1))
+
+
+# ----------------------------------------------------------------------------- projections
+
+
+ROLES = {
+    "DotProductMHA": ["qkv", "output"],
+    "L2MHA": ["query", "value", "output"],
+    "L2MHA-untied": ["query", "key", "value", "output"],
+    "ContractiveL2MHA": ["query", "value", "output"],
+    "ScaledCosineMHA": ["query", "key", "value", "output"],
+}
+
+
+@pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
+def test_projections_list_every_weight_matrix_once_with_its_role(cls, kwargs):
+    module = make(cls, **kwargs)
+    projections = module.projections()
+    key = cls.__name__ + ("-untied" if kwargs.get("tied") is False else "")
+    assert [p.role for p in projections] == ROLES[key]
+    for p in projections:
+        assert module.get_parameter(p.name) is p.weight
+        assert p.role in PROJECTION_ROLES and p.layout in PROJECTION_LAYOUTS
+        assert p.fan_in == DIM and p.matrix.shape[1] == DIM
+    matrices = {n for n, w in module.named_parameters() if w.dim() == 2}
+    assert sorted(p.name for p in projections) == sorted(matrices)
+
+
+@pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
+def test_projection_matrices_are_the_maps_the_module_applies(cls, kwargs):
+    module = make(cls, bias=False, **kwargs) if cls is DotProductMHA else make(cls, **kwargs)
+    x = randn(5, DIM, seed=22)
+    for p in module.projections():
+        if p.layout == "linear":
+            layer = module.get_submodule(p.name.rsplit(".", 1)[0])
+            torch.testing.assert_close(layer(x), x @ p.matrix.t(), rtol=0, atol=1e-14)
+        else:  # stored (in, out), applied in the row convention x W
+            assert torch.equal(p.matrix, p.weight.t())
+    similarity = {DotProductMHA: "dot-product", ScaledCosineMHA: "scaled-cosine"}
+    assert module.similarity == similarity.get(cls, "l2")
 
 
 # ----------------------------------------------------------------------------- dropout rules

@@ -12,13 +12,15 @@ from flowattn.errors import InverseNotConverged
 from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
     ATTENTIONS,
-    ActNorm,
+    INITS,
     Block,
     CenterNorm,
+    ChannelAffine,
     LMConfig,
     TransformerLM,
     attention_probabilities,
     build_model,
+    initialise,
     orthogonality_penalty,
 )
 
@@ -156,6 +158,49 @@ def test_orthogonality_losses_enter_the_training_objective_with_their_lambdas():
     assert torch.allclose(b["reg"], weights + 1e-4 * affinity)
 
 
+class _Wrapped(torch.nn.Module):
+    """An attention type the LM has never seen: it only offers the module protocol."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.similarity = inner.similarity
+
+    def forward(self, x, mask=None, causal=False):
+        return self.inner(x, mask, causal)
+
+    def attention_probabilities(self, x, mask=None, causal=False):
+        return self.inner.attention_probabilities(x, mask, causal)
+
+    def projections(self):
+        return self.inner.projections()
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("init", INITS)
+def test_a_new_attention_type_needs_no_edit_of_the_lm(attention, init):
+    # penalties, affinity and every initialisation scheme read only the module's own methods
+    idx = torch.randint(V, (2, T), generator=torch.Generator().manual_seed(1))
+    lam = dict(ortho_attention=1e-2, ortho_ff=1e-3, ortho_affinity=1e-4)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(attention=attention, init=init, **lam)).double()
+    _, expected = model(idx, idx)
+    for block in model.blocks:
+        block.attn = _Wrapped(block.attn)
+    _, losses = model(idx, idx)
+    assert torch.equal(losses["loss"], expected["loss"])
+    before = [w.clone() for w in model.parameters()]
+    torch.manual_seed(3)
+    initialise(model, init, 0.25)
+    wrapped = [w.clone() for w in model.parameters()]
+    for block in model.blocks:
+        block.attn = block.attn.inner
+    torch.manual_seed(3)
+    initialise(model, init, 0.25)
+    assert all(torch.equal(a, b) for a, b in zip(wrapped, model.parameters(), strict=True))
+    assert any(not torch.equal(a, b) for a, b in zip(before, wrapped, strict=True))
+
+
 def test_glorot_l2_init_draws_l2_weights_from_plus_minus_s_over_sqrt_d():
     torch.manual_seed(0)
     s, d = 0.25, 64
@@ -222,6 +267,33 @@ def test_centernorm_centres_and_scales_by_d_over_d_minus_1():
     assert torch.allclose(y, (x - 4.0) * 4 / 3)
 
 
+def test_channel_affine_is_the_identity_at_start_and_inverts_exactly():
+    norm = ChannelAffine(3).double()
+    x = torch.randn(2, 4, 3, dtype=torch.float64)
+    assert torch.equal(norm(x), x)
+    with torch.no_grad():
+        norm.shift.copy_(torch.tensor([0.5, -1.0, 2.0]))
+        norm.log_scale.copy_(torch.tensor([0.1, -0.3, 0.0]))
+    assert torch.allclose(norm(x), (x + norm.shift) * norm.log_scale.exp(), rtol=0, atol=0)
+    assert torch.allclose(norm.inverse(norm(x)), x, rtol=0, atol=1e-14)
+
+
+def test_state_dict_keys_of_attention_and_norms_are_those_of_saved_checkpoints():
+    keys = set(TransformerLM(tiny(invertible=True, layers=1)).state_dict())
+    assert {
+        "blocks.0.attn.attention.w_q",
+        "blocks.0.attn.attention.w_v",
+        "blocks.0.attn.attention.w_o",
+        "blocks.0.norm_attn.shift",
+        "blocks.0.norm_attn.log_scale",
+        "blocks.0.norm_ff.shift",
+        "blocks.0.norm_ff.log_scale",
+    } <= keys
+    assert not [k for k in keys if k.startswith("blocks.0.attn.") and "attention.w_" not in k]
+    keys = set(TransformerLM(tiny(layers=1)).state_dict())
+    assert {"blocks.0.attn.qkv.weight", "blocks.0.attn.out.weight"} <= keys
+
+
 @pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True), dict(norm="none")])
 def test_invertible_model_certifies_every_branch_below_its_coefficient(kw):
     torch.manual_seed(0)
@@ -240,9 +312,9 @@ def test_invertible_model_certifies_every_branch_below_its_coefficient(kw):
 def test_invertible_stack_reconstructs_embeddings_to_1e_10_in_float64(kw):
     torch.manual_seed(0)
     model = TransformerLM(tiny(invertible=True, **kw)).double()
-    with torch.no_grad():  # move ActNorm away from the identity so its inverse is exercised
+    with torch.no_grad():  # move the affine norms off the identity so their inverse is exercised
         for norm in (m for b in model.blocks for m in (b.norm_attn, b.norm_ff)):
-            if isinstance(norm, ActNorm):
+            if isinstance(norm, ChannelAffine):
                 norm.log_scale.uniform_(-0.5, 0.5)
                 norm.shift.uniform_(-0.5, 0.5)
     model.eval()
@@ -250,6 +322,31 @@ def test_invertible_stack_reconstructs_embeddings_to_1e_10_in_float64(kw):
     report = reconstruction_report(model, idx, tol=1e-13, max_iter=1000)
     assert report["max_error"] < 1e-10
     assert report["token_accuracy"] == 1.0
+
+
+@pytest.mark.parametrize("method", ["fixed-point", "anderson"])
+def test_blocks_are_inverted_by_the_flows_residual_solver_in_float32(method, monkeypatch):
+    import flowattn.flows.inverse
+    import flowattn.lm.invertible as invertible
+
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["method"])
+        return flowattn.flows.inverse.residual_inverse(*args, **kwargs)
+
+    monkeypatch.setattr(invertible, "residual_inverse", counted)
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(invertible=True)).eval()
+    report = reconstruction_report(model, torch.randint(V, (3, T)), method=method)
+    assert calls == [method] * 4  # two residual branches per block
+    assert report["max_error"] <= 1e-4 and report["token_accuracy"] == 1.0
+
+
+def test_an_unknown_inverse_method_is_refused_by_name():
+    model = TransformerLM(tiny(invertible=True)).eval()
+    with pytest.raises(ValueError, match="method must be one of"):
+        invert_hidden_states(model, torch.zeros(1, T, 16), method="newton")
 
 
 def test_inverse_that_cannot_converge_raises_instead_of_returning_garbage():

@@ -2,7 +2,10 @@
 
 All modules are batch-first and share one call signature, ``forward(x, mask=None, causal=False)``
 with ``x`` of shape (B, N, D) and ``mask`` a bool (B, N) tensor, True where an element is present.
-Modules with a certified bound expose it as ``lipschitz_bound(n, ...)``.
+Modules with a certified bound expose it as ``lipschitz_bound(n, ...)``. Every module also gives
+its attention matrices, ``attention_probabilities(x, mask=None, causal=False)`` (B, H, N, N), its
+projection weight matrices with their roles, ``projections()`` (a list of :class:`Projection`),
+and the kind of its logits, ``similarity``.
 
 The fused CPU attention kernels cannot be differentiated twice: code that differentiates a
 derivative through these modules (Hutchinson log-det training, CNF divergences, Jacobian-norm
@@ -13,5 +16,13 @@ from .cosine import ScaledCosineMHA
 from .dot_product import DotProductMHA
 from .kernels import twice_differentiable
 from .l2 import L2MHA, ContractiveL2MHA
+from .projections import Projection
 
-__all__ = ["DotProductMHA", "L2MHA", "ContractiveL2MHA", "ScaledCosineMHA", "twice_differentiable"]
+__all__ = [
+    "DotProductMHA",
+    "L2MHA",
+    "ContractiveL2MHA",
+    "ScaledCosineMHA",
+    "Projection",
+    "twice_differentiable",
+]

@@ -11,7 +11,8 @@ from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
 from .l2 import square_weight
-from .masking import attention_mask, zero_padded
+from .masking import attention_mask, masked_softmax, zero_padded
+from .projections import Projection
 
 __all__ = ["ScaledCosineMHA"]
 
@@ -43,11 +44,16 @@ class ScaledCosineMHA(nn.Module):
         nu: output scale nu.
         dropout: attention-weight dropout probability (training only).
 
+    Attributes:
+        similarity: ``"scaled-cosine"``, the kind of logits (shared by every attention module).
+
     Examples:
         >>> attn = ScaledCosineMHA(dim=16, heads=4)
         >>> attn(torch.randn(2, 5, 16)).shape
         torch.Size([2, 5, 16])
     """
+
+    similarity = "scaled-cosine"
 
     def __init__(
         self,
@@ -88,6 +94,28 @@ class ScaledCosineMHA(nn.Module):
             scale=self.tau,
         )
         return zero_padded(self.nu * merge_heads(heads) @ self.w_o, mask)
+
+    def attention_probabilities(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        """The attention matrices P (B, H, N, N) that :meth:`forward` applies to ``x`` (B, N, D):
+        softmax_j(tau q^_i.k^_j) over the keys query i sees (before attention dropout).
+
+        Examples:
+            >>> attn = ScaledCosineMHA(dim=8, heads=2)
+            >>> p = attn.attention_probabilities(torch.randn(1, 3, 8), causal=True)
+            >>> p[0, 1, 0].tolist()
+            [1.0, 0.0, 0.0]
+        """
+        mask = check_sets(x, mask, self.dim)
+        q, k = self._normalised_heads(x, self.w_q), self._normalised_heads(x, self.w_k)
+        logits = self.tau * q @ k.transpose(-1, -2)
+        return masked_softmax(logits, mask, causal)
+
+    def projections(self) -> list[Projection]:
+        """The raw (D, D) matrices W^Q, W^K, W^V and W^O, applied as x W."""
+        roles = (("w_q", "query"), ("w_k", "key"), ("w_v", "value"), ("w_o", "output"))
+        return [Projection(name, role, getattr(self, name), "raw") for name, role in roles]
 
     def head_weights(self, w: Tensor) -> Tensor:
         """(D, D) -> (H, D, d): the column block of each head."""

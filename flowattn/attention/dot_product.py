@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
 from ..validation import check_sets
-from .masking import attention_mask, zero_padded
+from .masking import attention_mask, masked_softmax, zero_padded
+from .projections import Projection
 
 __all__ = ["DotProductMHA", "split_heads", "merge_heads"]
 
@@ -41,11 +44,16 @@ class DotProductMHA(nn.Module):
         dropout: dropout on the attention weights, in training mode only.
         bias: whether the projections have biases.
 
+    Attributes:
+        similarity: ``"dot-product"``, the kind of logits (shared by every attention module).
+
     Examples:
         >>> attn = DotProductMHA(dim=16, heads=4)
         >>> attn(torch.randn(2, 5, 16)).shape
         torch.Size([2, 5, 16])
     """
+
+    similarity = "dot-product"
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
@@ -70,3 +78,28 @@ class DotProductMHA(nn.Module):
             is_causal=causal and mask is None,
         )
         return zero_padded(self.out(merge_heads(heads)), mask)
+
+    def attention_probabilities(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        """The attention matrices P (B, H, N, N) that :meth:`forward` applies to ``x`` (B, N, D):
+        softmax_j(q_i.k_j / sqrt(d)) over the keys query i sees (before attention dropout).
+
+        Examples:
+            >>> attn = DotProductMHA(dim=8, heads=2)
+            >>> p = attn.attention_probabilities(torch.randn(1, 3, 8), causal=True)
+            >>> tuple(p.shape), p[0, 0, 0].tolist()
+            ((1, 2, 3, 3), [1.0, 0.0, 0.0])
+        """
+        mask = check_sets(x, mask, self.dim)
+        q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
+        logits = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(self.head_dim))
+        return masked_softmax(logits, mask, causal)
+
+    def projections(self) -> list[Projection]:
+        """The fused query-key-value map ``qkv.weight`` (3D, D) and the output map
+        ``out.weight`` (D, D), both :class:`~torch.nn.Linear` weights."""
+        return [
+            Projection("qkv.weight", "qkv", self.qkv.weight, "linear"),
+            Projection("out.weight", "output", self.out.weight, "linear"),
+        ]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,8 @@ from ..errors import InputError
 from ..lipschitz import _norm_name, l2_attention_bound
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
-from .masking import attention_mask, keys_per_row, masked_mean, zero_padded
+from .masking import attention_mask, keys_per_row, masked_mean, masked_softmax, zero_padded
+from .projections import Projection
 
 __all__ = ["L2MHA", "ContractiveL2MHA"]
 
@@ -74,6 +76,9 @@ class L2MHA(nn.Module):
         dropout: attention-weight dropout probability (training only).
         fused: use the fused kernel path.
 
+    Attributes:
+        similarity: ``"l2"``, the kind of logits (shared by every attention module).
+
     Examples:
         >>> attn = L2MHA(dim=16, heads=4)
         >>> mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
@@ -81,6 +86,8 @@ class L2MHA(nn.Module):
         >>> attn.lipschitz_bound(5).item() > 0
         True
     """
+
+    similarity = "l2"
 
     def __init__(
         self,
@@ -159,6 +166,41 @@ class L2MHA(nn.Module):
         a = wq @ wq.transpose(1, 2) / math.sqrt(self.head_dim)  # A_h, (H, D, D)
         return p @ (x.unsqueeze(1) @ a @ wv)  # P^h X A_h W^{V,h}
 
+    def attention_probabilities(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        """The attention matrices P (B, H, N, N) that :meth:`forward` applies to ``x`` (B, N, D):
+        softmax_j(-||q_i - k_j||^2 / sqrt(d)) over the keys query i sees (before attention
+        dropout).
+
+        Queries and keys are centred on the mean key of each set and head (present elements),
+        which leaves every distance unchanged and keeps the rounding small; the distances are
+        then taken literally, ||q_i||^2 - 2 q_i.k_j + ||k_j||^2.
+
+        Examples:
+            >>> attn = L2MHA(dim=8, heads=2)
+            >>> p = attn.attention_probabilities(torch.randn(2, 4, 8))
+            >>> bool(torch.allclose(p.sum(-1), torch.ones(2, 2, 4)))
+            True
+        """
+        mask = check_sets(x, mask, self.dim)
+        q = split_heads(x @ self.w_q, self.heads)
+        k = q if self.tied else split_heads(x @ self.w_k, self.heads)
+        centre = masked_mean(k, mask, dim=2)
+        q, k = q - centre, k - centre
+        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
+        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
+        return masked_softmax(logits, mask, causal)
+
+    def projections(self) -> list[Projection]:
+        """The raw (D, D) matrices W^Q, W^K (untied only), W^V and W^O, applied as x W."""
+        roles = (("w_q", "query"), ("w_k", "key"), ("w_v", "value"), ("w_o", "output"))
+        return [
+            Projection(name, role, getattr(self, name), "raw")
+            for name, role in roles
+            if getattr(self, name) is not None
+        ]
+
     def lipschitz_bound(self, n: int | Tensor, norm: str | int = "inf") -> Tensor:
         """Certified bound on Lip_p(F) for sets of ``n`` elements (Kim et al. 2021, Thm 3.2).
 
@@ -203,11 +245,17 @@ class ContractiveL2MHA(nn.Module):
         output_dropout: classic dropout probability on the output.
         fused: use the fused kernel path of :class:`L2MHA`.
 
+    Attributes:
+        attention: the tied :class:`L2MHA` F.
+        similarity: ``"l2"``, the kind of logits (shared by every attention module).
+
     Examples:
         >>> f = ContractiveL2MHA(dim=8, heads=2, coeff=0.9)
         >>> round(float(f.lipschitz_bound(10)), 6)
         0.9
     """
+
+    similarity = "l2"
 
     def __init__(
         self,
@@ -245,6 +293,17 @@ class ContractiveL2MHA(nn.Module):
             denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
         y = self.coeff * y / denominator
         return self._classic_dropout(y)
+
+    def attention_probabilities(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        """The attention matrices P (B, H, N, N) of f on ``x`` (B, N, D): those of its
+        :class:`L2MHA` (f scales F's output rows, not its attention weights)."""
+        return self.attention.attention_probabilities(x, mask, causal)
+
+    def projections(self) -> list[Projection]:
+        """The projections of its :class:`L2MHA`, named from f (``"attention.w_q"``, ...)."""
+        return [replace(p, name=f"attention.{p.name}") for p in self.attention.projections()]
 
     def _classic_dropout(self, y: Tensor) -> Tensor:
         p = self.output_dropout

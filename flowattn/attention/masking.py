@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["attention_mask", "keys_per_row", "zero_padded", "masked_mean"]
+__all__ = ["attention_mask", "keys_per_row", "zero_padded", "masked_mean", "masked_softmax"]
 
 
 def attention_mask(mask: Tensor | None, causal: bool, length: int, device) -> Tensor | None:
@@ -26,6 +28,15 @@ def attention_mask(mask: Tensor | None, causal: bool, length: int, device) -> Te
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
     return allowed | eye
+
+
+def masked_softmax(logits: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """Softmax over keys of (B, H, N, N) logits, with the keys :func:`attention_mask` hides
+    given probability zero: the attention matrices of a module, rows summing to one."""
+    allowed = attention_mask(mask, causal, logits.shape[-1], logits.device)
+    if allowed is not None:
+        logits = logits.masked_fill(~allowed, -math.inf)
+    return torch.softmax(logits, dim=-1)
 
 
 def keys_per_row(mask: Tensor | None, causal: bool, batch: int, length: int, device) -> Tensor:

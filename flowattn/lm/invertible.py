@@ -8,16 +8,16 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError, InverseNotConverged
-from ..flows.inverse import anderson_inverse, fixed_point_inverse
-from .model import ActNorm, Block, TransformerLM
+from ..flows.inverse import residual_inverse
+from .model import Block, ChannelAffine, TransformerLM
 
 __all__ = ["invert_block", "invert_hidden_states", "reconstruction_report", "InverseNotConverged"]
 
-SOLVERS = {"fixed-point": fixed_point_inverse, "anderson": anderson_inverse}
+METHODS = ("fixed-point", "anderson")
 
 
 def _invert_norm(norm: nn.Module, y: Tensor) -> Tensor:
-    if isinstance(norm, ActNorm):
+    if isinstance(norm, ChannelAffine):
         return norm.inverse(y)
     if isinstance(norm, nn.Identity):
         return y
@@ -36,19 +36,28 @@ def invert_block(
 
     Each residual map is solved per sequence by the Banach iteration x <- y - g(x) (Behrmann et
     al. 2019, Alg. 1) or Anderson acceleration of it, to ||x + g(x) - y||_inf <=
-    tol * max(1, ||y||_inf); the ActNorm layers are inverted exactly.
+    tol * max(1, ||y||_inf): :func:`flowattn.flows.inverse.residual_inverse`, the solver of the
+    flows' invertible residual blocks, with ``method``, ``tol`` and ``max_iter`` in the roles
+    of their ``inverse_method``, ``inverse_tol`` and ``inverse_max_iter``. The
+    :class:`~flowattn.lm.model.ChannelAffine` layers are inverted exactly.
 
     Raises:
         InverseNotConverged: when a sequence misses ``tol`` after ``max_iter`` iterations.
     """
     if not block.invertible:
         raise InputError("the block is not invertible (the model was built without invertible)")
-    if method not in SOLVERS:
-        raise InputError(f"method must be one of {tuple(SOLVERS)}, got {method!r}")
-    solve = SOLVERS[method]
-    w = solve(lambda x, mask: block.ff_branch(x), y, tol=tol, max_iter=max_iter)
+    if method not in METHODS:
+        raise InputError(f"method must be one of {METHODS}, got {method!r}")
+
+    def solve(branch, target: Tensor) -> Tensor:
+        # sequences are unpadded: the branch ignores the solver's (absent) mask
+        return residual_inverse(
+            lambda x, mask: branch(x), target, None, method=method, tol=tol, max_iter=max_iter
+        )
+
+    w = solve(block.ff_branch, y)
     v = _invert_norm(block.norm_ff, w)
-    u = solve(lambda x, mask: block.attention_branch(x), v, tol=tol, max_iter=max_iter)
+    u = solve(block.attention_branch, v)
     return _invert_norm(block.norm_attn, u)
 
 

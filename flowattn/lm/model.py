@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
-from ..attention.dot_product import split_heads
 from ..errors import InputError
 from .config import ATTENTIONS, INITS, MODELS, NORMS, LMConfig
 
@@ -20,7 +19,7 @@ __all__ = [
     "LSTMLM",
     "Block",
     "FeedForward",
-    "ActNorm",
+    "ChannelAffine",
     "CenterNorm",
     "ContractiveDropout",
     "build_model",
@@ -59,16 +58,19 @@ class CenterNorm(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-class ActNorm(nn.Module):
-    r"""Per-channel affine map y = (x + b) exp(s), initialised to the identity (Kingma &
-    Dhariwal 2018, §3.1, without the data-dependent initialisation).
+class ChannelAffine(nn.Module):
+    r"""Per-channel affine map y = (x + b) exp(s), initialised to the identity: the LM's
+    ``"actnorm"`` normalisation (Kingma & Dhariwal 2018, §3.1, without the data-dependent
+    initialisation).
 
     Invertible, so it may sit inside an invertible stack. Starting from the identity (rather
     than from the statistics of a first batch) keeps replicas of a distributed run identical
-    and makes a resumed run independent of which batch came first.
+    and makes a resumed run independent of which batch came first. Unlike the flow layer
+    :class:`flowattn.flows.ActNorm` it is a plain module: no data-dependent initialisation, no
+    log-determinant, no padding mask.
 
     Examples:
-        >>> act = ActNorm(3)
+        >>> act = ChannelAffine(3)
         >>> x = torch.randn(2, 3)
         >>> torch.allclose(act.inverse(act(x)), x)
         True
@@ -127,7 +129,7 @@ def _norm(kind: str, dim: int, bias: bool) -> nn.Module:
     if kind == "centernorm":
         return CenterNorm(dim, bias=bias)
     if kind == "actnorm":
-        return ActNorm(dim)
+        return ChannelAffine(dim)
     return nn.Identity()
 
 
@@ -159,9 +161,9 @@ class Block(nn.Module):
 
     * pre-norm: x + a * f(N(x)) (Xiong et al. 2020; nanoGPT),
     * post-norm: N(x + a * f(x)) (Vaswani et al. 2017),
-    * invertible: x -> N(x) -> x + g(x), with N invertible (ActNorm or none) and g contractive:
-      contractive L2 attention (Kim et al. 2021, §4) and a spectrally normalised MLP with
-      LipSwish (Chen et al. 2019), each certified below ``contractive_coeff``.
+    * invertible: x -> N(x) -> x + g(x), with N invertible (:class:`ChannelAffine` or none) and
+      g contractive: contractive L2 attention (Kim et al. 2021, §4) and a spectrally normalised
+      MLP with LipSwish (Chen et al. 2019), each certified below ``contractive_coeff``.
 
     a is 1, or LipsFormer's learnable per-channel alpha (Qi et al. 2023, eq. (4)); in an
     invertible block it is clamped to [-1, 1], which keeps each branch contractive.
@@ -220,7 +222,7 @@ class Block(nn.Module):
             x = x + self.ff_branch(self.norm_ff(x))
         penalty = None
         if affinity:
-            a = attention_probabilities(self.attn, attn_in, causal=True)
+            a = self.attn.attention_probabilities(attn_in, causal=True)
             eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
             penalty = (a.transpose(-1, -2) @ a - eye).pow(2).sum((-1, -2)).sum(1).mean()
         return x, penalty
@@ -244,40 +246,14 @@ class Block(nn.Module):
 
 
 def attention_probabilities(attn: nn.Module, x: Tensor, causal: bool = True) -> Tensor:
-    """The attention matrices A (B, H, N, N) that ``attn`` applies to ``x`` (B, N, D).
-
-    Recomputed from the module's weights with the same logits: q_i.k_j / sqrt(d) (dot product),
-    -||q_i - k_j||^2 / sqrt(d) (L2, Kim et al. 2021, eq. (8)) or tau q^_i.k^_j (scaled cosine,
-    Qi et al. 2023); masked causally and normalised by a softmax over keys.
+    """The attention matrices A (B, H, N, N) that ``attn`` applies to ``x`` (B, N, D), causal by
+    default as in the LM: the module's own ``attention_probabilities`` (every module of
+    :mod:`flowattn.attention` has one), recomputed from its weights with the same logits.
     """
-    if isinstance(attn, ContractiveL2MHA):
-        attn = attn.attention
-    heads = attn.heads
-    scale = 1.0 / math.sqrt(attn.head_dim)
-    if isinstance(attn, DotProductMHA):
-        q, k, _ = (split_heads(t, heads) for t in attn.qkv(x).chunk(3, dim=-1))
-        logits = q @ k.transpose(-1, -2) * scale
-    elif isinstance(attn, L2MHA):
-        q = split_heads(x @ attn.w_q, heads)
-        k = q if attn.tied else split_heads(x @ attn.w_k, heads)
-        centre = k.mean(dim=2, keepdim=True)  # distances are unchanged; rounding is smaller
-        q, k = q - centre, k - centre
-        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
-        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * scale
-    elif isinstance(attn, ScaledCosineMHA):
-
-        def unit(w: Tensor) -> Tensor:
-            h = split_heads(x @ w, heads)
-            return h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + attn.eps)
-
-        logits = attn.tau * unit(attn.w_q) @ unit(attn.w_k).transpose(-1, -2)
-    else:
+    probabilities = getattr(attn, "attention_probabilities", None)
+    if not callable(probabilities):
         raise InputError(f"no attention matrix for {type(attn).__name__}")
-    if causal:
-        n = x.shape[1]
-        allowed = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()
-        logits = logits.masked_fill(~allowed, -math.inf)
-    return torch.softmax(logits, dim=-1)
+    return probabilities(x, causal=causal)
 
 
 # ----------------------------------------------------------------------------- regularisers
@@ -292,12 +268,7 @@ def _gram_penalty(w: Tensor) -> Tensor:
 
 def _attention_maps(attn: nn.Module) -> list[Tensor]:
     """The linear maps of an attention module as (out, in) matrices (y = W x)."""
-    if isinstance(attn, ContractiveL2MHA):
-        attn = attn.attention
-    if isinstance(attn, DotProductMHA):
-        return [attn.qkv.weight, attn.out.weight]
-    maps = [attn.w_q, getattr(attn, "w_k", None), attn.w_v, attn.w_o]
-    return [w.t() for w in maps if w is not None]  # row convention x W -> W^T
+    return [p.matrix for p in attn.projections()]
 
 
 def _ff_maps(ff: nn.Module) -> list[Tensor]:
@@ -343,16 +314,9 @@ class _Weight:
 def _linear_weights(model: TransformerLM) -> list[_Weight]:
     found = []
     for block in model.blocks:
-        attn = block.attn.attention if isinstance(block.attn, ContractiveL2MHA) else block.attn
-        if isinstance(attn, DotProductMHA):
-            found.append(_Weight(attn.qkv.weight, attn.dim, False, False, False))
-            found.append(_Weight(attn.out.weight, attn.dim, False, True, False))
-        else:
-            l2 = isinstance(attn, L2MHA)
-            for name in ("w_q", "w_k", "w_v", "w_o"):
-                w = getattr(attn, name, None)
-                if w is not None:
-                    found.append(_Weight(w, w.shape[0], l2, name == "w_o", True))
+        l2 = block.attn.similarity == "l2"
+        for p in block.attn.projections():
+            found.append(_Weight(p.weight, p.fan_in, l2, p.role == "output", p.layout == "raw"))
         if isinstance(block.ff, FeedForward):
             found.append(_Weight(block.ff.fc.weight, block.ff.fc.in_features, False, False, False))
             found.append(
@@ -487,8 +451,8 @@ class TransformerLM(_CharLM):
     Token and learned position embeddings, ``layers`` :class:`Block` s, a final normalisation
     and a linear output layer (shared with the token embedding if ``tie_embeddings``). With
     ``invertible=True`` the map from embeddings to final hidden states,
-    :meth:`hidden_states`, is a composition of invertible maps (ActNorm and x + g(x) with
-    Lip(g) < 1); :mod:`flowattn.lm.invertible` inverts it.
+    :meth:`hidden_states`, is a composition of invertible maps (:class:`ChannelAffine` and
+    x + g(x) with Lip(g) < 1); :mod:`flowattn.lm.invertible` inverts it.
 
     ``forward(idx, targets)`` returns the logits and, with targets, a dict of losses: ``nll``
     (mean cross-entropy, nats per character), ``reg`` (the orthogonality penalties of Zhang et
