@@ -9,14 +9,12 @@ import torch
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 from flowattn.attention.dot_product import merge_heads, split_heads
 from flowattn.errors import InverseNotConverged
+from flowattn.lm.config import ATTENTIONS, INITS, LMConfig
 from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
-    ATTENTIONS,
-    INITS,
     Block,
     CenterNorm,
     ChannelAffine,
-    LMConfig,
     TransformerLM,
     attention_probabilities,
     build_model,

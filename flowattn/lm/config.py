@@ -30,8 +30,9 @@ class LMSettings(Section):
     """Hyper-parameters of a character language model.
 
     ``attention``, ``norm`` and ``final_norm`` left as ``None`` resolve to defaults that depend
-    on ``invertible``: contractive-l2 attention and ActNorm inside the invertible stack, dot
-    product attention and LayerNorm otherwise; ``residual_alpha`` to 1 / layers.
+    on ``invertible``: contractive-l2 attention and a channel affine map (``actnorm``) inside the
+    invertible stack, dot-product attention and LayerNorm otherwise; ``residual_alpha`` to
+    1 / layers.
     """
 
     block_size: int = Field(64, ge=1, description="context length T")

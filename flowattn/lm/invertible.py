@@ -76,7 +76,7 @@ def invert_hidden_states(
     is deterministic and the spectral normalisation uses exact singular values.
 
     Examples:
-        >>> from flowattn.lm.model import LMConfig
+        >>> from flowattn.lm.config import LMConfig
         >>> model = TransformerLM(LMConfig(vocab_size=7, block_size=6, layers=2, dim=8,
         ...                                heads=2, invertible=True)).eval()
         >>> e = model.embed(torch.randint(7, (3, 6)))

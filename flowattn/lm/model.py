@@ -11,10 +11,9 @@ from torch import Tensor, nn
 
 from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 from ..errors import InputError
-from .config import ATTENTIONS, INITS, MODELS, NORMS, LMConfig
+from .config import INITS, LMConfig
 
 __all__ = [
-    "LMConfig",
     "TransformerLM",
     "LSTMLM",
     "Block",
@@ -26,10 +25,6 @@ __all__ = [
     "attention_probabilities",
     "orthogonality_penalty",
     "initialise",
-    "ATTENTIONS",
-    "NORMS",
-    "INITS",
-    "MODELS",
 ]
 
 # ----------------------------------------------------------------------------- layers
