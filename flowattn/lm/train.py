@@ -144,7 +144,8 @@ def corpus_record(corpus: CharCorpus) -> dict:
             "val_source": absolute(corpus.val_source), "sha256": corpus.sha256}
 
 
-def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
+def load_checkpoint(path: str | Path,
+                    device: str | torch.device = "cpu") -> tuple[nn.Module, dict, CharVocab]:
     """Rebuild the model of a checkpoint (a run folder or its checkpoint file).
 
     Returns:

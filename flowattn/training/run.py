@@ -32,7 +32,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -161,7 +161,7 @@ def plan_run(
     resume: bool,
     file: str | os.PathLike | None = None,
     flags: Mapping[str, Any] | None = None,
-    fingerprint=None,
+    fingerprint: Callable[[RunConfig], dict] | None = None,
 ) -> RunPlan:
     """Decide what ``flowattn KIND train --out OUT [--resume] [--config FILE] [flags]`` does.
 
