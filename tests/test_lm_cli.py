@@ -37,7 +37,7 @@ def run(capsys, *argv) -> tuple[int, str, str]:
 def trained(corpus, tmp_path, capsys) -> tuple[Path, dict]:
     out = tmp_path / "run"
     code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--steps", "20",
-                          "--eval-interval", "10", "--out", out, "--json")
+                          "--eval-every", "10", "--out", out, "--json")
     assert code == 0
     return out, last_json(stdout)
 
@@ -45,7 +45,7 @@ def trained(corpus, tmp_path, capsys) -> tuple[Path, dict]:
 def test_train_json_summary_is_the_last_stdout_line(trained):
     out, summary = trained
     assert summary["step"] == 20 and not summary["diverged"]
-    assert summary["out"] == str(out) and (out / "ckpt.pt").exists()
+    assert summary["out"] == str(out) and (out / "checkpoint.pt").exists()
 
 
 def test_eval_reports_the_validation_loss_of_the_checkpoint_in_nats_and_bits(trained, capsys):
@@ -75,7 +75,7 @@ def test_invert_check_reconstructs_embeddings_of_an_invertible_lm_below_1e_4(
 ):
     out = tmp_path / "inv"
     code, _, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--invertible",
-                     "--steps", "10", "--eval-interval", "10", "--out", out)
+                     "--steps", "10", "--eval-every", "10", "--out", out)
     assert code == 0
     code, stdout, _ = run(capsys, "lm", "invert-check", "--checkpoint", out, "--json")
     report = last_json(stdout)
@@ -143,7 +143,7 @@ def test_invertible_with_post_norm_is_a_one_line_error(corpus, tmp_path, capsys)
     line = one_line_error(capsys, "lm", "train", "--data", corpus, *TINY, "--invertible",
                           "--norm-position", "post", "--out", tmp_path / "o")
     assert "invalid combination" in line and "post-norm" in line
-    assert not (tmp_path / "o" / "ckpt.pt").exists()
+    assert not (tmp_path / "o").exists()  # refused before anything is written
 
 
 def test_missing_checkpoint_is_a_one_line_error(tmp_path, capsys):
@@ -160,7 +160,7 @@ def test_prompt_with_unseen_characters_is_a_one_line_error(trained, capsys):
 def test_divergence_exits_with_status_3_and_reports_it_in_the_json(corpus, tmp_path, capsys):
     code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--lr", "10",
                           "--min-lr", "0", "--schedule", "constant", "--warmup", "0",
-                          "--grad-clip", "0", "--steps", "50", "--out", tmp_path / "d", "--json")
+                          "--grad-clip", "none", "--steps", "50", "--out", tmp_path / "d", "--json")
     summary = last_json(stdout)
     assert code == 3 and summary["diverged"]
     assert (tmp_path / "d" / "diverged.json").exists()

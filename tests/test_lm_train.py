@@ -6,14 +6,15 @@ import os
 import socket
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 import flowattn.lm.train as lm_train
-from flowattn.lm.train import TrainConfig, learning_rate, load_checkpoint, train
+from flowattn.errors import CheckpointError, ConfigError, RunError
+from flowattn.lm.config import LMRunConfig
+from flowattn.lm.train import load_checkpoint, train
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "the quick brown fox jumps over the lazy dog. " * 60
@@ -26,67 +27,28 @@ def corpus(tmp_path) -> str:
     return str(path)
 
 
-def tiny(corpus: str, out, **kw) -> TrainConfig:
+def tiny(corpus: str, **kw) -> LMRunConfig:
     base = dict(data=corpus, layers=1, dim=16, heads=2, block_size=16, batch_size=4, steps=16,
-                eval_interval=8, log_interval=2, out=str(out), progress=False, tensorboard=False)
+                eval_every=8, checkpoint_every=8, log_every=2)
     base.update(kw)
-    return TrainConfig(**base)
+    return LMRunConfig.build(base)
+
+
+def run(config: LMRunConfig, out, **kw) -> dict:
+    return train(config, out, progress=False, tensorboard=kw.pop("tensorboard", False), **kw)
 
 
 def records(out) -> list[dict]:
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
 
 
-# ----------------------------------------------------------------------------- schedules
-
-
-def test_cosine_schedule_warms_up_linearly_then_decays_to_min_lr_at_the_last_step():
-    cfg = TrainConfig(steps=2000, warmup=100, lr=1e-3, min_lr=1e-4, schedule="cosine")
-    assert learning_rate(0, cfg) == pytest.approx(1e-3 / 101)
-    assert learning_rate(99, cfg) == pytest.approx(1e-3 * 100 / 101)
-    assert learning_rate(100, cfg) == pytest.approx(1e-3)
-    assert learning_rate(1999, cfg) == pytest.approx(1e-4)
-    after = [learning_rate(s, cfg) for s in range(100, 2000)]
-    assert all(a >= b for a, b in zip(after[:-1], after[1:], strict=True))
-    assert learning_rate(1049, cfg) == pytest.approx(5.5e-4, rel=1e-3)  # the midpoint
-
-
-def test_noam_schedule_peaks_at_lr_after_warmup_and_decays_as_inverse_square_root():
-    cfg = TrainConfig(steps=10_000, warmup=400, lr=2e-3, min_lr=0.0, schedule="noam")
-    assert learning_rate(399, cfg) == pytest.approx(2e-3)
-    assert learning_rate(199, cfg) == pytest.approx(1e-3)
-    assert learning_rate(1599, cfg) == pytest.approx(1e-3)  # t = 4w: lr / 2
-    assert max(learning_rate(s, cfg) for s in range(2000)) == pytest.approx(2e-3)
-    floored = replace(cfg, min_lr=5e-4)
-    assert learning_rate(9999, floored) == pytest.approx(5e-4)
-
-
-def test_constant_schedule_without_warmup_is_constant():
-    cfg = TrainConfig(lr=3e-4, warmup=0, schedule="constant")
-    assert {learning_rate(s, cfg) for s in range(0, 5000, 97)} == {3e-4}
-
-
-@pytest.mark.parametrize(
-    "kw, message",
-    [
-        (dict(schedule="linear"), "unknown schedule"),
-        (dict(schedule="noam", warmup=0), "warmup >= 1"),
-        (dict(min_lr=1.0, lr=0.1), "min_lr"),
-        (dict(steps=0), "steps"),
-    ],
-)
-def test_invalid_training_settings_raise_value_errors(kw, message):
-    with pytest.raises(ValueError, match=message):
-        TrainConfig(**kw)
-
-
 # ----------------------------------------------------------------------------- training
 
 
 def test_training_lowers_validation_loss_far_below_uniform(corpus, tmp_path):
-    summary = train(tiny(corpus, tmp_path / "run", dim=32, steps=80, eval_interval=40, lr=3e-3,
-                         warmup=10, min_lr=3e-4))
-    vals = [r["val_loss"] for r in records(tmp_path / "run") if "val_loss" in r]
+    summary = run(tiny(corpus, dim=32, steps=80, eval_every=40, lr=3e-3, warmup=10,
+                       min_lr=3e-4), tmp_path / "run")
+    vals = [r["loss"] for r in records(tmp_path / "run") if r["split"] == "val"]
     assert len(vals) == 2 and vals[1] < vals[0]
     assert summary["val_loss"] == vals[1] < 0.5 * math.log(28)  # 28 symbols in TEXT
     assert not summary["diverged"] and summary["step"] == 80
@@ -95,30 +57,33 @@ def test_training_lowers_validation_loss_far_below_uniform(corpus, tmp_path):
 
 def test_checkpoint_is_written_atomically_and_rebuilds_the_trained_model(corpus, tmp_path):
     out = tmp_path / "run"
-    summary = train(tiny(corpus, out, dropout=0.1))
-    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt", "metrics.jsonl"]
+    summary = run(tiny(corpus, dropout=0.1), out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "checkpoint.pt", "config.json", "metrics.jsonl", "run.json", "summary.json"]
     model, ckpt, vocab = load_checkpoint(out)
     assert ckpt["step"] == 16 and len(ckpt["rng"]) == 1 and not model.training
+    assert ckpt["format"] == "flowattn" and ckpt["kind"] == "lm" and ckpt["version"] == 2
     assert vocab.decode(vocab.encode("lazy dog")) == "lazy dog"
-    corpus_ids = vocab.encode(TEXT[-200:])
-    loss = lm_train.evaluate(model, corpus_ids, 16, 4, torch.device("cpu"))
-    assert loss == pytest.approx(
-        lm_train.evaluate(model, corpus_ids, 16, 4, torch.device("cpu")), rel=0
-    )
-    assert summary["val_loss"] == pytest.approx(ckpt["val_loss"])
+    # the rebuilt model scores the validation split exactly as the run's last evaluation did
+    corpus_ids = vocab.encode(TEXT)
+    val = corpus_ids[int(0.9 * len(corpus_ids)):]
+    loss = lm_train.evaluate(model, val, 16, 4, torch.device("cpu"))
+    assert loss == pytest.approx(summary["val_loss"], rel=1e-6)
+    assert not list(out.glob(".*.tmp"))  # no temporary file left behind
 
 
 def test_metrics_record_training_and_validation_at_their_intervals(corpus, tmp_path):
-    train(tiny(corpus, tmp_path / "run"))
+    run(tiny(corpus), tmp_path / "run")
     recs = records(tmp_path / "run")
-    assert [r["step"] for r in recs if "train_loss" in r] == list(range(2, 17, 2))
-    assert [r["step"] for r in recs if "val_loss" in r] == [8, 16]
-    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in recs if "train_loss" in r)
+    assert [r["step"] for r in recs if r["split"] == "train"] == list(range(2, 17, 2))
+    assert [r["step"] for r in recs if r["split"] == "val"] == [8, 16]
+    assert all(r["tokens_per_s"] > 0 and r["lr"] > 0 for r in recs if r["split"] == "train")
+    assert all({"step", "split", "time", "loss"} <= r.keys() for r in recs)
 
 
 def test_tensorboard_events_are_written_when_tensorboard_is_installed(corpus, tmp_path):
     pytest.importorskip("tensorboard", reason="the optional tensorboard package is not installed")
-    train(tiny(corpus, tmp_path / "run", tensorboard=True, steps=4, eval_interval=4))
+    run(tiny(corpus, steps=4, eval_every=4), tmp_path / "run", tensorboard=True)
     events = list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
 
@@ -128,8 +93,9 @@ def test_interrupted_run_resumes_to_exactly_the_uninterrupted_result(
     corpus, tmp_path, monkeypatch, schedule
 ):
     # dropout exercises the saved random state; the interruption falls between checkpoints
-    kw = dict(dropout=0.2, schedule=schedule, warmup=3, steps=16, eval_interval=6)
-    straight = train(tiny(corpus, tmp_path / "a", **kw))
+    kw = dict(dropout=0.2, schedule=schedule, warmup=3, steps=16, eval_every=6,
+              checkpoint_every=6)
+    straight = run(tiny(corpus, **kw), tmp_path / "a")
 
     calls = {"n": 0}
     real_get_batch = lm_train.get_batch
@@ -142,38 +108,40 @@ def test_interrupted_run_resumes_to_exactly_the_uninterrupted_result(
 
     monkeypatch.setattr(lm_train, "get_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        train(tiny(corpus, tmp_path / "b", **kw))
+        run(tiny(corpus, **kw), tmp_path / "b")
     assert max(r["step"] for r in records(tmp_path / "b")) == 8  # logged past the checkpoint
     monkeypatch.setattr(lm_train, "get_batch", real_get_batch)
-    resumed = train(tiny(corpus, tmp_path / "b", resume=True, **kw))
+    resumed = train(out=tmp_path / "b", resume=True, progress=False, tensorboard=False)
 
-    a, b = (torch.load(tmp_path / d / "ckpt.pt", weights_only=True) for d in ("a", "b"))
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True) for d in ("a", "b"))
     for name, tensor in a["model"].items():
         assert torch.equal(tensor, b["model"][name]), name
     assert resumed["val_loss"] == straight["val_loss"]
-    strip = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(tmp_path / "a")]
-    again = [{k: v for k, v in r.items() if k != "tokens_per_s"} for r in records(tmp_path / "b")]
+    strip = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "time")}
+             for r in records(tmp_path / "a")]
+    again = [{k: v for k, v in r.items() if k not in ("tokens_per_s", "time")}
+             for r in records(tmp_path / "b")]
     assert again == strip
 
 
 def test_existing_checkpoint_is_not_overwritten_without_resume(corpus, tmp_path):
-    train(tiny(corpus, tmp_path / "run", steps=2, eval_interval=2))
-    with pytest.raises(ValueError, match="already holds a checkpoint"):
-        train(tiny(corpus, tmp_path / "run", steps=2, eval_interval=2))
+    run(tiny(corpus, steps=2, eval_every=2), tmp_path / "run")
+    with pytest.raises(RunError, match="already holds a run"):
+        run(tiny(corpus, steps=2, eval_every=2), tmp_path / "run")
 
 
 def test_resume_refuses_changed_model_settings(corpus, tmp_path):
-    train(tiny(corpus, tmp_path / "run", steps=2, eval_interval=2))
-    with pytest.raises(ValueError, match=r"layers \(1 in the checkpoint, 2 now\)"):
-        train(tiny(corpus, tmp_path / "run", steps=4, layers=2, resume=True))
+    run(tiny(corpus, steps=2, eval_every=2), tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"layers \(1 in the run, 2 now\)"):
+        train(out=tmp_path / "run", resume=True, flags={"steps": 4, "layers": 2})
 
 
 def test_resume_may_extend_training(corpus, tmp_path):
-    train(tiny(corpus, tmp_path / "run", steps=4, eval_interval=4, schedule="constant"))
-    summary = train(tiny(corpus, tmp_path / "run", steps=8, eval_interval=4, resume=True,
-                         schedule="constant"))
+    run(tiny(corpus, steps=4, eval_every=4, checkpoint_every=4, schedule="constant"),
+        tmp_path / "run")
+    summary = train(out=tmp_path / "run", resume=True, flags={"steps": 8}, progress=False)
     assert summary["step"] == 8
-    assert [r["step"] for r in records(tmp_path / "run") if "val_loss" in r] == [4, 8]
+    assert [r["step"] for r in records(tmp_path / "run") if r["split"] == "val"] == [4, 8]
 
 
 # ----------------------------------------------------------------------------- divergence
@@ -186,17 +154,18 @@ def test_divergence_is_detected_recorded_and_keeps_the_last_good_checkpoint(
     corpus, tmp_path, lr, reason
 ):
     out = tmp_path / "run"
-    summary = train(tiny(corpus, out, lr=lr, min_lr=0.0, schedule="constant", warmup=0,
-                         grad_clip=0.0, steps=50, eval_interval=1, log_interval=1))
+    summary = run(tiny(corpus, lr=lr, min_lr=0.0, schedule="constant", warmup=0,
+                       grad_clip=None, steps=50, eval_every=1, checkpoint_every=1,
+                       log_every=1), out)
     assert summary["diverged"] and reason in summary["divergence"]["reason"]
     stop = summary["divergence"]["step"]
     assert stop < 50
     saved = json.loads((out / "diverged.json").read_text())
     assert saved["step"] == stop and reason in saved["reason"]
     events = [r for r in records(out) if r.get("event") == "diverged"]
-    assert len(events) == 1 and events[0]["step"] == stop
+    assert len(events) == 1 and events[0]["step"] == stop and events[0]["split"] == "event"
     if lr == 1e30:  # the first update already overflows: no state was ever good enough to save
-        assert not (out / "ckpt.pt").exists()
+        assert not (out / "checkpoint.pt").exists()
         return
     _, ckpt, _ = load_checkpoint(out)
     assert 1 <= ckpt["step"] < stop
@@ -205,10 +174,29 @@ def test_divergence_is_detected_recorded_and_keeps_the_last_good_checkpoint(
 
 def test_load_checkpoint_rejects_other_files(tmp_path):
     torch.save({"weights": torch.zeros(2)}, tmp_path / "other.pt")
-    with pytest.raises(ValueError, match="not a flowattn language-model checkpoint"):
+    with pytest.raises(CheckpointError, match="not a flowattn checkpoint"):
         load_checkpoint(tmp_path / "other.pt")
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(CheckpointError, match="no checkpoint"):
         load_checkpoint(tmp_path / "missing")
+
+
+def test_checkpoints_of_format_version_1_still_load(corpus, tmp_path):
+    out = tmp_path / "run"
+    run(tiny(corpus, steps=4, eval_every=4, checkpoint_every=4), out)
+    model, record, vocab = load_checkpoint(out)
+    old = tmp_path / "old"
+    old.mkdir()
+    task = record["task"]
+    legacy = {"kind": "flowattn-lm", "version": 1, "model_config": task["model_config"],
+              "vocab": task["vocab"], "data": task["corpus"], "model": record["model"],
+              "step": record["step"]}
+    torch.save(legacy, old / "ckpt.pt")  # the name and layout of format version 1
+    again, saved, _ = load_checkpoint(old)
+    assert saved["version"] == 1 and saved["step"] == 4
+    x = vocab.encode("the quick brown ")[None]
+    assert torch.equal(model(x)[0], again(x)[0])
+    with pytest.raises(RunError, match="format version 1"):
+        train(out=old, resume=True)
 
 
 # ----------------------------------------------------------------------------- distributed
@@ -220,6 +208,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_torchrun_trains_with_two_gloo_processes(corpus, tmp_path):
     out = tmp_path / "ddp"
     cmd = [
@@ -227,7 +216,8 @@ def test_torchrun_trains_with_two_gloo_processes(corpus, tmp_path):
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
         "-m", "flowattn", "lm", "train", "--data", corpus, "--layers", "1", "--dim", "16",
         "--heads", "2", "--block-size", "16", "--batch-size", "4", "--steps", "6",
-        "--eval-interval", "3", "--out", str(out), "--no-progress", "--no-tensorboard",
+        "--eval-every", "3", "--checkpoint-every", "3", "--out", str(out), "--no-progress",
+        "--no-tensorboard",
         "--threads", "1", "--json",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -236,6 +226,8 @@ def test_torchrun_trains_with_two_gloo_processes(corpus, tmp_path):
     summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(summaries) == 1  # only the first process reports
     assert summaries[0]["world_size"] == 2 and summaries[0]["step"] == 6
-    ckpt = torch.load(out / "ckpt.pt", weights_only=True)
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     assert ckpt["world_size"] == 2 and len(ckpt["rng"]) == 2
-    assert not torch.equal(ckpt["rng"][0]["batches"], ckpt["rng"][1]["batches"])
+    # every process draws the same batch indices and keeps its share; dropout streams differ
+    assert torch.equal(ckpt["rng"][0]["batches"], ckpt["rng"][1]["batches"])
+    assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])

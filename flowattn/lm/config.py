@@ -29,10 +29,10 @@ DEFAULT_CORPUS = "builtin:pydoc-topics"
 class LMSettings(Section):
     """Hyper-parameters of a character language model.
 
-    ``attention``, ``norm`` and ``final_norm`` left as ``None`` resolve to defaults that depend
-    on ``invertible``: contractive-l2 attention and a channel affine map (``actnorm``) inside the
-    invertible stack, dot-product attention and LayerNorm otherwise; ``residual_alpha`` to
-    1 / layers.
+    ``attention``, ``norm`` and ``final_norm`` left as ``None`` resolve (in :class:`LMConfig`,
+    the settings a model is built from) to defaults that depend on ``invertible``:
+    contractive-l2 attention and a channel affine map (``actnorm``) inside the invertible
+    stack, dot-product attention and LayerNorm otherwise; ``residual_alpha`` to 1 / layers.
     """
 
     block_size: int = Field(64, ge=1, description="context length T")
@@ -73,54 +73,64 @@ class LMSettings(Section):
     ortho_affinity: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                   "matrices (lambda)")
 
-    @model_validator(mode="before")
-    @classmethod
-    def _resolve_defaults(cls, values: Any) -> Any:
-        if not isinstance(values, dict):
-            return values
-        values = dict(values)
-        invertible = values.get("invertible", False) is True
-        if values.get("attention") is None:
-            values["attention"] = "contractive-l2" if invertible else "dp"
-        if values.get("norm") is None:
-            values["norm"] = "actnorm" if invertible else "layernorm"
-        if values.get("final_norm") is None:
-            if invertible:
-                values["final_norm"] = "layernorm"
-            else:
-                pre = values.get("norm_position", "pre") == "pre"
-                values["final_norm"] = values["norm"] if pre else "none"
-        if values.get("residual_alpha") is None:
-            layers = values.get("layers", 4)
-            if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1:
-                values["residual_alpha"] = 1.0 / layers
-        return values
-
     @model_validator(mode="after")
     def _check_combinations(self) -> LMSettings:
-        if self.model == "transformer" and self.dim % self.heads:
-            raise ValueError(f"heads={self.heads} must divide dim={self.dim}")
-        if self.norm == "centernorm" and self.dim < 2:
-            raise ValueError("centernorm needs dim >= 2")
-        if self.model == "lstm":
-            if self.invertible:
-                raise ValueError("invalid combination: the LSTM baseline cannot be invertible")
-            if self.init != "default":
-                raise ValueError(f"the LSTM baseline takes init 'default' only, not "
-                                 f"{self.init!r}")
-        if self.invertible:
-            if self.norm_position != "pre":
-                raise ValueError("invalid combination: --invertible with post-norm; N(x + f(x)) "
-                                 "puts the normalisation inside the invertible map, use norm "
-                                 "position 'pre'")
-            if self.attention != "contractive-l2":
-                raise ValueError(f"invalid combination: --invertible needs contractive-l2 "
-                                 f"attention; {self.attention!r} attention is not a contraction")
-            if self.norm not in ("actnorm", "none"):
-                raise ValueError(f"invalid combination: --invertible with {self.norm}, which "
-                                 "discards the mean of each token and cannot be inverted; use "
-                                 "norm 'actnorm' or 'none'")
+        _check(_Resolved(_resolve(self.model_dump())))
         return self
+
+
+class _Resolved:
+    """Attribute access to a dict of settings (for checks on the resolved values)."""
+
+    def __init__(self, values: dict) -> None:
+        self.__dict__.update(values)
+
+
+def _resolve(values: dict) -> dict:
+    """Settings with the ``None`` defaults that depend on others filled in."""
+    values = dict(values)
+    invertible = values.get("invertible", False) is True
+    if values.get("attention") is None:
+        values["attention"] = "contractive-l2" if invertible else "dp"
+    if values.get("norm") is None:
+        values["norm"] = "actnorm" if invertible else "layernorm"
+    if values.get("final_norm") is None:
+        if invertible:
+            values["final_norm"] = "layernorm"
+        else:
+            pre = values.get("norm_position", "pre") == "pre"
+            values["final_norm"] = values["norm"] if pre else "none"
+    if values.get("residual_alpha") is None:
+        layers = values.get("layers", 4)
+        if isinstance(layers, int) and not isinstance(layers, bool) and layers >= 1:
+            values["residual_alpha"] = 1.0 / layers
+    return values
+
+
+def _check(config: _Resolved) -> None:
+    """Refuse combinations of (resolved) settings that cannot be built."""
+    if config.model == "transformer" and config.dim % config.heads:
+        raise ValueError(f"heads={config.heads} must divide dim={config.dim}")
+    if config.norm == "centernorm" and config.dim < 2:
+        raise ValueError("centernorm needs dim >= 2")
+    if config.model == "lstm":
+        if config.invertible:
+            raise ValueError("invalid combination: the LSTM baseline cannot be invertible")
+        if config.init != "default":
+            raise ValueError(f"the LSTM baseline takes init 'default' only, not "
+                             f"{config.init!r}")
+    if config.invertible:
+        if config.norm_position != "pre":
+            raise ValueError("invalid combination: --invertible with post-norm; N(x + f(x)) "
+                             "puts the normalisation inside the invertible map, use norm "
+                             "position 'pre'")
+        if config.attention != "contractive-l2":
+            raise ValueError(f"invalid combination: --invertible needs contractive-l2 "
+                             f"attention; {config.attention!r} attention is not a contraction")
+        if config.norm not in ("actnorm", "none"):
+            raise ValueError(f"invalid combination: --invertible with {config.norm}, which "
+                             "discards the mean of each token and cannot be inverted; use "
+                             "norm 'actnorm' or 'none'")
 
 
 class LMConfig(LMSettings):
@@ -134,6 +144,11 @@ class LMConfig(LMSettings):
     """
 
     vocab_size: int = Field(ge=1, description="number of token ids")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _resolve_defaults(cls, values: Any) -> Any:
+        return _resolve(values) if isinstance(values, dict) else values
 
     @classmethod
     def from_dict(cls, values: dict) -> LMConfig:

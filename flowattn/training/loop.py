@@ -229,7 +229,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
         message = (f"training diverged at step {divergence['step']}: {divergence['reason']}; "
                    "the checkpoint keeps the last good state")
         summary["message"] = message
-        metrics.log(divergence["step"], "event", event="diverged", **divergence)
+        metrics.log(divergence["step"], "event", event="diverged",
+                    **{k: v for k, v in divergence.items() if k != "step"})
         if main:
             log(message)
             atomic_write_text(json.dumps({**divergence, "message": message}, indent=2) + "\n",
