@@ -160,7 +160,8 @@ def test_prompt_with_unseen_characters_is_a_one_line_error(trained, capsys):
 def test_divergence_exits_with_status_3_and_reports_it_in_the_json(corpus, tmp_path, capsys):
     code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--lr", "10",
                           "--min-lr", "0", "--schedule", "constant", "--warmup", "0",
-                          "--grad-clip", "none", "--steps", "50", "--out", tmp_path / "d", "--json")
+                          "--grad-clip", "none", "--steps", "50", "--out", tmp_path / "d",
+                          "--json")
     summary = last_json(stdout)
     assert code == 3 and summary["diverged"]
     assert (tmp_path / "d" / "diverged.json").exists()

@@ -14,7 +14,9 @@ import torch
 
 from flowattn.cli import main
 from flowattn.data import save_npz
-from flowattn.sets import SetsConfig, load_flow
+from flowattn.errors import ConfigError
+from flowattn.sets import SetsRunConfig, load_flow
+from flowattn.sets.config import build_flow
 
 TINY = ["--data", "gaussian-sets", "--num-train", "200", "--batch-size", "16", "--no-progress"]
 
@@ -33,7 +35,7 @@ def run_cli(*args: str) -> int:
 
 
 def final_parameters(run: Path) -> dict:
-    return torch.load(run / "checkpoint.pt", weights_only=False)["model"]
+    return torch.load(run / "checkpoint.pt", weights_only=True)["model"]
 
 
 def test_fit_writes_checkpoint_metrics_summary_and_plot(tmp_path, capsys):
@@ -71,13 +73,20 @@ def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys):
         assert archive["x"].shape == (7, 5, 2) and np.isfinite(archive["x"]).all()
 
 
-def test_eval_is_deterministic(tmp_path):
+def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(tmp_path, capsys):
     out = tmp_path / "run"
     run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
             "--config", str(tiny_config(tmp_path)))
-    flow, _ = load_flow(out)
-    x = torch.randn(6, 8, 2)
-    torch.testing.assert_close(flow.log_prob(x), flow.log_prob(x), rtol=0, atol=0)
+    summary = json.loads((out / "summary.json").read_text())
+    capsys.readouterr()
+    # the fitted data's test split, scored by the eval command in two batch sizes
+    results = []
+    for batch in ("256", "7"):
+        assert run_cli("eval", "--checkpoint", str(out), "--data", "gaussian-sets",
+                       "--batch-size", batch, "--json") == 0
+        results.append(json.loads(capsys.readouterr().out.strip().splitlines()[-1]))
+    assert results[0]["nll"] == pytest.approx(summary["test_nll"], rel=1e-6)
+    assert results[1]["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
 
 
 def _fit_command(out: Path, config: Path, steps: int) -> list[str]:
@@ -85,6 +94,7 @@ def _fit_command(out: Path, config: Path, steps: int) -> list[str]:
             "--out", str(out), "--config", str(config)]
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path):
     config = tiny_config(tmp_path, checkpoint_every=3, eval_every=100)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -99,10 +109,11 @@ def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path):
         time.sleep(0.05)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    step = torch.load(killed / "checkpoint.pt", weights_only=False)["step"]
+    step = torch.load(killed / "checkpoint.pt", weights_only=True)["step"]
     assert 3 <= step < 12, "the run was not interrupted mid-training"
-    resumed = subprocess.run(_fit_command(killed, config, 12) + ["--resume"], env=env,
-                             capture_output=True, text=True)
+    resumed = subprocess.run([sys.executable, "-m", "flowattn", "sets", "fit", "--out",
+                              str(killed), "--resume", "--no-progress"], env=env,
+                             capture_output=True, text=True)  # --resume alone suffices
     assert resumed.returncode == 0, resumed.stderr
     a, b = final_parameters(straight), final_parameters(killed)
     for name in a:
@@ -117,8 +128,8 @@ def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path):
     [
         (["--data", "no-such-set"], "unknown data set"),
         (["--data", "MISSING.npz"], "no such file"),
-        (["--config", "CONFIG"], "unknown setting"),
-        (["--threads", "0"], "--threads must be positive"),
+        (["--config", "CONFIG"], "unknown setting 'nope'"),
+        (["--threads", "0"], "threads: Input should be greater than or equal to 1"),
     ],
 )
 def test_fit_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, message):
@@ -129,7 +140,7 @@ def test_fit_bad_input_is_one_line_and_writes_nothing(tmp_path, capsys, args, me
     code = run_cli("fit", "--steps", "2", "--out", str(out), "--no-progress", *args)
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1
-    assert not (out / "checkpoint.pt").exists()
+    assert not out.exists()  # refused before anything is written
 
 
 def test_malformed_npz_and_unwritable_out_are_rejected(tmp_path, capsys):
@@ -153,13 +164,15 @@ def test_fit_refuses_to_overwrite_a_run_without_resume(tmp_path, capsys):
     assert "--resume" in capsys.readouterr().err
 
 
-def test_config_rejects_invalid_settings():
-    with pytest.raises(Exception, match="coeff"):
-        SetsConfig(coeff=1.5)
-    with pytest.raises(Exception, match="flow"):
-        SetsConfig(flow="glow")
+def test_config_rejects_invalid_settings_naming_key_and_value():
+    with pytest.raises(ConfigError, match=r"flow: coeff: Input should be less than 1 \(got 1.5\)"):
+        SetsRunConfig.build({"coeff": 1.5})
+    with pytest.raises(ConfigError, match=r"flow: flow: Input should be 'resflow' or 'cnf' "
+                       r"\(got 'glow'\)"):
+        SetsRunConfig.build({"flow": "glow"})
 
 
+@pytest.mark.slow
 def test_torchrun_two_gloo_processes_match_the_single_process_run(tmp_path):
     config = tiny_config(tmp_path, eval_every=100)
     env = dict(os.environ, OMP_NUM_THREADS="1")
@@ -190,7 +203,7 @@ def test_interaction_and_blocks_flags_reach_the_flow(tmp_path):
     config = tiny_config(tmp_path)
     assert run_cli("fit", *TINY, "--interaction", "radial", "--blocks", "1", "--steps", "2",
                    "--out", str(out), "--config", str(config)) == 0
-    saved = json.loads((out / "config.json").read_text())
+    saved = json.loads((out / "config.json").read_text())["flow"]
     assert saved["interaction"] == "radial" and saved["blocks"] == 1 and saved["location"]
     from flowattn.flows import RadialInteraction, SetLocation
     from flowattn.sets import load_flow
@@ -224,96 +237,101 @@ def test_many_body_residuals_are_on_by_default_only_with_radial_blocks():
     from flowattn.sets.config import build_flow
 
     def count(config, zero_com):
-        flow = build_flow(config, 2, 4, zero_com)
+        flow = build_flow(config.flow, 2, 4, zero_com)
         return sum(isinstance(m, NeighbourhoodInteraction) for m in flow.modules())
 
-    config = SetsConfig(blocks=2)
-    assert config.manybody is None
+    config = SetsRunConfig.build({"blocks": 2})
+    assert config.flow.manybody is None
     assert count(config, zero_com=True) == 2  # particles: radial blocks, many-body on
     assert count(config, zero_com=False) == 0  # attention
-    assert count(config.updated(flow="cnf"), zero_com=True) == 0
-    assert count(config.updated(manybody=False), zero_com=True) == 0
+    assert count(config.updated({"flow": {"flow": "cnf"}}), zero_com=True) == 0
+    assert count(config.updated({"manybody": False}), zero_com=True) == 0
 
 
-def test_checkpoints_written_before_a_setting_existed_still_load(tmp_path):
+def _as_format_1(record: dict, drop: tuple[str, ...] = ()) -> dict:
+    """A checkpoint in the layout of format version 1: flat settings, data spec on top."""
+    settings = {k: v for section in record["config"].values() for k, v in section.items()
+                if k not in drop}
+    if settings.get("grad_clip") is None:
+        settings["grad_clip"] = 0.0
+    return {"version": 1, "config": settings, "data": record["task"]["data"],
+            "model": record["model"], "optimizer": record["optimizer"], "step": record["step"],
+            "rng": record["rng"][0]}
+
+
+def test_checkpoints_of_format_1_and_before_a_setting_existed_still_load(tmp_path, capsys):
     out = tmp_path / "run"
     config = tiny_config(tmp_path, interaction="radial", manybody=False)
     assert run_cli("fit", *TINY, "--steps", "2", "--out", str(out), "--config", str(config)) == 0
-    record = torch.load(out / "checkpoint.pt", weights_only=False)
-    for key in ("manybody", "radial_max_slope", "radial_inverse", "field"):
-        del record["config"][key]  # as written by an older version
-    torch.save(record, out / "checkpoint.pt")
-    flow, _ = load_flow(out)
-    assert torch.isfinite(flow.log_prob(torch.randn(3, 4, 2))).all()
+    record = torch.load(out / "checkpoint.pt", weights_only=True)
+    fresh, _ = load_flow(out)
+    old = tmp_path / "old"
+    old.mkdir()
+    # as written by an older version, before these settings existed
+    legacy = _as_format_1(record, drop=("manybody", "radial_max_slope", "radial_inverse",
+                                        "field"))
+    torch.save(legacy, old / "checkpoint.pt")
+    flow, saved = load_flow(old)
+    assert saved["version"] == 1 and saved["config"].flow.manybody is False
+    x = torch.randn(3, 4, 2)
+    torch.testing.assert_close(flow.log_prob(x), fresh.log_prob(x), rtol=0, atol=0)
+    capsys.readouterr()
+    assert run_cli("fit", "--out", str(old), "--resume") == 2  # its model loads; the run not
+    assert "format version 1" in capsys.readouterr().err
 
 
 def test_auto_interaction_is_radial_for_particles_and_attention_otherwise():
-    from flowattn.sets import SetsConfig
-    from flowattn.sets.config import resolved_interaction
+    from flowattn.sets.config import SetsFlow, resolved_interaction
 
-    config = SetsConfig()
-    assert config.interaction == "auto"
-    assert resolved_interaction(config, zero_com=True) == "radial"
-    assert resolved_interaction(config, zero_com=False) == "attention"
-    assert resolved_interaction(config.updated(interaction="linear"), zero_com=True) == "linear"
+    flow = SetsFlow()
+    assert flow.interaction == "auto"
+    assert resolved_interaction(flow, zero_com=True) == "radial"
+    assert resolved_interaction(flow, zero_com=False) == "attention"
+    assert resolved_interaction(SetsFlow(interaction="linear"), zero_com=True) == "linear"
 
 
 def test_cnf_field_is_the_graph_network_for_particles_and_attention_otherwise():
     from flowattn.flows import CNF, AttentionField, EGNNField
-    from flowattn.sets.config import build_flow
+    from flowattn.sets.config import SetsFlow
 
-    def field(config, zero_com):
-        flow = build_flow(config, 2, 4, zero_com)
-        return next(m for m in flow.modules() if isinstance(m, CNF)).field
+    def field(flow, zero_com):
+        built = build_flow(flow, 2, 4, zero_com)
+        return next(m for m in built.modules() if isinstance(m, CNF)).field
 
-    config = SetsConfig(flow="cnf")
-    assert isinstance(field(config, zero_com=True), EGNNField)
-    assert isinstance(field(config, zero_com=False), AttentionField)
-    chosen = field(config.updated(field="attention"), zero_com=True)
+    assert isinstance(field(SetsFlow(flow="cnf"), zero_com=True), EGNNField)
+    assert isinstance(field(SetsFlow(flow="cnf"), zero_com=False), AttentionField)
+    chosen = field(SetsFlow(flow="cnf", field="attention"), zero_com=True)
     assert isinstance(chosen, AttentionField) and chosen.layers == 2 and chosen.hidden == 16
-    egnn = field(config.updated(field="egnn", field_layers=2, field_hidden=8), zero_com=True)
+    egnn = field(SetsFlow(flow="cnf", field="egnn", field_layers=2, field_hidden=8), True)
     assert len(egnn.layers) == 2 and egnn.embed_time.out_features == 8
-    with pytest.raises(Exception, match="field must be one of"):
-        SetsConfig(field="transformer")
-    with pytest.raises(Exception, match="setting of continuous flows"):
-        build_flow(SetsConfig(field="egnn"), 2, 4, zero_com=True)  # a residual flow
+    with pytest.raises(ConfigError, match=r"field: Input should be 'auto', 'attention' or "
+                       r"'egnn' \(got 'transformer'\)"):
+        SetsFlow(field="transformer")
+    with pytest.raises(ConfigError, match="setting of continuous flows"):
+        SetsFlow(field="egnn")  # a residual flow
 
 
 def test_continuous_flows_saved_before_the_field_setting_keep_the_attention_field():
     from flowattn.flows import AttentionField
-    from flowattn.sets.config import build_flow
-    from flowattn.sets.train import _with_legacy_defaults
+    from flowattn.sets.config import legacy_settings
 
-    settings = SetsConfig(flow="cnf", field_layers=2, field_hidden=16).to_dict()
+    settings = SetsRunConfig.build({"flow": {"flow": "cnf", "field_layers": 2,
+                                             "field_hidden": 16}}).flat()
     del settings["field"]  # as written by an older version
-    config = SetsConfig(**_with_legacy_defaults(settings))
-    assert isinstance(build_flow(config, 2, 4, zero_com=True).transform.field, AttentionField)
-
-
-def test_resume_names_changed_settings_and_accepts_checkpoints_older_than_a_setting(
-        tmp_path, capsys):
-    out = tmp_path / "run"
-    config = tiny_config(tmp_path)
-    assert run_cli("fit", *TINY, "--steps", "4", "--out", str(out), "--config", str(config)) == 0
-    assert run_cli("fit", *TINY, "--steps", "6", "--out", str(out), "--config", str(config),
-                   "--resume", "--blocks", "2") == 2
-    assert "['blocks', 'steps'] differ" in capsys.readouterr().err
-    record = torch.load(out / "checkpoint.pt", weights_only=False)
-    del record["config"]["field"]  # as written before the setting existed, when the field's
-    record["config"].update(field_layers=2, field_hidden=16)  # size had fixed defaults
-    torch.save(record, out / "checkpoint.pt")
-    assert run_cli("fit", *TINY, "--steps", "4", "--out", str(out), "--config", str(config),
-                   "--resume") == 0
+    settings["grad_clip"] = 10.0
+    config = SetsRunConfig.build(legacy_settings(settings))
+    flow = build_flow(config.flow, 2, 4, zero_com=True)
+    assert isinstance(flow.transform.field, AttentionField)
 
 
 def test_evaluation_and_sampling_keep_no_graph():
     # a continuous flow's solve would otherwise hold every solver step of a batch in memory
     from flowattn.data import SetData
-    from flowattn.sets.config import build_flow
+    from flowattn.sets.config import SetsFlow, build_flow
     from flowattn.sets.plots import draw_samples
     from flowattn.sets.train import evaluate
 
-    flow = build_flow(SetsConfig(flow="cnf", field_hidden=4, field_layers=1), 2, 3, True)
+    flow = build_flow(SetsFlow(flow="cnf", field_hidden=4, field_layers=1), 2, 3, True)
     seen = []
     log_prob, inverse = flow.log_prob, flow.transform.inverse
     flow.log_prob = lambda *a, **k: seen.append(torch.is_grad_enabled()) or log_prob(*a, **k)
