@@ -7,7 +7,6 @@ imports what it runs.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 
@@ -15,6 +14,7 @@ from ..errors import InputError
 from ..training.cli import (
     add_run_arguments,
     is_main_process,
+    json_line,
     print_run_config,
     run_summary_lines,
 )
@@ -31,19 +31,7 @@ def _emit(payload: dict, as_json: bool, lines: list[str]) -> None:
     for line in lines:
         print(line)
     if as_json:
-        print(json.dumps(_finite(payload), allow_nan=False))
-
-
-def _finite(d: dict) -> dict:
-    """Replace non-finite floats by None: JSON has no NaN."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            v = _finite(v)
-        elif isinstance(v, float) and not math.isfinite(v):
-            v = None
-        out[k] = v
-    return out
+        print(json_line(payload))
 
 
 # ----------------------------------------------------------------------------- train
@@ -70,9 +58,6 @@ def _train(args: argparse.Namespace) -> int:
     from .train import train
 
     flags = given_flags(args, LMRunConfig)
-    if flags.get("data") is None and not args.resume and args.config is None:
-        print(f"no --data given: training on the embedded corpus ({DEFAULT_CORPUS})",
-              file=sys.stderr)
     summary = train(out=args.out, resume=args.resume, file=args.config, flags=flags,
                     progress=args.progress, tensorboard=args.tensorboard)
     if not is_main_process():  # under torchrun only the first process reports

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import ConfigError, NonFiniteError
+from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..training.checkpoint import read_checkpoint
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
@@ -157,14 +157,18 @@ def load_checkpoint(path: str | Path,
             checkpoint.
     """
     record = read_checkpoint(path, "lm", map_location=device)
-    if record["version"] == 1:  # format 1: the model's settings and vocabulary at the top
-        task = {"model_config": record["model_config"], "vocab": record["vocab"],
-                "corpus": record["data"]}
-    else:
-        task = record["task"]
-    config = LMConfig.from_dict(task["model_config"])
-    model = build_model(config).to(device)
-    model.load_state_dict(record["model"])
+    try:
+        if record["version"] == 1:  # format 1: the model's settings and vocabulary at the top
+            task = {"model_config": record["model_config"], "vocab": record["vocab"],
+                    "corpus": record["data"]}
+        else:
+            task = record["task"]
+        config = LMConfig.from_dict(task["model_config"])
+        model = build_model(config).to(device)
+        model.load_state_dict(record["model"])
+    except (KeyError, TypeError, RuntimeError) as err:
+        raise CheckpointError(f"{record['path']} does not hold a language model this flowattn "
+                              f"can rebuild: {str(err).splitlines()[0][:200]}") from None
     record = {**record, "corpus": task["corpus"], "model_config": config}
     return model.eval(), record, CharVocab.from_dict(task["vocab"])
 
@@ -216,7 +220,7 @@ def train(
         if plan.checkpoint is not None:
             vocab = CharVocab.from_dict(plan.checkpoint["task"]["vocab"])
         task = LMTask(plan.config, ctx, vocab)
-        if ctx.is_main and progress:
+        if ctx.is_main:
             for line in task.describe():
                 print(line, flush=True)
         summary = train_loop(task, plan, ctx, progress=progress, tensorboard=tensorboard)

@@ -14,6 +14,7 @@ from ..errors import DataError, InputError
 from ..training.cli import (
     add_run_arguments,
     is_main_process,
+    json_line,
     print_run_config,
     run_summary_lines,
 )
@@ -49,8 +50,7 @@ def _fit(args: argparse.Namespace) -> int:
     for line in lines:
         print(line)
     if args.json:
-        print(json.dumps({k: v for k, v in summary.items() if k != "test"}, allow_nan=False,
-                         default=str))
+        print(json_line({k: v for k, v in summary.items() if k != "test"}))
     return EXIT_DIVERGED if summary["diverged"] else 0
 
 

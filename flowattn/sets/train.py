@@ -19,7 +19,7 @@ from torch import Tensor, nn
 
 from ..attention import twice_differentiable
 from ..data import SetData, load_dataset
-from ..errors import ConfigError, NonFiniteError
+from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..flows.base import set_dims
 from ..flows.builders import SetFlow
 from ..training.checkpoint import read_checkpoint
@@ -223,16 +223,17 @@ def load_flow(checkpoint: str | Path, device: str | torch.device = "cpu") -> tup
         CheckpointError: naming the file, if it is missing, unreadable or not a sets checkpoint.
     """
     record = read_checkpoint(checkpoint, "sets", map_location=device)
-    if record["version"] == 1:
-        config = SetsRunConfig.build(legacy_settings(record["config"]), record["path"])
-        spec = record["data"]
-    else:
-        config = SetsRunConfig.build(record["config"], record["path"])
-        spec = record["task"]["data"]
     try:
+        if record["version"] == 1:
+            config = SetsRunConfig.build(legacy_settings(record["config"]), record["path"])
+            spec = record["data"]
+        else:
+            config = SetsRunConfig.build(record["config"], record["path"])
+            spec = record["task"]["data"]
         flow = build_flow(config.flow, spec["dim"], spec["set_size"], spec["zero_com"])
-    except ConfigError as err:
-        raise ConfigError(f"{record['path']}: {err}") from None
-    flow = flow.to(device)
-    flow.load_state_dict(record["model"])
+        flow = flow.to(device)
+        flow.load_state_dict(record["model"])
+    except (KeyError, TypeError, RuntimeError, ConfigError) as err:
+        raise CheckpointError(f"{record['path']} does not hold a set flow this flowattn can "
+                              f"rebuild: {str(err).splitlines()[0][:200]}") from None
     return flow.eval(), {**record, "config": config, "data": spec}

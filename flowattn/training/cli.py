@@ -6,12 +6,14 @@ No torch import here: parsers are built from these without loading torch.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 
 from .config import RunConfig, from_sources, given_flags, print_config
 
-__all__ = ["add_run_arguments", "print_run_config", "run_summary_lines", "is_main_process"]
+__all__ = ["add_run_arguments", "print_run_config", "run_summary_lines", "is_main_process",
+           "json_line"]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
@@ -59,3 +61,18 @@ def run_summary_lines(summary: dict) -> list[str]:
         return [f"diverged: {div['reason']} at step {div['step']} (loss {shown}); the "
                 f"checkpoint in {summary['out']} keeps the last good state"]
     return []
+
+
+def _finite(value):
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return None  # JSON has no NaN
+    return value
+
+
+def json_line(payload: dict) -> str:
+    """``payload`` as one line of strict JSON (non-finite numbers become null)."""
+    return json.dumps(_finite(payload), allow_nan=False, default=str)

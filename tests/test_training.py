@@ -1,0 +1,450 @@
+"""The training core both commands share: configs, run folders, resume, checkpoints, metrics,
+devices, divergence and the command line's errors — each case a user can hit."""
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from flowattn.cli import main
+from flowattn.data import save_npz
+from flowattn.errors import CheckpointError, ConfigError, DataError, FlowattnError, RunError
+from flowattn.sets.config import SetsRunConfig
+from flowattn.sets.train import fit
+from flowattn.training.checkpoint import read_checkpoint
+from flowattn.training.config import read_config_file
+from flowattn.training.device import resolve_device
+from flowattn.training.metrics import MetricsLog, read_metrics
+from flowattn.training.schedule import learning_rate
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = {"data": "gaussian-sets", "num_train": 64, "batch_size": 8, "blocks": 1, "hidden": 8,
+        "steps": 4, "eval_every": 2, "checkpoint_every": 2, "val_sets": 16, "warmup": 1}
+SETS_FLAGS = ["--num-train", "64", "--batch-size", "8", "--blocks", "1", "--hidden", "8",
+              "--eval-every", "2", "--checkpoint-every", "2", "--val-sets", "16",
+              "--no-progress", "--no-tensorboard"]
+TEXT = "to be or not to be, that is the question. " * 50
+LM_FLAGS = ["--layers", "1", "--dim", "16", "--heads", "2", "--block-size", "16",
+            "--batch-size", "4", "--eval-every", "2", "--checkpoint-every", "2",
+            "--no-progress", "--no-tensorboard"]
+
+
+def fit_tiny(out: Path, **changes) -> dict:
+    config = SetsRunConfig.build({**TINY, **changes})
+    return fit(config, out, progress=False, tensorboard=False, plots=False)
+
+
+def cli(capsys, *argv) -> tuple[int, str, str]:
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exit_:  # argparse: --help and usage errors
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def one_line(capsys, *argv, code: int = 2) -> str:
+    status, _, err = cli(capsys, *argv)
+    lines = err.strip().splitlines()
+    assert status == code, (status, err)
+    assert len(lines) == 1, lines
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return path
+
+
+def records(out: Path) -> list[dict]:
+    return read_metrics(out / "metrics.jsonl")
+
+
+# ----------------------------------------------------------------------------- typed configs
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"grad_clip": -1}, r"train: grad_clip: Input should be greater than 0 \(got -1\)"),
+        ({"warmup": -5}, r"train: warmup: .* greater than or equal to 0 \(got -5\)"),
+        ({"location": "false"}, r"flow: location: Input should be a valid boolean"),
+        ({"mlp": "no"}, r"flow: mlp: Input should be a valid boolean \(got 'no'\)"),
+        ({"steps": "five"}, r"train: steps: Input should be a valid integer \(got 'five'\)"),
+        ({"blocks": 2.5}, r"flow: blocks: Input should be a valid integer \(got 2.5\)"),
+        ({"data": 5}, r"data: data: Input should be a valid string \(got 5\)"),
+        ({"num_train": -3}, r"data: num_train: .* greater than or equal to 1 \(got -3\)"),
+        ({"lr": float("nan")}, r"train: lr: "),
+        ({"min_lr": 1.0}, r"train: min_lr \(1.0\) must not exceed lr"),
+        ({"device": "gpu"}, r"train: device: String should match pattern"),
+        ({"nope": 1}, r"unknown setting 'nope'"),
+        ({"train": {"stepz": 1}}, r"train: stepz: unknown setting"),
+    ],
+)
+def test_config_refuses_each_bad_value_naming_key_and_value(values, message):
+    with pytest.raises(ConfigError, match=message):
+        SetsRunConfig.build(values)
+
+
+def test_config_files_are_json_or_yaml_flat_or_nested(tmp_path):
+    (tmp_path / "a.yaml").write_text("train:\n  steps: 7\nflow:\n  blocks: 3\nlr: 0.01\n")
+    (tmp_path / "b.json").write_text(json.dumps({"steps": 7, "flow": {"blocks": 3},
+                                                 "lr": 0.01}))
+    a, b = (SetsRunConfig.build(read_config_file(tmp_path / f)) for f in ("a.yaml", "b.json"))
+    assert a == b and a.train.steps == 7 and a.flow.blocks == 3 and a.train.lr == 0.01
+    (tmp_path / "bad.yaml").write_text("steps: [1,\n")
+    with pytest.raises(ConfigError, match="bad.yaml is not valid YAML"):
+        read_config_file(tmp_path / "bad.yaml")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ConfigError, match="must hold a mapping"):
+        read_config_file(tmp_path / "list.json")
+
+
+def test_bad_values_on_the_command_line_are_one_line_and_write_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    line = one_line(capsys, "sets", "fit", "--steps", "five", "--out", out)
+    assert "--steps expects an integer, got 'five'" in line
+    line = one_line(capsys, "sets", "fit", "--num-train", "-3", "--out", out)
+    assert "num_train" in line and "-3" in line
+    line = one_line(capsys, "lm", "train", "--threads", "0", "--out", out)
+    assert "threads" in line and "(got 0)" in line
+    (tmp_path / "c.json").write_text(json.dumps({"grad_clip": -1}))
+    line = one_line(capsys, "sets", "fit", "--config", tmp_path / "c.json", "--out", out)
+    assert "grad_clip" in line and "(got -1)" in line
+    assert not out.exists()
+
+
+def test_help_shows_every_setting_with_its_default_and_print_config_every_key(capsys):
+    code, text, _ = cli(capsys, "sets", "fit", "--help")
+    assert code == 0
+    for name in SetsRunConfig.leaves():
+        flag = "--" + name.replace("_", "-")
+        assert flag in text, flag
+    for flag in ("--flow", "--steps", "--batch-size", "--seed"):
+        line = next(line for line in text.splitlines() if line.strip().startswith(flag))
+        block = text[text.index(line):text.index(line) + 300]
+        assert "(default:" in block, flag
+    code, text, _ = cli(capsys, "sets", "fit", "--print-config", "--steps", "9")
+    import yaml
+
+    printed = yaml.safe_load(text)
+    assert code == 0 and printed["train"]["steps"] == 9
+    assert {k for section in printed.values() for k in section} == set(SetsRunConfig.leaves())
+    code, text, _ = cli(capsys, "lm", "train", "--print-config", "json", "--layers", "2")
+    assert code == 0 and json.loads(text)["network"]["layers"] == 2
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@pytest.mark.parametrize("name", ["gpu", "CUDA", "mps", "cuda:x", ""])
+def test_unknown_devices_are_refused(name):
+    with pytest.raises(ConfigError, match="is not one of cpu, cuda, cuda:N, auto"):
+        resolve_device(name)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_cuda_without_cuda_is_one_line_in_every_command(tmp_path, capsys, corpus):
+    assert resolve_device("auto") == torch.device("cpu")
+    for name in ("cuda", "cuda:1"):
+        with pytest.raises(ConfigError, match="CUDA is not available"):
+            resolve_device(name)
+    run = tmp_path / "run"
+    fit_tiny(run)
+    for argv in (["sets", "eval", "--checkpoint", run, "--data", "gaussian-sets"],
+                 ["sets", "sample", "--checkpoint", run, "--num", "2", "--out",
+                  tmp_path / "s.npz"],
+                 ["lm", "train", "--data", corpus, "--out", tmp_path / "x"],
+                 ["sets", "fit", "--out", tmp_path / "y"]):
+        line = one_line(capsys, *argv, "--device", "cuda")
+        assert "CUDA is not available" in line and "checkpoint" not in line.split(":")[-1]
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_warmup_is_linear_and_cosine_reaches_min_lr_at_the_last_step(schedule):
+    kw = dict(lr=1.0, steps=50, schedule=schedule, warmup=5, min_lr=0.1)
+    rates = [learning_rate(t, **kw) for t in range(50)]
+    assert rates[:5] == pytest.approx([(t + 1) / 6 for t in range(5)])
+    assert rates[5] == 1.0
+    assert rates[-1] == pytest.approx(0.1 if schedule == "cosine" else 1.0)
+    assert min(rates[5:]) == pytest.approx(rates[-1])
+
+
+def test_the_run_follows_the_schedule_it_documents(tmp_path):
+    fit_tiny(tmp_path / "run", steps=6, log_every=1, warmup=2, lr=0.01, min_lr=0.001)
+    logged = [r["lr"] for r in records(tmp_path / "run") if r["split"] == "train"]
+    expected = [learning_rate(t, lr=0.01, steps=6, warmup=2, min_lr=0.001) for t in range(6)]
+    assert logged == pytest.approx(expected) and logged[-1] == pytest.approx(0.001)
+
+
+# ----------------------------------------------------------------------------- resume
+
+
+def test_resume_alone_continues_with_the_stored_settings(tmp_path):
+    out = tmp_path / "run"
+    fit_tiny(out, steps=2)
+    summary = fit(out=out, resume=True, flags={"steps": 4}, progress=False, plots=False)
+    assert summary["step"] == 4
+    assert json.loads((out / "config.json").read_text())["flow"]["hidden"] == 8
+    steps = [r["step"] for r in records(out) if r["split"] == "train"]
+    assert steps == sorted(set(steps))
+
+
+def test_resume_refuses_changed_run_settings_by_name_and_accepts_safe_ones(tmp_path):
+    out = tmp_path / "run"
+    fit_tiny(out, steps=2)
+    with pytest.raises(ConfigError, match=r"hidden \(8 in the run, 16 now\); lr"):
+        fit(out=out, resume=True, flags={"hidden": 16, "lr": 0.1})
+    with pytest.raises(ConfigError, match="below the step the run has reached"):
+        fit(out=out, resume=True, flags={"steps": 1})
+    summary = fit(out=out, resume=True, progress=False, plots=False,
+                  flags={"steps": 3, "eval_every": 3, "threads": 1, "device": "cpu"})
+    assert summary["step"] == 3
+
+
+def test_resume_without_a_run_is_one_line_for_both_commands(tmp_path, capsys):
+    for group, command in (("sets", "fit"), ("lm", "train")):
+        line = one_line(capsys, group, command, "--out", tmp_path / group, "--resume")
+        assert "no run to resume" in line
+        assert not (tmp_path / group).exists()
+
+
+def test_a_run_stopped_before_its_first_checkpoint_starts_over_clean(tmp_path):
+    out = tmp_path / "run"
+    fit_tiny(out)
+    (out / "checkpoint.pt").unlink()  # as if killed before its first checkpoint
+    (out / "summary.json").unlink()
+    with (out / "metrics.jsonl").open("a") as handle:
+        handle.write(json.dumps({"step": 99, "split": "train", "loss": 1.0}) + "\n")
+    fit_tiny(out)  # started again: no stale record survives
+    assert max(r["step"] for r in records(out)) == 4
+    (out / "checkpoint.pt").unlink()
+    (out / "summary.json").unlink()
+    summary = fit(out=out, resume=True, progress=False, plots=False)  # its stored settings
+    assert summary["step"] == 4 and max(r["step"] for r in records(out)) == 4
+
+
+def test_a_finished_run_resumed_does_nothing(tmp_path, capsys):
+    out = tmp_path / "run"
+    code, _, _ = cli(capsys, "sets", "fit", *SETS_FLAGS, "--steps", "2", "--out", out)
+    assert code == 0
+    before = (out / "metrics.jsonl").read_text()
+    code, text, _ = cli(capsys, "sets", "fit", "--out", out, "--resume")
+    assert code == 0 and "already finished at step 2" in text
+    assert (out / "metrics.jsonl").read_text() == before  # no second test record
+    assert sum(r["split"] == "test" for r in records(out)) == 1
+
+
+def test_a_torn_last_metrics_line_is_dropped_and_a_torn_middle_one_named(tmp_path):
+    out = tmp_path / "run"
+    fit_tiny(out, steps=2)
+    (out / "summary.json").unlink()
+    with (out / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": 3, "split": "tr')  # interrupted mid-write
+    summary = fit(out=out, resume=True, flags={"steps": 4}, progress=False, plots=False)
+    assert summary["step"] == 4 and all("split" in r for r in records(out))
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([lines[0], "garbage", *lines[1:]]) + "\n")
+    with pytest.raises(RunError, match=r"metrics.jsonl, line 2, is not a metrics record"):
+        read_metrics(out / "metrics.jsonl")
+
+
+@pytest.mark.parametrize("same_dim", [True, False], ids=["same-D", "other-D"])
+def test_resume_refuses_a_data_file_that_changed(tmp_path, same_dim):
+    data = tmp_path / "sets.npz"
+    save_npz(data, torch.randn(40, 5, 2, generator=torch.Generator().manual_seed(1)))
+    out = tmp_path / "run"
+    fit_tiny(out, data=str(data), steps=2, num_train=None)
+    changed = torch.randn(40, 5, 2 if same_dim else 3, generator=torch.Generator().manual_seed(2))
+    save_npz(data, changed)
+    with pytest.raises(DataError, match="changed since the run in .* began"):
+        fit(out=out, resume=True, flags={"steps": 4})
+
+
+def test_a_run_folder_of_another_command_is_refused(tmp_path, capsys, corpus):
+    sets_run, lm_run = tmp_path / "sets", tmp_path / "lm"
+    fit_tiny(sets_run)
+    code, _, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "2",
+                     "--out", lm_run)
+    assert code == 0
+    before = (sets_run / "metrics.jsonl").read_text(), (lm_run / "metrics.jsonl").read_text()
+    assert "holds a flowattn sets run" in one_line(capsys, "lm", "train", "--data", corpus,
+                                                   "--out", sets_run)
+    assert "holds a flowattn lm run" in one_line(capsys, "sets", "fit", "--out", lm_run)
+    for path in (sets_run, lm_run):
+        assert "--resume" in one_line(capsys, "sets" if path == sets_run else "lm",
+                                      "fit" if path == sets_run else "train", "--out", path)
+    after = (sets_run / "metrics.jsonl").read_text(), (lm_run / "metrics.jsonl").read_text()
+    assert after == before
+    foreign = tmp_path / "other"
+    foreign.mkdir()
+    (foreign / "metrics.jsonl").write_text("{}\n")
+    assert "another program" in one_line(capsys, "sets", "fit", "--out", foreign)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.parametrize("kind", ["empty", "truncated", "garbage", "foreign", "other-command"])
+def test_unusable_checkpoints_are_one_line_naming_the_file(tmp_path, capsys, kind):
+    run = tmp_path / "run"
+    fit_tiny(run, steps=2)
+    path = run / "checkpoint.pt"
+    if kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif kind == "garbage":
+        path.write_bytes(os.urandom(4096))
+    elif kind == "foreign":
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+    else:
+        record = torch.load(path, weights_only=True)
+        torch.save({**record, "kind": "lm"}, path)
+    with pytest.raises(CheckpointError, match=str(path)):
+        read_checkpoint(run, "sets")
+    for argv in (["sets", "eval", "--checkpoint", run, "--data", "gaussian-sets"],
+                 ["sets", "sample", "--checkpoint", run, "--num", "2", "--out",
+                  tmp_path / "s.npz"],
+                 ["lm", "eval", "--checkpoint", run],
+                 ["sets", "fit", "--out", run, "--resume"]):
+        line = one_line(capsys, *argv)
+        assert str(path) in line, line
+
+
+def test_checkpoints_are_read_with_weights_only_and_refuse_newer_formats(tmp_path):
+    run = tmp_path / "run"
+    fit_tiny(run, steps=2)
+    record = torch.load(run / "checkpoint.pt", weights_only=True)  # no pickled objects
+    assert record["format"] == "flowattn" and record["version"] == 2
+    torch.save({**record, "version": 3}, run / "checkpoint.pt")
+    with pytest.raises(CheckpointError, match="format version 3; this flowattn reads"):
+        read_checkpoint(run, "sets")
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    old = os.umask(0o022)
+    try:
+        fit_tiny(tmp_path / "run", steps=2)
+    finally:
+        os.umask(old)
+    for name in ("checkpoint.pt", "config.json", "run.json", "summary.json", "metrics.jsonl"):
+        mode = stat.S_IMODE((tmp_path / "run" / name).stat().st_mode)
+        assert mode == 0o644, (name, oct(mode))
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def test_tensorboard_restarts_with_a_fresh_run_and_purges_past_the_resumed_step(tmp_path,
+                                                                               monkeypatch):
+    pytest.importorskip("tensorboard", reason="the optional tensorboard package is missing")
+    import torch.utils.tensorboard as tb
+
+    created = []
+
+    class Recording(tb.SummaryWriter):
+        def __init__(self, *args, **kwargs):
+            created.append(kwargs.get("purge_step"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tb, "SummaryWriter", Recording)
+    out = tmp_path / "run"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard" / "stale").write_text("")
+    log = MetricsLog(out, start=0)
+    log.log(1, "train", loss=1.0)
+    log.close()
+    assert not (out / "tensorboard" / "stale").exists() and created == [None]
+    resumed = MetricsLog(out, start=1)
+    resumed.log(2, "train", loss=0.5)
+    resumed.close()
+    assert created == [None, 1]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
+
+
+def test_refused_runs_leave_no_files(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, x=np.full((4, 3, 2), np.nan))
+    out = tmp_path / "run"
+    assert "NaN" in one_line(capsys, "sets", "fit", "--data", bad, "--out", out, "--steps", "1")
+    assert "divide" in one_line(capsys, "sets", "fit", "--heads", "3", "--out", out,
+                                "--num-train", "8")
+    assert not out.exists()
+
+
+# ----------------------------------------------------------------------------- divergence
+
+
+def test_divergence_behaves_the_same_in_both_commands(tmp_path, capsys, corpus):
+    sets_run = tmp_path / "sets"
+    code, text, _ = cli(capsys, "sets", "fit", *SETS_FLAGS, "--lr", "1e30", "--grad-clip",
+                        "none", "--warmup", "0", "--steps", "8", "--out", sets_run, "--json")
+    assert code == 3 and "diverged: non-finite" in text
+    assert json.loads(text.strip().splitlines()[-1])["diverged"]
+    lm_run = tmp_path / "lm"
+    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--lr", "1e30",
+                        "--grad-clip", "none", "--warmup", "0", "--steps", "8", "--out",
+                        lm_run, "--json")
+    assert code == 3 and "diverged: non-finite" in text
+    for run in (sets_run, lm_run):
+        saved = json.loads((run / "diverged.json").read_text())
+        assert "non-finite" in saved["reason"]
+        assert [r["event"] for r in records(run) if r["split"] == "event"] == ["diverged"]
+
+
+# ----------------------------------------------------------------------------- reports, errors
+
+
+def test_fit_on_a_file_names_the_split_it_reports(tmp_path, capsys):
+    data = tmp_path / "sets.npz"
+    save_npz(data, torch.randn(40, 5, 2))
+    code, text, _ = cli(capsys, "sets", "fit", "--data", data, *SETS_FLAGS, "--steps", "2",
+                        "--out", tmp_path / "run")
+    assert code == 0 and "val NLL (the data have no test split)" in text
+    assert "test NLL" not in text
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["test_split"] == "val"
+
+
+def test_sample_refuses_a_zero_set_size(tmp_path, capsys):
+    run = tmp_path / "run"
+    fit_tiny(run, steps=2)
+    line = one_line(capsys, "sets", "sample", "--checkpoint", run, "--num", "2",
+                    "--set-size", "0", "--out", tmp_path / "s.npz")
+    assert "--set-size must be positive, got 0" in line
+
+
+def test_every_library_error_is_a_flowattn_error_and_debug_shows_the_traceback(tmp_path,
+                                                                              capsys):
+    import flowattn.errors as errors
+
+    kinds = [getattr(errors, name) for name in errors.__all__]
+    assert all(issubclass(kind, FlowattnError) for kind in kinds)
+    code, _, err = cli(capsys, "sets", "fit", "--out", tmp_path / "x", "--resume", "--debug")
+    assert code == 2 and "Traceback" in err and "no run to resume" in err
+    code, _, err = cli(capsys, "--debug", "sets", "fit", "--out", tmp_path / "x", "--resume")
+    assert code == 2 and "Traceback" in err
+
+
+def test_the_command_line_starts_without_importing_torch():
+    script = ("import sys; from flowattn.cli import build_parser; build_parser(); "
+              "print(sorted(m for m in ('torch', 'numpy', 'flowattn.flows') "
+              "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
