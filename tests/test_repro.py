@@ -31,6 +31,8 @@ def _csv_rows(path):
         return list(csv.DictReader(handle))
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(REPRODUCTIONS))
 def test_each_reproduction_writes_png_csv_and_json(quick, name):
     out, results = quick
@@ -47,6 +49,7 @@ def test_each_reproduction_writes_png_csv_and_json(quick, name):
     assert payload["summary"].keys() == result.summary.keys()
 
 
+@pytest.mark.slow
 def test_bound_tightness_upper_bound_dominates_optimised_lower_bound(quick):
     rows = quick[1]["bound-tightness"].rows
     assert [r["n"] for r in rows] == [8, 16, 32]
@@ -85,6 +88,7 @@ def test_row_jacobian_norm_is_the_max_row_sum_of_the_first_element_rows():
         torch.testing.assert_close(norms[b], expected, rtol=1e-12, atol=0)
 
 
+@pytest.mark.slow
 def test_invertibility_l2_converges_and_dot_product_does_not(quick):
     cases = quick[1]["invertibility"].summary["cases"]
     l2 = [c for c in cases if c["attention"] == "l2"]
@@ -115,6 +119,7 @@ def test_fixed_point_errors_record_divergence_as_infinite():
     assert len(errors) == 21 and math.isinf(errors[-1])
 
 
+@pytest.mark.slow
 def test_histograms_dot_product_outputs_spread_wider_than_l2(quick):
     result = quick[1]["histograms"]
     by = {(r["source"], r["attention"]): r for r in result.rows}
@@ -126,6 +131,7 @@ def test_histograms_dot_product_outputs_spread_wider_than_l2(quick):
     assert result.summary["training"]["dp"]["step"] == 3
 
 
+@pytest.mark.slow
 def test_runtime_reports_every_variant_relative_to_dot_product(quick):
     result = quick[1]["runtime"]
     lm = [r for r in result.rows if r["benchmark"] == "lm-step"]
@@ -135,10 +141,17 @@ def test_runtime_reports_every_variant_relative_to_dot_product(quick):
         assert r["seconds"] > 0 and math.isfinite(r["seconds"])
         if r["attention"] == "dp":
             assert r["ratio_to_dp"] == 1.0
-    # L2 logits run on the same fused kernel as dot products (App. E): same order of cost
-    assert all(r["ratio_to_dp"] < 3 for r in lm if r["attention"] == "l2-tied")
+    # each variant's ratio is its own time over dot product's (timings belong in benchmarks:
+    # only the bookkeeping is checked here)
+    def size(r):
+        return r["benchmark"], r["layers"], r["n"]
+
+    dp = {size(r): r["seconds"] for r in result.rows if r["attention"] == "dp"}
+    for r in result.rows:
+        assert r["ratio_to_dp"] == pytest.approx(r["seconds"] / dp[size(r)])
 
 
+@pytest.mark.slow
 def test_dp_divergence_dot_product_norm_grows_while_l2_stays_certified(quick):
     result = quick[1]["dp-divergence"]
     summary = result.summary
@@ -149,6 +162,7 @@ def test_dp_divergence_dot_product_norm_grows_while_l2_stays_certified(quick):
     assert summary["restarts"][0]["dp_growth_per_step"] > 0
 
 
+@pytest.mark.slow
 def test_layernorm_measured_norms_stay_below_the_appendix_n_bound(quick):
     result = quick[1]["layernorm"]
     assert result.summary["measured_below_bound"]

@@ -188,6 +188,7 @@ def test_torchrun_two_gloo_processes_match_the_single_process_run(tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow
 def test_cnf_fit_logs_solver_evaluations(tmp_path):
     out = tmp_path / "run"
     config = tiny_config(tmp_path, field_hidden=8)
