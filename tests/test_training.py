@@ -183,6 +183,26 @@ def test_warmup_is_linear_and_cosine_reaches_min_lr_at_the_last_step(schedule):
     assert min(rates[5:]) == pytest.approx(rates[-1])
 
 
+def test_noam_schedule_peaks_at_lr_after_warmup_and_decays_as_inverse_square_root():
+    kw = dict(lr=2e-3, steps=10_000, schedule="noam", warmup=400, min_lr=0.0)
+    assert learning_rate(399, **kw) == pytest.approx(2e-3)
+    assert learning_rate(199, **kw) == pytest.approx(1e-3)
+    assert learning_rate(1599, **kw) == pytest.approx(1e-3)  # t = 4w: lr / 2
+    assert max(learning_rate(t, **kw) for t in range(2000)) == pytest.approx(2e-3)
+    assert learning_rate(9999, **{**kw, "min_lr": 5e-4}) == pytest.approx(5e-4)
+
+
+def test_cosine_midpoint_and_constant_without_warmup():
+    kw = dict(lr=1e-3, steps=2000, warmup=100, min_lr=1e-4)
+    assert learning_rate(1049, **kw) == pytest.approx(5.5e-4, rel=1e-3)
+    after = [learning_rate(t, **kw) for t in range(100, 2000)]
+    assert all(a >= b for a, b in zip(after[:-1], after[1:], strict=True))
+    assert {learning_rate(t, lr=3e-4, steps=5000, schedule="constant") for t in
+            range(0, 5000, 97)} == {3e-4}
+    with pytest.raises(ConfigError, match="noam schedule needs warmup >= 1"):
+        SetsRunConfig.build({"schedule": "noam", "warmup": 0})
+
+
 def test_the_run_follows_the_schedule_it_documents(tmp_path):
     fit_tiny(tmp_path / "run", steps=6, log_every=1, warmup=2, lr=0.01, min_lr=0.001)
     logged = [r["lr"] for r in records(tmp_path / "run") if r["split"] == "train"]
