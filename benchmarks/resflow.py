@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
 from flowattn.flows.inverse import anderson_inverse, fixed_point_inverse
 from flowattn.flows.logdet import exact_logdet, roulette_logdet, series_logdet
 from flowattn.flows.residual import InvertibleResidual
-from flowattn.nn import LipschitzMLP
 
 
 class NearLinearBranch(nn.Module):

@@ -11,8 +11,8 @@ from nflows.flows import Flow
 from nflows.transforms import CompositeTransform
 
 from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
 from flowattn.flows import ActNorm, EquivariantLinear, InvertibleResidual
-from flowattn.nn import LipschitzMLP
 
 
 def main(quick: bool) -> None:

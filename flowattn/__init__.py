@@ -1,7 +1,7 @@
 """flowattn: invertible generative modelling with Lipschitz self-attention.
 
 The package is a thin namespace: ``import flowattn`` loads no subpackage (and not torch), and
-each of ``flowattn.attention``, ``flowattn.flows``, ``flowattn.lipschitz``, ... is imported on
+each of ``flowattn.attention``, ``flowattn.flows``, ``flowattn.branches``, ... is imported on
 first access. The convenience names ``flowattn.L2MHA`` and friends resolve the same way.
 """
 
@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 
 _SUBPACKAGES = (
     "attention",
+    "branches",
     "cli",
     "data",
     "errors",

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
 from flowattn.flows.logdet import (
     exact_logdet,
     memory_efficient_logdet,
@@ -13,7 +14,6 @@ from flowattn.flows.logdet import (
     sample_roulette_lengths,
     series_logdet,
 )
-from flowattn.nn import LipschitzMLP
 
 DT = torch.float64
 

@@ -5,12 +5,12 @@ import math
 import pytest
 import torch
 
+from flowattn.branches import RadialInteraction
 from flowattn.flows import (
     InverseMonotoneResidual,
     InverseNotConverged,
     InvertibleResidual,
     MonotoneResidual,
-    RadialInteraction,
     set_flow,
 )
 from flowattn.flows.monotone import _Recentred

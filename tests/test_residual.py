@@ -7,10 +7,10 @@ from nflows.flows import Flow
 from nflows.transforms import CompositeTransform
 
 from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
 from flowattn.errors import InverseNotConverged
 from flowattn.flows import InvertibleResidual, TransformerResidualPair
 from flowattn.flows.logdet import exact_logdet, project
-from flowattn.nn import LipschitzMLP
 
 DT = torch.float64
 

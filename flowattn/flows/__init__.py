@@ -12,9 +12,7 @@ from .fields import AttentionField, DotProductField
 from .inverse import anderson_inverse, fixed_point_inverse, residual_inverse
 from .location import SetLocation, size_features
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
-from .manybody import NeighbourhoodInteraction
 from .monotone import InverseMonotoneResidual, MonotoneResidual
-from .radial import RadialInteraction
 from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = [
@@ -31,8 +29,6 @@ __all__ = [
     "InverseMonotoneResidual",
     "InvertibleResidual",
     "MonotoneResidual",
-    "NeighbourhoodInteraction",
-    "RadialInteraction",
     "SetFlow",
     "SetLocation",
     "TransformerResidualPair",

@@ -9,15 +9,13 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
+from flowattn.branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from flowattn.flows.actnorm import ActNorm
 from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob, subtract_mean
 from flowattn.flows.equivariant import EquivariantLinear
 from flowattn.flows.location import SetLocation
-from flowattn.flows.manybody import NeighbourhoodInteraction
 from flowattn.flows.monotone import InverseMonotoneResidual, MonotoneResidual
-from flowattn.flows.radial import RadialInteraction
 from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
-from flowattn.nn import LipschitzMLP
 from flowattn.validation import check_sets
 
 from ..errors import InputError

@@ -26,8 +26,7 @@ from nflows.transforms import (
 from torch import Tensor
 
 from ..errors import InputError
-from ..validation import check_sets
-from .base import _present
+from ..validation import check_sets, present_weights
 from .residual import mask_from_context
 
 __all__ = ["SetLocation", "size_features"]
@@ -124,7 +123,7 @@ class SetLocation(Transform):
         self.centroid_flow = transform or _spline_flow(dim, layers, hidden, bins, tail_bound)
 
     def _centroid(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        w = _present(x, mask).unsqueeze(-1)
+        w = present_weights(x, mask).unsqueeze(-1)
         n = w.sum(dim=(1, 2))  # check_sets has ruled out empty sets
         return (x * w).sum(dim=1) / n.unsqueeze(-1), n, w
 

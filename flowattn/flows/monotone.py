@@ -25,10 +25,10 @@ import torch
 from nflows.transforms import Transform
 from torch import Tensor, nn
 
-from flowattn.flows.base import _present, subtract_mean
+from flowattn.flows.base import subtract_mean
 from flowattn.flows.logdet import jacobian_logdet, project, residual_matrix
 from flowattn.flows.residual import InvertibleResidual, mask_from_context
-from flowattn.validation import check_sets
+from flowattn.validation import check_sets, present_weights
 
 from ..errors import InputError, InverseNotConverged
 
@@ -71,7 +71,7 @@ class _Recentred(nn.Module):
     def jacobian(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         a = self.scale().to(x)
         B, N, D = x.shape
-        present = _present(x, mask)
+        present = present_weights(x, mask)
         n = present.sum(1).clamp_min(1.0)
         same = torch.eye(N, dtype=x.dtype, device=x.device)
         centring = present[:, :, None] * (same - present[:, None, :] / n[:, None, None])
@@ -84,13 +84,13 @@ class MonotoneResidual(Transform):
     r"""y = x + g(x) for a gradient-field branch with Jacobian eigenvalues in [-l, u], l < 1.
 
     The branch provides ``spectrum() -> (l, u)`` (certified, for every set size) and a
-    symmetric Jacobian, e.g. :class:`~flowattn.flows.RadialInteraction` with ``max_slope=u``.
+    symmetric Jacobian, e.g. :class:`~flowattn.branches.RadialInteraction` with ``max_slope=u``.
     Only l must stay below 1; u sets how far one block can expand. Keyword arguments go to the
     inner :class:`~flowattn.flows.InvertibleResidual` (``logdet``, ``zero_com``, inverse
     settings, ...); its inverse iterations converge at the rate q = (u + l) / (u - l + 2).
 
     Examples:
-        >>> from flowattn.flows import RadialInteraction
+        >>> from flowattn.branches import RadialInteraction
         >>> branch = RadialInteraction(coeff=0.9, max_slope=3.0)
         >>> block = MonotoneResidual(branch, logdet="exact", zero_com=True).eval()
         >>> x = torch.randn(2, 4, 2)
@@ -113,7 +113,7 @@ class MonotoneResidual(Transform):
 
     def _scale_logdet(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         a = self.residual.branch.scale().to(x)
-        n = _present(x, mask).sum(1)
+        n = present_weights(x, mask).sum(1)
         return a, (n - 1).clamp_min(0.0) * x.shape[-1] * torch.log(a)
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
@@ -156,7 +156,7 @@ class InverseMonotoneResidual(Transform):
         residual_kwargs: passed to the :class:`MonotoneResidual` of the sampling direction.
 
     Examples:
-        >>> from flowattn.flows import RadialInteraction
+        >>> from flowattn.branches import RadialInteraction
         >>> layer = InverseMonotoneResidual(RadialInteraction(coeff=0.9, max_slope=3.0)).eval()
         >>> x = torch.randn(2, 4, 2)
         >>> z, logdet = layer(x)

@@ -10,6 +10,7 @@ from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
 from flowattn.attention import twice_differentiable
+from flowattn.branches.mlp import frozen_power_iteration
 from flowattn.flows.inverse import INVERSE_METHODS, residual_inverse
 from flowattn.flows.logdet import (
     exact_logdet,
@@ -19,7 +20,6 @@ from flowattn.flows.logdet import (
     roulette_logdet,
     series_logdet,
 )
-from flowattn.nn import frozen_power_iteration
 from flowattn.validation import check_sets
 
 from ..errors import InputError
@@ -143,7 +143,7 @@ class InvertibleResidual(Transform):
         check_size: set size at which the branch bound is checked at construction.
 
     Examples:
-        >>> from flowattn.nn import LipschitzMLP
+        >>> from flowattn.branches import LipschitzMLP
         >>> block = InvertibleResidual(LipschitzMLP(2, 16, coeff=0.9), logdet="exact").eval()
         >>> x = torch.randn(4, 3, 2)
         >>> y, logdet = block(x)
@@ -417,7 +417,7 @@ class TransformerResidualPair(CompositeTransform):
         kwargs: passed to both :class:`InvertibleResidual` blocks.
 
     Examples:
-        >>> from flowattn.nn import LipschitzMLP
+        >>> from flowattn.branches import LipschitzMLP
         >>> pair = TransformerResidualPair(LipschitzMLP(2, 8), LipschitzMLP(2, 8), logdet="exact")
         >>> pair(torch.randn(3, 4, 2))[1].shape
         torch.Size([3])

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from flowattn.branches import RadialInteraction
 from flowattn.flows import InvertibleResidual, set_flow
-from flowattn.flows.radial import RadialInteraction
 from flowattn.lipschitz import jacobian, jacobian_norm, lipschitz_lower_bound
 
 

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
+from flowattn.branches import NeighbourhoodInteraction
 from flowattn.flows import InvertibleResidual, set_flow
-from flowattn.flows.manybody import NeighbourhoodInteraction
 from flowattn.lipschitz import lipschitz_lower_bound
 
 
@@ -75,7 +75,7 @@ def test_bound_is_nearly_attained_by_a_linear_embedding_of_one_shell():
 
 
 def test_shell_sum_constants_bound_their_sums():
-    from flowattn.flows import manybody
+    from flowattn.branches import manybody
 
     rho = torch.linspace(0.0, 12.0, 24001, dtype=torch.float64)
     centres = torch.linspace(0.0, 10.0, 11, dtype=torch.float64)
@@ -88,7 +88,7 @@ def test_shell_sum_constants_bound_their_sums():
 
 def test_a_pair_feels_a_third_element_unlike_a_pair_interaction():
     """dg_0/dx_1 changes when x_2 moves: zero for any sum of pair terms, not here."""
-    from flowattn.flows.radial import RadialInteraction
+    from flowattn.branches import RadialInteraction
 
     def coupling(branch, third):
         x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], third]], dtype=torch.float64)

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
-from .base import _present
+from ..validation import present_weights
 
 __all__ = ["RadialInteraction"]
 
@@ -147,7 +147,7 @@ class RadialInteraction(nn.Module):
         eps = torch.finfo(x.dtype).eps ** 0.5
         sq = diff.pow(2).sum(-1)
         dist = sq.clamp_min(eps * eps).sqrt()
-        present = _present(x, mask)
+        present = present_weights(x, mask)
         weight = present[:, :, None] * present[:, None, :]
         n = present.sum(1).clamp_min(1.0)[:, None, None]
         return diff, sq, dist, weight / n, eps
