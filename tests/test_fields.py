@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowattn.flows.base import subtract_mean
 from flowattn.flows.cnf import CNF
 from flowattn.flows.fields import AttentionField, DotProductField
+from flowattn.flows.geometry import subtract_mean
 from flowattn.lipschitz import jacobian, jacobian_norm, lipschitz_lower_bound
 
 TIGHT = dict(atol=1e-9, rtol=1e-9)

@@ -198,7 +198,7 @@ def test_alternating_flow_and_its_settings():
 
 
 def test_a_branch_without_closed_form_jacobian_uses_the_vjp_path():
-    from flowattn.flows.base import subtract_mean
+    from flowattn.flows.geometry import subtract_mean
 
     class Stretch(torch.nn.Module):
         """g(x) = 2 P x: eigenvalues 2 on the centred directions, inside [-0.5, 3]."""

@@ -10,7 +10,8 @@ from flowattn.attention import ContractiveL2MHA
 from flowattn.branches import LipschitzMLP
 from flowattn.errors import InverseNotConverged
 from flowattn.flows import InvertibleResidual, TransformerResidualPair
-from flowattn.flows.logdet import exact_logdet, project
+from flowattn.flows.geometry import project
+from flowattn.flows.logdet import exact_logdet
 
 DT = torch.float64
 

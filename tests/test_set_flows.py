@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from flowattn.flows import ActNorm, SetFlow, sequence_flow, set_flow
-from flowattn.flows.base import subtract_mean
+from flowattn.flows.geometry import subtract_mean
 
 DT = torch.float64
 

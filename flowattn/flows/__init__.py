@@ -2,13 +2,14 @@
 
 from ..errors import InverseNotConverged, ODESolverError
 from .actnorm import ActNorm
-from .base import sample_standard_normal, set_dims, standard_normal_log_prob, subtract_mean
+from .base import sample_standard_normal, set_dims, standard_normal_log_prob
 from .builders import SetFlow, sequence_flow, set_flow
 from .cnf import CNF
 from .divergence import exact_divergence, hutchinson_divergence
 from .egnn import EGNNField
 from .equivariant import EquivariantLinear
 from .fields import AttentionField, DotProductField
+from .geometry import subtract_mean
 from .inverse import anderson_inverse, fixed_point_inverse, residual_inverse
 from .location import SetLocation, size_features
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet

@@ -6,9 +6,9 @@ import torch
 from nflows.transforms import Transform
 from torch import Tensor, nn
 
-from flowattn.flows.base import set_dims
-from flowattn.flows.residual import mask_from_context
-from flowattn.validation import check_sets
+from ..validation import check_sets
+from .base import set_dims
+from .geometry import mask_from_context
 
 __all__ = ["ActNorm"]
 

@@ -17,18 +17,9 @@ import torch
 from torch import Tensor
 
 from ..validation import present_weights
+from .geometry import subtract_mean
 
-__all__ = ["subtract_mean", "standard_normal_log_prob", "sample_standard_normal", "set_dims"]
-
-
-def subtract_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Remove each set's centre of mass: x_i - mean_j x_j over present elements.
-
-    Padded elements are returned as zeros.
-    """
-    w = present_weights(x, mask).unsqueeze(-1)
-    mean = (x * w).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True)
-    return (x - mean) * w
+__all__ = ["standard_normal_log_prob", "sample_standard_normal", "set_dims"]
 
 
 def set_dims(z: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Tensor:

@@ -9,16 +9,16 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
-from flowattn.branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
-from flowattn.flows.actnorm import ActNorm
-from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob, subtract_mean
-from flowattn.flows.equivariant import EquivariantLinear
-from flowattn.flows.location import SetLocation
-from flowattn.flows.monotone import InverseMonotoneResidual, MonotoneResidual
-from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
-from flowattn.validation import check_sets
-
+from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
+from ..validation import check_sets
+from .actnorm import ActNorm
+from .base import sample_standard_normal, standard_normal_log_prob
+from .equivariant import EquivariantLinear
+from .geometry import subtract_mean
+from .location import SetLocation
+from .monotone import InverseMonotoneResidual, MonotoneResidual
+from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS"]
 
@@ -129,7 +129,7 @@ class SetFlow(nn.Module):
 
 
 def _default_attention(dim: int, heads: int, coeff: float, norm: str) -> nn.Module:
-    from flowattn.attention import ContractiveL2MHA
+    from ..attention import ContractiveL2MHA
 
     return ContractiveL2MHA(dim, heads, coeff=coeff, norm=norm)
 

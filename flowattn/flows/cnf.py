@@ -12,8 +12,9 @@ from torchdiffeq import odeint, odeint_adjoint
 
 from ..errors import InputError, ODESolverError
 from ..validation import check_finite, check_sets
-from .base import sample_standard_normal, standard_normal_log_prob, subtract_mean
-from .divergence import draw_probe, exact_divergence, hutchinson_divergence
+from .base import sample_standard_normal, standard_normal_log_prob
+from .divergence import exact_divergence, hutchinson_divergence
+from .geometry import sample_probes, subtract_mean
 
 __all__ = ["CNF", "ODESolverError", "ADAPTIVE_SOLVERS", "FIXED_GRID_SOLVERS"]
 
@@ -376,7 +377,8 @@ class CNF(Transform):
         self._counter = counter
         probe = None
         if (self.divergence if self.training else self.eval_divergence) == "hutchinson":
-            probe = draw_probe(z0, self.noise, mask, self.zero_com, self.generator)
+            probe = sample_probes(z0.shape, self.noise, mask, self.zero_com, self.generator,
+                                  z0.device, z0.dtype)
         dynamics = _Dynamics(
             self.field, mask, probe, self.zero_com, regularize, counter, self.adjoint
         )

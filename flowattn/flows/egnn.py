@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from ..validation import check_sets, present_weights
-from .base import subtract_mean
+from .geometry import subtract_mean
 
 __all__ = ["EGNNField"]
 

@@ -7,7 +7,7 @@ from nflows.transforms import Transform
 from torch import Tensor, nn
 
 from ..validation import check_sets
-from .residual import mask_from_context
+from .geometry import mask_from_context
 
 __all__ = ["EquivariantLinear"]
 

@@ -8,9 +8,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowattn.flows.logdet import project
-
 from ..errors import InputError, InverseNotConverged
+from .geometry import project
 
 __all__ = [
     "InverseNotConverged",

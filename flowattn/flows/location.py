@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..errors import InputError
 from ..validation import check_sets, present_weights
-from .residual import mask_from_context
+from .geometry import mask_from_context
 
 __all__ = ["SetLocation", "size_features"]
 

@@ -25,12 +25,11 @@ import torch
 from nflows.transforms import Transform
 from torch import Tensor, nn
 
-from flowattn.flows.base import subtract_mean
-from flowattn.flows.logdet import jacobian_logdet, project, residual_matrix
-from flowattn.flows.residual import InvertibleResidual, mask_from_context
-from flowattn.validation import check_sets, present_weights
-
 from ..errors import InputError, InverseNotConverged
+from ..validation import check_sets, present_weights
+from .geometry import mask_from_context, project, subtract_mean
+from .logdet import jacobian_logdet, residual_matrix
+from .residual import InvertibleResidual
 
 __all__ = ["MonotoneResidual", "InverseMonotoneResidual"]
 

@@ -9,46 +9,23 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
-from flowattn.attention import twice_differentiable
-from flowattn.branches.mlp import frozen_power_iteration
-from flowattn.flows.inverse import INVERSE_METHODS, residual_inverse
-from flowattn.flows.logdet import (
+from ..attention import twice_differentiable
+from ..branches.mlp import frozen_power_iteration
+from ..errors import InputError
+from ..validation import check_sets
+from .geometry import mask_from_context, project
+from .inverse import INVERSE_METHODS, residual_inverse
+from .logdet import (
     exact_logdet,
     jacobian_logdet,
     memory_efficient_logdet,
-    project,
     roulette_logdet,
     series_logdet,
 )
-from flowattn.validation import check_sets
 
-from ..errors import InputError
-
-__all__ = ["InvertibleResidual", "TransformerResidualPair", "mask_from_context", "branch_bound"]
+__all__ = ["InvertibleResidual", "TransformerResidualPair", "branch_bound"]
 
 LOGDET_METHODS = ("auto", "exact", "series", "roulette")
-
-
-def mask_from_context(context, x: Tensor) -> Tensor | None:
-    """The padding mask carried by nflows' ``context`` argument.
-
-    ``context`` may be ``None``, a bool tensor (B, N) (True = present) or a dict with a
-    ``"mask"`` entry. Anything else raises ``ValueError``: in this library the context slot of a
-    set / sequence transform is reserved for the mask.
-    """
-    if context is None:
-        return None
-    if isinstance(context, dict):
-        context = context.get("mask")
-        if context is None:
-            return None
-    if not isinstance(context, Tensor) or context.dtype != torch.bool:
-        raise InputError(
-            "the context of a set transform must be None, a bool mask (B, N) or {'mask': mask}; "
-            f"got {type(context).__name__}"
-            + (f" of dtype {context.dtype}" if isinstance(context, Tensor) else "")
-        )
-    return context
 
 
 def branch_bound(branch: nn.Module, n: int, zero_com: bool = False) -> float:
