@@ -1,4 +1,4 @@
-"""Tests of flowattn.flows.cnf: log-determinants, masks, regularisers, counters and errors."""
+"""Tests of flowattn.flows.continuous.cnf: log-dets, masks, regularisers, counters and errors."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from torchdiffeq import odeint
 
 from flowattn.errors import ODESolverError
 from flowattn.flows.base import standard_normal_log_prob
-from flowattn.flows.cnf import CNF
+from flowattn.flows.continuous.cnf import CNF
 from flowattn.flows.geometry import sample_probes, subtract_mean
 
 TIGHT = dict(atol=1e-10, rtol=1e-10)

@@ -1,12 +1,12 @@
-"""Tests of flowattn.flows.fields: certified bounds, masks, symmetry, causality, CNF use."""
+"""Tests of flowattn.flows.continuous.fields: certified bounds, masks, symmetry, causality."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flowattn.flows.cnf import CNF
-from flowattn.flows.fields import AttentionField, DotProductField
+from flowattn.flows.continuous.cnf import CNF
+from flowattn.flows.continuous.fields import AttentionField, DotProductField
 from flowattn.flows.geometry import subtract_mean
 from flowattn.lipschitz import jacobian, jacobian_norm, lipschitz_lower_bound
 

@@ -4,11 +4,9 @@ from ..errors import InverseNotConverged, ODESolverError
 from .actnorm import ActNorm
 from .base import sample_standard_normal, set_dims, standard_normal_log_prob
 from .builders import SetFlow, sequence_flow, set_flow
-from .cnf import CNF
-from .divergence import exact_divergence, hutchinson_divergence
-from .egnn import EGNNField
+from .continuous import CNF, AttentionField, DotProductField, EGNNField
+from .continuous.divergence import exact_divergence, hutchinson_divergence
 from .equivariant import EquivariantLinear
-from .fields import AttentionField, DotProductField
 from .geometry import subtract_mean
 from .inverse import anderson_inverse, fixed_point_inverse, residual_inverse
 from .location import SetLocation, size_features

@@ -151,8 +151,8 @@ def resolved_field(config: SetsConfig, zero_com: bool) -> str:
 
 
 def _build_field(config: SetsConfig, dim: int, zero_com: bool):
-    from ..flows.egnn import EGNNField
-    from ..flows.fields import AttentionField
+    from ..flows.continuous.egnn import EGNNField
+    from ..flows.continuous.fields import AttentionField
 
     if resolved_field(config, zero_com) == "egnn":
         return EGNNField(dim, hidden=config.field_hidden or 32, layers=config.field_layers or 3,
@@ -204,7 +204,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
     if config.interaction not in ("auto", "attention"):
         raise RunError(f"interaction={config.interaction!r} is a residual-flow setting: "
                        "use flow=resflow")
-    from ..flows.cnf import CNF
+    from ..flows.continuous.cnf import CNF
 
     divergence = config.divergence
     if divergence == "auto":

@@ -10,11 +10,11 @@ from nflows.transforms.base import Transform
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
-from ..errors import InputError, ODESolverError
-from ..validation import check_finite, check_sets
-from .base import sample_standard_normal, standard_normal_log_prob
+from ...errors import InputError, ODESolverError
+from ...validation import check_finite, check_sets
+from ..base import sample_standard_normal, standard_normal_log_prob
+from ..geometry import sample_probes, subtract_mean
 from .divergence import exact_divergence, hutchinson_divergence
-from .geometry import sample_probes, subtract_mean
 
 __all__ = ["CNF", "ODESolverError", "ADAPTIVE_SOLVERS", "FIXED_GRID_SOLVERS"]
 
@@ -197,7 +197,7 @@ class CNF(Transform):
     **Counters.** ``nfe_forward`` counts the field evaluations of the latest solve;
     ``nfe_backward`` the evaluations of its backward pass (adjoint solve evaluations with
     ``adjoint=True``; evaluations whose graph was backpropagated otherwise). Each is also
-    logged at DEBUG level by the ``flowattn.flows.cnf`` logger.
+    logged at DEBUG level by the ``flowattn.flows.continuous.cnf`` logger.
 
     **Failures** raise :class:`ODESolverError` (a RuntimeError) whose ``cause`` names the
     reason (step size underflow, non-finite state or field, too many steps); bad inputs raise

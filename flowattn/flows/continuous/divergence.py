@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from .geometry import project, vjp
+from ..geometry import project, vjp
 
 __all__ = ["exact_divergence", "hutchinson_divergence"]
 

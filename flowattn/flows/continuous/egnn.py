@@ -36,9 +36,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..errors import InputError
-from ..validation import check_sets, present_weights
-from .geometry import subtract_mean
+from ...errors import InputError
+from ...validation import check_sets, present_weights
+from ..geometry import subtract_mean
 
 __all__ = ["EGNNField"]
 

@@ -7,11 +7,11 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..attention import L2MHA, DotProductMHA, twice_differentiable
-from ..errors import InputError
-from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
-from ..validation import check_sets
-from .geometry import subtract_mean
+from ...attention import L2MHA, DotProductMHA, twice_differentiable
+from ...errors import InputError
+from ...lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
+from ...validation import check_sets
+from ..geometry import subtract_mean
 
 __all__ = ["AttentionField", "DotProductField"]
 
