@@ -1,15 +1,13 @@
 """Normalizing flows over sets and sequences: invertible residual flows with Lipschitz branches."""
 
 from ..errors import InverseNotConverged, ODESolverError
-from .actnorm import ActNorm
 from .base import sample_standard_normal, set_dims, standard_normal_log_prob
 from .builders import SetFlow, sequence_flow, set_flow
 from .continuous import CNF, AttentionField, DotProductField, EGNNField
 from .continuous.divergence import exact_divergence, hutchinson_divergence
-from .equivariant import EquivariantLinear
 from .geometry import subtract_mean
 from .inverse import anderson_inverse, fixed_point_inverse, residual_inverse
-from .location import SetLocation, size_features
+from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
 from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
 from .monotone import InverseMonotoneResidual, MonotoneResidual
 from .residual import InvertibleResidual, TransformerResidualPair

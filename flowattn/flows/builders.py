@@ -12,11 +12,9 @@ from torch import Tensor, nn
 from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
 from ..validation import check_sets
-from .actnorm import ActNorm
 from .base import sample_standard_normal, standard_normal_log_prob
-from .equivariant import EquivariantLinear
 from .geometry import subtract_mean
-from .location import SetLocation
+from .layers import ActNorm, EquivariantLinear, SetLocation
 from .monotone import InverseMonotoneResidual, MonotoneResidual
 from .residual import InvertibleResidual, TransformerResidualPair
 

@@ -10,7 +10,7 @@ from nflows.transforms import CompositeTransform
 
 from ..errors import RunError
 from ..flows.builders import INTERACTIONS, SetFlow, set_flow
-from ..flows.location import SetLocation
+from ..flows.layers import SetLocation
 
 __all__ = ["SetsConfig", "build_flow"]
 
