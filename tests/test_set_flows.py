@@ -5,10 +5,18 @@ import math
 import pytest
 import torch
 
-from flowattn.flows import ActNorm, SetFlow, sequence_flow, set_flow
+from flowattn.flows import (
+    ActNorm,
+    InverseOptions,
+    LogDetOptions,
+    SetFlow,
+    sequence_flow,
+    set_flow,
+)
 from flowattn.flows.geometry import subtract_mean
 
 DT = torch.float64
+EXACT = LogDetOptions("exact")
 
 
 def _jacobian(fn, x):
@@ -80,7 +88,7 @@ def _trained_actnorm(flow, x, mask=None):
 @pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
 def test_set_flow_log_prob_matches_brute_force_jacobian(options):
     torch.manual_seed(3)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, **options).double()
     x = torch.randn(3, 5, 2, dtype=DT)
     _trained_actnorm(flow, 2 * x + 1)
     log_prob = flow.log_prob(x)
@@ -91,7 +99,7 @@ def test_set_flow_log_prob_matches_brute_force_jacobian(options):
 @pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
 def test_set_flow_log_prob_is_exchangeable(options):
     torch.manual_seed(4)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double().eval()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, **options).double().eval()
     x = torch.randn(4, 6, 2, dtype=DT)
     perm = torch.randperm(6)
     assert (flow.log_prob(x[:, perm]) - flow.log_prob(x)).abs().max() < 1e-10
@@ -100,7 +108,7 @@ def test_set_flow_log_prob_is_exchangeable(options):
 @pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
 def test_padded_batch_log_prob_equals_each_set_alone(options):
     torch.manual_seed(5)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, **options).double()
     data = torch.randn(8, 6, 2, dtype=DT)
     _trained_actnorm(flow, data)
     sizes = [6, 3, 1]
@@ -115,8 +123,8 @@ def test_padded_batch_log_prob_equals_each_set_alone(options):
 @pytest.mark.parametrize("interaction", ["attention", "radial"])
 def test_zero_com_flow_keeps_centre_and_matches_subspace_brute_force(interaction):
     torch.manual_seed(6)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", zero_com=True,
-                    inverse_tol=1e-12, interaction=interaction).double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, zero_com=True,
+                    inverse=InverseOptions(tol=1e-12), interaction=interaction).double()
     x = subtract_mean(torch.randn(3, 4, 2, dtype=DT))
     _trained_actnorm(flow, 1.5 * x)
     z = flow.transform_to_noise(x)
@@ -188,7 +196,7 @@ def test_flows_reject_bad_inputs():
 
 def test_default_set_flow_trains_in_float32_with_the_roulette_estimator():
     torch.manual_seed(9)
-    flow = set_flow(dim=4, blocks=1, heads=2, n_exact_terms=1).train()
+    flow = set_flow(dim=4, blocks=1, heads=2, logdet=LogDetOptions(n_exact_terms=1)).train()
     x = torch.randn(3, 20, 4)  # N D = 80 > exact_max_dim: "auto" uses roulette + Neumann
     mask = torch.ones(3, 20, dtype=torch.bool)
     mask[0, 15:] = False

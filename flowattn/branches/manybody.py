@@ -95,8 +95,9 @@ class NeighbourhoodInteraction(nn.Module):
         r_max: the centre of the outermost shell; the shells' width w is r_max / (C - 1).
 
     Examples:
-        >>> from flowattn.flows import InvertibleResidual
-        >>> block = InvertibleResidual(NeighbourhoodInteraction(coeff=0.9), logdet="exact").eval()
+        >>> from flowattn.flows import InvertibleResidual, LogDetOptions
+        >>> branch = NeighbourhoodInteraction(coeff=0.9)
+        >>> block = InvertibleResidual(branch, logdet=LogDetOptions("exact")).eval()
         >>> x = torch.randn(3, 4, 2)
         >>> y, logdet = block(x)
         >>> bool((block.inverse(y)[0] - x).abs().max() < 1e-4)

@@ -54,8 +54,9 @@ class RadialInteraction(nn.Module):
             expansions up to 1 + u.
 
     Examples:
-        >>> from flowattn.flows import InvertibleResidual
-        >>> block = InvertibleResidual(RadialInteraction(coeff=0.9), logdet="exact").eval()
+        >>> from flowattn.flows import InvertibleResidual, LogDetOptions
+        >>> branch = RadialInteraction(coeff=0.9)
+        >>> block = InvertibleResidual(branch, logdet=LogDetOptions("exact")).eval()
         >>> x = torch.randn(3, 4, 2)
         >>> y, logdet = block(x)
         >>> bool((block.inverse(y)[0] - x).abs().max() < 1e-4)

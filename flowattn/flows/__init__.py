@@ -1,46 +1,50 @@
-"""Normalizing flows over sets and sequences: invertible residual flows with Lipschitz branches."""
+"""Normalizing flows over sets and sequences: invertible residual flows with Lipschitz branches.
 
-from ..errors import InverseNotConverged, ODESolverError
-from .base import sample_standard_normal, set_dims, standard_normal_log_prob
+The transforms are ``nflows`` transforms on (B, N, D) sets that take the padding mask as
+``context``; the builders stack them into a :class:`SetFlow` with a standard normal base.
+The layers of the package, each using only those below it:
+
+* :mod:`~flowattn.flows.geometry` -- masks, the zero-centre-of-mass projection, probes, VJPs;
+  :mod:`~flowattn.flows.base` -- the base densities;
+* :mod:`~flowattn.flows.logdet` and :mod:`~flowattn.flows.inverse` -- the log-determinant
+  estimators and the inverses of residual blocks, with their options;
+* :mod:`~flowattn.flows.residual`, :mod:`~flowattn.flows.monotone` -- residual blocks
+  x + g(x) around a branch of :mod:`flowattn.branches` or :mod:`flowattn.attention`;
+  :mod:`~flowattn.flows.layers` -- exact layers (ActNorm, equivariant linear, set location);
+  :mod:`~flowattn.flows.continuous` -- continuous flows and their vector fields;
+* :mod:`~flowattn.flows.builders` -- :class:`SetFlow`, :func:`set_flow`, :func:`sequence_flow`.
+
+Estimators, inverses and helpers are imported from their own modules
+(``from flowattn.flows.logdet import series_logdet``).
+"""
+
 from .builders import SetFlow, sequence_flow, set_flow
 from .continuous import CNF, AttentionField, DotProductField, EGNNField
-from .continuous.divergence import exact_divergence, hutchinson_divergence
-from .geometry import subtract_mean
-from .inverse import anderson_inverse, fixed_point_inverse, residual_inverse
-from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
-from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
+from .inverse import InverseOptions
+from .layers import ActNorm, EquivariantLinear, SetLocation
+from .logdet import LogDetOptions
 from .monotone import InverseMonotoneResidual, MonotoneResidual
 from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = [
+    # residual blocks and their options
+    "InvertibleResidual",
+    "TransformerResidualPair",
+    "MonotoneResidual",
+    "InverseMonotoneResidual",
+    "LogDetOptions",
+    "InverseOptions",
+    # exact layers
     "ActNorm",
-    "AttentionField",
+    "EquivariantLinear",
+    "SetLocation",
+    # continuous flows and their fields
     "CNF",
+    "AttentionField",
     "DotProductField",
     "EGNNField",
-    "ODESolverError",
-    "exact_divergence",
-    "hutchinson_divergence",
-    "EquivariantLinear",
-    "InverseNotConverged",
-    "InverseMonotoneResidual",
-    "InvertibleResidual",
-    "MonotoneResidual",
+    # flows and builders
     "SetFlow",
-    "SetLocation",
-    "TransformerResidualPair",
-    "anderson_inverse",
-    "exact_logdet",
-    "fixed_point_inverse",
-    "memory_efficient_logdet",
-    "residual_inverse",
-    "roulette_logdet",
-    "sample_standard_normal",
-    "sequence_flow",
-    "series_logdet",
-    "set_dims",
     "set_flow",
-    "size_features",
-    "standard_normal_log_prob",
-    "subtract_mean",
+    "sequence_flow",
 ]

@@ -87,8 +87,8 @@ def sample_probes(
     mask: Tensor | None = None,
     zero_com: bool = False,
     generator: torch.Generator | None = None,
-    device=None,
-    dtype=None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> Tensor:
     """Hutchinson probes P u with E[u u^T] = I: u Rademacher (+-1) or standard Gaussian.
 

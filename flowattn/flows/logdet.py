@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .geometry import project, sample_probes, vjp
+from .geometry import PROBES, project, sample_probes, vjp
 
 __all__ = [
+    "LogDetOptions",
     "exact_logdet",
     "jacobian_logdet",
     "series_logdet",
@@ -34,10 +36,92 @@ __all__ = [
     "sample_roulette_lengths",
     "roulette_tail_probability",
     "memory_efficient_logdet",
+    "LOGDET_METHODS",
     "STRUCTURES",
 ]
 
 STRUCTURES = ("full", "pointwise", "causal")
+GRADIENTS = ("backprop", "neumann")
+ROULETTE_LAWS = ("geometric", "poisson")
+ROULETTE_LENGTHS = ("batch", "sample")
+LOGDET_METHODS = ("auto", "exact", "series", "roulette")
+
+
+@dataclass(frozen=True)
+class LogDetOptions:
+    r"""How an invertible residual block computes log|det(I + J_g(x))|.
+
+    In training mode the block runs ``method``: ``"exact"`` (:func:`exact_logdet`, or the
+    branch's closed-form Jacobian), ``"series"`` (:func:`series_logdet`), ``"roulette"``
+    (:func:`roulette_logdet`) or ``"auto"`` (exact when the Jacobian is block-structured or
+    N D <= ``exact_max_dim``, roulette otherwise). In evaluation mode it is always deterministic
+    and accurate: exact where feasible, otherwise ``eval_n_terms`` series terms with
+    ``eval_n_samples`` probes drawn from a generator seeded with ``eval_seed``.
+
+    Attributes:
+        method: ``"auto"``, ``"exact"``, ``"series"`` or ``"roulette"``.
+        n_terms: terms of the truncated series.
+        n_exact_terms: terms always computed by the roulette estimator.
+        n_samples: Hutchinson probes per set.
+        probe: ``"rademacher"`` or ``"gaussian"``.
+        grad: ``"backprop"`` or ``"neumann"`` (the Neumann gradient series).
+        memory_efficient: compute the log-det's gradient inside the forward pass, so that the
+            peak memory does not grow with the number of terms
+            (:func:`memory_efficient_logdet`).
+        roulette: the law of the roulette length, ``"geometric"`` or ``"poisson"``.
+        roulette_param: its p or lambda.
+        roulette_lengths: ``"batch"`` (one length per call) or ``"sample"`` (one per set).
+        exact_max_dim: the largest N D for which ``"auto"`` and evaluation use the full exact
+            path (8 times more for a branch with a closed-form ``jacobian``).
+        eval_n_terms: series terms in evaluation when exact is infeasible (``None``: from the
+            branch bound, between 20 and 100).
+        eval_n_samples: probes in evaluation when exact is infeasible.
+        eval_seed: seed of the evaluation probes.
+        generator: torch.Generator of the training-time probes and lengths (``None``: torch's
+            global RNG).
+
+    Examples:
+        >>> LogDetOptions("series", n_terms=20).n_terms
+        20
+    """
+
+    method: str = "auto"
+    _: KW_ONLY
+    n_terms: int = 10
+    n_exact_terms: int = 2
+    n_samples: int = 1
+    probe: str = "rademacher"
+    grad: str = "neumann"
+    memory_efficient: bool = False
+    roulette: str = "geometric"
+    roulette_param: float = 0.5
+    roulette_lengths: str = "batch"
+    exact_max_dim: int = 64
+    eval_n_terms: int | None = None
+    eval_n_samples: int = 8
+    eval_seed: int = 0
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("method", self.method, LOGDET_METHODS),
+            ("grad", self.grad, GRADIENTS),
+            ("probe", self.probe, PROBES),
+            ("roulette", self.roulette, ROULETTE_LAWS),
+            ("roulette_lengths", self.roulette_lengths, ROULETTE_LENGTHS),
+        ):
+            if value not in allowed:
+                raise InputError(f"LogDetOptions.{name} must be one of {allowed}, got {value!r}")
+        for name, low in (("n_terms", 1), ("n_exact_terms", 0), ("n_samples", 1),
+                          ("eval_n_samples", 1)):
+            value = getattr(self, name)
+            if int(value) != value or value < low:
+                raise InputError(f"LogDetOptions.{name} must be an integer >= {low}, got {value}")
+            object.__setattr__(self, name, int(value))
+        object.__setattr__(self, "memory_efficient", bool(self.memory_efficient))
+        object.__setattr__(self, "roulette_param", float(self.roulette_param))
+        object.__setattr__(self, "exact_max_dim", int(self.exact_max_dim))
+        object.__setattr__(self, "eval_seed", int(self.eval_seed))
 
 
 def _check_pair(gx: Tensor, x: Tensor) -> None:

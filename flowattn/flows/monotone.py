@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from ..errors import InputError, InverseNotConverged
 from ..validation import check_sets, present_weights
 from .geometry import mask_from_context, project, subtract_mean
-from .logdet import jacobian_logdet, residual_matrix
+from .logdet import LogDetOptions, jacobian_logdet, residual_matrix
 from .residual import InvertibleResidual
 
 __all__ = ["MonotoneResidual", "InverseMonotoneResidual"]
@@ -91,7 +91,7 @@ class MonotoneResidual(Transform):
     Examples:
         >>> from flowattn.branches import RadialInteraction
         >>> branch = RadialInteraction(coeff=0.9, max_slope=3.0)
-        >>> block = MonotoneResidual(branch, logdet="exact", zero_com=True).eval()
+        >>> block = MonotoneResidual(branch, logdet=LogDetOptions("exact"), zero_com=True).eval()
         >>> x = torch.randn(2, 4, 2)
         >>> x = x - x.mean(1, keepdim=True)
         >>> y, logdet = block(x)
@@ -152,7 +152,8 @@ class InverseMonotoneResidual(Transform):
         tol: relative residual tolerance of the Newton solve (at least 16 machine epsilons of
             the inputs' dtype).
         max_iter: Newton iterations before ``InverseNotConverged``.
-        residual_kwargs: passed to the :class:`MonotoneResidual` of the sampling direction.
+        residual_kwargs: passed to the :class:`MonotoneResidual` of the sampling direction
+            (``logdet`` defaults to ``LogDetOptions("exact")``).
 
     Examples:
         >>> from flowattn.branches import RadialInteraction
@@ -171,7 +172,7 @@ class InverseMonotoneResidual(Transform):
                              "mask): the Newton solve of an inverse monotone block needs one")
         if not tol > 0 or max_iter < 1:
             raise InputError(f"need tol > 0 and max_iter >= 1, got {tol}, {max_iter}")
-        residual_kwargs.setdefault("logdet", "exact")
+        residual_kwargs.setdefault("logdet", LogDetOptions("exact"))
         self.block = MonotoneResidual(branch, zero_com=zero_com, **residual_kwargs)
         self.zero_com = bool(zero_com)
         self.tol = float(tol)

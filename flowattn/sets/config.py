@@ -11,6 +11,7 @@ from nflows.transforms import CompositeTransform
 from ..errors import RunError
 from ..flows.builders import INTERACTIONS, SetFlow, set_flow
 from ..flows.layers import SetLocation
+from ..flows.logdet import LogDetOptions
 
 __all__ = ["SetsConfig", "build_flow"]
 
@@ -199,7 +200,7 @@ def build_flow(config: SetsConfig, dim: int, set_size: int, zero_com: bool) -> S
             radial_max_slope=config.radial_max_slope,
             radial_inverse=config.radial_inverse,
             location=location,
-            logdet=logdet,
+            logdet=LogDetOptions(logdet),
         )
     if config.interaction not in ("auto", "attention"):
         raise RunError(f"interaction={config.interaction!r} is a residual-flow setting: "

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from flowattn.branches import NeighbourhoodInteraction
-from flowattn.flows import InvertibleResidual, set_flow
+from flowattn.flows import InvertibleResidual, LogDetOptions, set_flow
 from flowattn.lipschitz import lipschitz_lower_bound
+
+EXACT = LogDetOptions("exact")
 
 
 def make(seed=0, coeff=0.9, channels=4, hidden=6, strength=1.0):
@@ -103,7 +105,7 @@ def test_a_pair_feels_a_third_element_unlike_a_pair_interaction():
 
 
 def test_invertible_residual_round_trip_in_zero_com_mode():
-    block = InvertibleResidual(make(strength=3.0), logdet="exact", zero_com=True).eval()
+    block = InvertibleResidual(make(strength=3.0), logdet=EXACT, zero_com=True).eval()
     x = randn(3, 4, 2)
     x = x - x.mean(1, keepdim=True)
     y, _ = block(x)
@@ -114,7 +116,7 @@ def test_invertible_residual_round_trip_in_zero_com_mode():
 
 def test_set_flow_with_many_body_blocks_and_errors():
     flow = set_flow(2, blocks=2, heads=1, interaction="radial", manybody=True, zero_com=True,
-                    norm="2", logdet="exact").double().eval()
+                    norm="2", logdet=EXACT).double().eval()
     assert sum(isinstance(m, NeighbourhoodInteraction) for m in flow.modules()) == 2
     x = randn(3, 4, 2)
     assert torch.isfinite(flow.log_prob(x)).all()
