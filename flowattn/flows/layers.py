@@ -78,7 +78,7 @@ class ActNorm(Transform):
         self.register_buffer("initialized", torch.tensor(False))
 
     @torch.no_grad()
-    def _initialize(self, x: Tensor, mask: Tensor | None) -> None:
+    def _initialise(self, x: Tensor, mask: Tensor | None) -> None:
         w = (torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if mask is None
              else mask.to(x.dtype)).unsqueeze(-1)
         count = w.sum(dim=(0, 1))
@@ -105,7 +105,7 @@ class ActNorm(Transform):
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         x, mask, flat = self._prepare(inputs, context)
         if self.training and not bool(self.initialized):
-            self._initialize(x, mask)
+            self._initialise(x, mask)
         y = (x + self.shift) * torch.exp(self.log_scale)
         if mask is not None:
             y = torch.where(mask.unsqueeze(-1), y, x)
