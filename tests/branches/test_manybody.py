@@ -1,6 +1,6 @@
 """NeighbourhoodInteraction: gradient of its potential, certified bound, many-body coupling.
 
-Equivariance, padding and the closed-form Jacobian: tests/test_particle_branches.py.
+Equivariance, padding and the closed-form Jacobian: tests/branches/test_particle_branches.py.
 """
 
 import math

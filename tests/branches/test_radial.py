@@ -1,6 +1,6 @@
 """RadialInteraction: certified bound vs Jacobian norms, tightness, blocks and flows.
 
-Equivariance, padding and the closed-form Jacobian: tests/test_particle_branches.py.
+Equivariance, padding and the closed-form Jacobian: tests/branches/test_particle_branches.py.
 """
 
 import math
