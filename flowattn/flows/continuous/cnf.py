@@ -13,7 +13,7 @@ from torchdiffeq import odeint, odeint_adjoint
 from ...errors import InputError, ODESolverError
 from ...validation import check_finite, check_sets
 from ..base import sample_standard_normal, standard_normal_log_prob
-from ..geometry import PROBES, sample_probes, subtract_mean
+from ..geometry import PROBES, project, sample_probes, subtract_mean
 from .divergence import exact_divergence, hutchinson_divergence
 
 __all__ = ["CNF", "ODESolverError", "ADAPTIVE_SOLVERS", "FIXED_GRID_SOLVERS"]
@@ -70,12 +70,8 @@ class _Dynamics(nn.Module):
                 f"the vector field must return the state's shape {tuple(z.shape)}, "
                 f"got {tuple(f.shape)}"
             )
-        if mask is not None:
-            # padded elements stay where they are
-            f = f * mask.unsqueeze(-1).to(f.dtype)
-        if self.zero_com:
-            f = subtract_mean(f, mask)
-        return f
+        # padded elements stay where they are; zero_com keeps the centre of mass
+        return project(f, mask, self.zero_com)
 
     def forward(self, t: Tensor, state: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         counter = self.counter

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ...errors import InputError
 from ...validation import check_sets, present_weights
-from ..geometry import subtract_mean
+from ..geometry import project
 
 __all__ = ["EGNNField"]
 
@@ -140,5 +140,4 @@ class EGNNField(nn.Module):
         x = z
         for layer in self.layers:
             h, x = layer(h, x, start_sq, pairs)
-        velocity = (x - z) * present[..., None]
-        return subtract_mean(velocity, mask) if self.zero_com else velocity
+        return project(x - z, mask, self.zero_com)
