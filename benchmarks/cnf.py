@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from flowattn.flows.cnf import CNF
-from flowattn.flows.fields import AttentionField, DotProductField
+from flowattn.flows.continuous.cnf import CNF
+from flowattn.flows.continuous.fields import AttentionField, DotProductField
 
 # ----------------------------------------------------------------------------- configuration
 CLUSTERS = 4  # cluster centres on a circle

@@ -22,10 +22,10 @@ import torch
 from torch import nn
 
 from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
 from flowattn.flows.inverse import anderson_inverse, fixed_point_inverse
-from flowattn.flows.logdet import exact_logdet, roulette_logdet, series_logdet
+from flowattn.flows.logdet import LogDetOptions, exact_logdet, roulette_logdet, series_logdet
 from flowattn.flows.residual import InvertibleResidual
-from flowattn.nn import LipschitzMLP
 
 
 class NearLinearBranch(nn.Module):
@@ -152,9 +152,9 @@ def bench_memory(quick: bool) -> None:
     for terms in ([1, 4, 16] if quick else [1, 2, 4, 8, 16, 32]):
         row = [terms]
         for grad, me in (("backprop", False), ("neumann", False), ("neumann", True)):
-            block = InvertibleResidual(branch, logdet="series", n_terms=terms, grad=grad,
-                                       memory_efficient=me,
-                                       generator=torch.Generator().manual_seed(0))
+            logdet = LogDetOptions("series", n_terms=terms, grad=grad, memory_efficient=me,
+                                   generator=torch.Generator().manual_seed(0))
+            block = InvertibleResidual(branch, logdet=logdet)
             meter = SavedTensorMeter()
             t0 = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(meter.pack, meter.unpack):
@@ -208,8 +208,9 @@ def _our_model(memory_efficient: bool) -> nn.Module:
     blocks = [
         InvertibleResidual(
             LipschitzMLP(2, [64, 64], coeff=0.9, per_layer_coeff=True),
-            logdet="roulette", n_exact_terms=2, n_samples=1, grad="neumann",
-            memory_efficient=memory_efficient, generator=torch.Generator().manual_seed(0),
+            logdet=LogDetOptions("roulette", n_exact_terms=2, n_samples=1, grad="neumann",
+                                 memory_efficient=memory_efficient,
+                                 generator=torch.Generator().manual_seed(0)),
         )
         for _ in range(8)
     ]

@@ -35,7 +35,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     times: dict[str, list[float]] = {name: [] for name in COMMANDS}
-    for name, cmd in COMMANDS.items():  # warm the file cache
+    for cmd in COMMANDS.values():  # warm the file cache
         subprocess.run(cmd, capture_output=True)
     for _ in range(args.rounds):
         for name, cmd in COMMANDS.items():

@@ -11,8 +11,8 @@ from nflows.flows import Flow
 from nflows.transforms import CompositeTransform
 
 from flowattn.attention import ContractiveL2MHA
-from flowattn.flows import ActNorm, EquivariantLinear, InvertibleResidual
-from flowattn.nn import LipschitzMLP
+from flowattn.branches import LipschitzMLP
+from flowattn.flows import ActNorm, EquivariantLinear, InvertibleResidual, LogDetOptions
 
 
 def main(quick: bool) -> None:
@@ -21,8 +21,8 @@ def main(quick: bool) -> None:
     transform = CompositeTransform([
         ActNorm(dim),
         EquivariantLinear(dim),
-        InvertibleResidual(ContractiveL2MHA(dim, 1, coeff=0.9), logdet="exact"),
-        InvertibleResidual(LipschitzMLP(dim, 32, coeff=0.9), logdet="exact"),
+        InvertibleResidual(ContractiveL2MHA(dim, 1, coeff=0.9), logdet=LogDetOptions("exact")),
+        InvertibleResidual(LipschitzMLP(dim, 32, coeff=0.9), logdet=LogDetOptions("exact")),
     ])
     flow = Flow(transform, StandardNormal([n, dim]))
     x = torch.randn(8, n, dim)

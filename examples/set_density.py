@@ -10,7 +10,8 @@ import argparse
 import torch
 
 from flowattn.data import gaussian_sets
-from flowattn.flows import set_dims, set_flow
+from flowattn.flows import LogDetOptions, set_flow
+from flowattn.flows.base import set_dims
 
 
 def main(quick: bool) -> None:
@@ -18,7 +19,8 @@ def main(quick: bool) -> None:
     g = torch.Generator().manual_seed(0)
     train, test = gaussian_sets(2000, generator=g), gaussian_sets(500, generator=g)
 
-    flow = set_flow(dim=2, blocks=2 if quick else 4, heads=1, hidden=32, logdet="exact")
+    flow = set_flow(dim=2, blocks=2 if quick else 4, heads=1, hidden=32,
+                    logdet=LogDetOptions("exact"))
     optimiser = torch.optim.Adam(flow.parameters(), lr=3e-3)
     steps = 20 if quick else 600
     for step in range(steps):

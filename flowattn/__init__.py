@@ -1,30 +1,59 @@
 """flowattn: invertible generative modelling with Lipschitz self-attention.
 
-Subpackages (``flowattn.attention``, ``flowattn.flows``, ...) and the convenience names below
-are imported on first use: ``import flowattn`` alone loads no torch.
+The package is a thin namespace: ``import flowattn`` loads no subpackage (and not torch), and
+each of ``flowattn.attention``, ``flowattn.flows``, ``flowattn.branches``, ... is imported on
+first access. The convenience names ``flowattn.L2MHA`` and friends resolve the same way.
 """
 
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("attention", "branches", "data", "errors", "flows", "lipschitz", "lm", "nn",
-               "repro", "sets", "training")
-_NAMES = {"DotProductMHA": "attention", "L2MHA": "attention", "ContractiveL2MHA": "attention",
-          "ScaledCosineMHA": "attention"}
+_SUBPACKAGES = (
+    "attention",
+    "branches",
+    "cli",
+    "data",
+    "errors",
+    "flows",
+    "lipschitz",
+    "lm",
+    "repro",
+    "sets",
+    "training",
+    "validation",
+)
+# convenience name -> the subpackage that defines it
+_NAMES = {
+    "DotProductMHA": "attention",
+    "L2MHA": "attention",
+    "ContractiveL2MHA": "attention",
+    "ScaledCosineMHA": "attention",
+}
 
-__all__ = [*_SUBMODULES, *_NAMES, "__version__"]
+__all__ = [
+    "attention",
+    "lipschitz",
+    "DotProductMHA",
+    "L2MHA",
+    "ContractiveL2MHA",
+    "ScaledCosineMHA",
+    "__version__",
+]
 
 
-def __getattr__(name: str):
-    if name in _SUBMODULES:
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
         return importlib.import_module(f"{__name__}.{name}")
     if name in _NAMES:
-        return getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+        value = getattr(importlib.import_module(f"{__name__}.{_NAMES[name]}"), name)
+        globals()[name] = value
+        return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(__all__)
+    return sorted(set(globals()) | set(_SUBPACKAGES) | set(_NAMES))

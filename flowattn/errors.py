@@ -96,7 +96,7 @@ class InverseNotConverged(FlowattnError, RuntimeError):
         super().__init__(
             f"inverse did not converge: {unconverged} set(s) still have relative residual up to "
             f"{residual:.3e} > tol={tol:.1e} after {iterations} iterations (is the branch "
-            "contractive? raise inverse_max_iter or inverse_tol, or use Anderson acceleration)"
+            "contractive? raise InverseOptions.max_iter or .tol, or use Anderson acceleration)"
         )
 
     def __reduce__(self):  # picklable across processes despite the custom signature

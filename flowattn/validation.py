@@ -1,4 +1,5 @@
-"""Input checks shared by every public entry point: errors are raised where data enters."""
+"""Input checks shared by every public entry point (errors are raised where data enters), and
+the padding mask read as per-element weights or per-set counts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from torch import Tensor
 
 from .errors import InputError, NonFiniteError
 
-__all__ = ["check_sets", "check_finite", "present_counts"]
+__all__ = ["check_sets", "check_finite", "present_counts", "present_weights"]
 
 
 def check_finite(x: Tensor, name: str = "x") -> None:
@@ -75,3 +76,10 @@ def present_counts(mask: Tensor | None, batch: int, length: int, device=None) ->
     if mask is None:
         return torch.full((batch,), length, dtype=torch.long, device=device)
     return mask.sum(dim=1)
+
+
+def present_weights(x: Tensor, mask: Tensor | None) -> Tensor:
+    """1 for each present element of ``x`` (B, N, ...) and 0 for a padded one, shape (B, N)."""
+    if mask is None:
+        return torch.ones(x.shape[:2], dtype=x.dtype, device=x.device)
+    return mask.to(x.dtype)

@@ -206,7 +206,8 @@ def test_interaction_and_blocks_flags_reach_the_flow(tmp_path):
                    "--out", str(out), "--config", str(config)) == 0
     saved = json.loads((out / "config.json").read_text())["flow"]
     assert saved["interaction"] == "radial" and saved["blocks"] == 1 and saved["location"]
-    from flowattn.flows import RadialInteraction, SetLocation
+    from flowattn.branches import RadialInteraction
+    from flowattn.flows import SetLocation
     from flowattn.sets import load_flow
 
     flow, _ = load_flow(out)
@@ -218,7 +219,7 @@ def test_interaction_and_blocks_flags_reach_the_flow(tmp_path):
 
 
 def test_manybody_setting_adds_neighbourhood_blocks_or_fails_clearly(tmp_path, capsys):
-    from flowattn.flows import NeighbourhoodInteraction
+    from flowattn.branches import NeighbourhoodInteraction
 
     out = tmp_path / "run"
     config = tiny_config(tmp_path, manybody=True, interaction="radial")
@@ -234,7 +235,7 @@ def test_manybody_setting_adds_neighbourhood_blocks_or_fails_clearly(tmp_path, c
 
 
 def test_many_body_residuals_are_on_by_default_only_with_radial_blocks():
-    from flowattn.flows import NeighbourhoodInteraction
+    from flowattn.branches import NeighbourhoodInteraction
     from flowattn.sets.config import build_flow
 
     def count(config, zero_com):

@@ -1,53 +1,50 @@
-"""Normalizing flows over sets and sequences: invertible residual flows with Lipschitz branches."""
+"""Normalizing flows over sets and sequences: invertible residual flows with Lipschitz branches.
 
-from ..errors import InverseNotConverged, ODESolverError
-from .actnorm import ActNorm
-from .base import sample_standard_normal, set_dims, standard_normal_log_prob, subtract_mean
+The transforms are ``nflows`` transforms on (B, N, D) sets that take the padding mask as
+``context``; the builders stack them into a :class:`SetFlow` with a standard normal base.
+The layers of the package, each using only those below it:
+
+* :mod:`~flowattn.flows.geometry` -- masks, the zero-centre-of-mass projection, probes, VJPs;
+  :mod:`~flowattn.flows.base` -- the base densities;
+* :mod:`~flowattn.flows.logdet` and :mod:`~flowattn.flows.inverse` -- the log-determinant
+  estimators and the inverses of residual blocks, with their options;
+* :mod:`~flowattn.flows.residual`, :mod:`~flowattn.flows.monotone` -- residual blocks
+  x + g(x) around a branch of :mod:`flowattn.branches` or :mod:`flowattn.attention`;
+  :mod:`~flowattn.flows.layers` -- exact layers (ActNorm, equivariant linear, set location);
+  :mod:`~flowattn.flows.continuous` -- continuous flows and their vector fields;
+* :mod:`~flowattn.flows.builders` -- :class:`SetFlow`, :func:`set_flow`, :func:`sequence_flow`.
+
+Estimators, inverses and helpers are imported from their own modules
+(``from flowattn.flows.logdet import series_logdet``).
+"""
+
 from .builders import SetFlow, sequence_flow, set_flow
-from .cnf import CNF
-from .divergence import exact_divergence, hutchinson_divergence
-from .egnn import EGNNField
-from .equivariant import EquivariantLinear
-from .fields import AttentionField, DotProductField
-from .inverse import anderson_inverse, fixed_point_inverse, residual_inverse
-from .location import SetLocation, size_features
-from .logdet import exact_logdet, memory_efficient_logdet, roulette_logdet, series_logdet
-from .manybody import NeighbourhoodInteraction
+from .continuous import CNF, AttentionField, DotProductField, EGNNField
+from .inverse import InverseOptions
+from .layers import ActNorm, EquivariantLinear, SetLocation
+from .logdet import LogDetOptions
 from .monotone import InverseMonotoneResidual, MonotoneResidual
-from .radial import RadialInteraction
 from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = [
+    # residual blocks and their options
+    "InvertibleResidual",
+    "TransformerResidualPair",
+    "MonotoneResidual",
+    "InverseMonotoneResidual",
+    "LogDetOptions",
+    "InverseOptions",
+    # exact layers
     "ActNorm",
-    "AttentionField",
+    "EquivariantLinear",
+    "SetLocation",
+    # continuous flows and their fields
     "CNF",
+    "AttentionField",
     "DotProductField",
     "EGNNField",
-    "ODESolverError",
-    "exact_divergence",
-    "hutchinson_divergence",
-    "EquivariantLinear",
-    "InverseNotConverged",
-    "InverseMonotoneResidual",
-    "InvertibleResidual",
-    "MonotoneResidual",
-    "NeighbourhoodInteraction",
-    "RadialInteraction",
+    # flows and builders
     "SetFlow",
-    "SetLocation",
-    "TransformerResidualPair",
-    "anderson_inverse",
-    "exact_logdet",
-    "fixed_point_inverse",
-    "memory_efficient_logdet",
-    "residual_inverse",
-    "roulette_logdet",
-    "sample_standard_normal",
-    "sequence_flow",
-    "series_logdet",
-    "set_dims",
     "set_flow",
-    "size_features",
-    "standard_normal_log_prob",
-    "subtract_mean",
+    "sequence_flow",
 ]

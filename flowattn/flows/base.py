@@ -16,28 +16,15 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["subtract_mean", "standard_normal_log_prob", "sample_standard_normal", "set_dims"]
+from ..validation import present_weights
+from .geometry import subtract_mean
 
-
-def _present(z: Tensor, mask: Tensor | None) -> Tensor:
-    if mask is None:
-        return torch.ones(z.shape[:2], dtype=z.dtype, device=z.device)
-    return mask.to(z.dtype)
-
-
-def subtract_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
-    """Remove each set's centre of mass: x_i - mean_j x_j over present elements.
-
-    Padded elements are returned as zeros.
-    """
-    w = _present(x, mask).unsqueeze(-1)
-    mean = (x * w).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True)
-    return (x - mean) * w
+__all__ = ["standard_normal_log_prob", "sample_standard_normal", "set_dims"]
 
 
 def set_dims(z: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Tensor:
     """Degrees of freedom per set: n D, or (n - 1) D in the zero-centre-of-mass subspace."""
-    n = _present(z, mask).sum(dim=1)
+    n = present_weights(z, mask).sum(dim=1)
     if zero_com:
         n = n - 1
     return n * z.shape[-1]
@@ -51,7 +38,7 @@ def standard_normal_log_prob(
     With ``zero_com=True`` the density is that of the standard normal on the
     (n - 1) D-dimensional zero-centre-of-mass subspace (``z`` is assumed to lie in it).
     """
-    sq = (z.pow(2) * _present(z, mask).unsqueeze(-1)).sum(dim=(1, 2))
+    sq = (z.pow(2) * present_weights(z, mask).unsqueeze(-1)).sum(dim=(1, 2))
     return -0.5 * sq - 0.5 * set_dims(z, mask, zero_com) * math.log(2 * math.pi)
 
 

@@ -9,18 +9,16 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
-from flowattn.flows.actnorm import ActNorm
-from flowattn.flows.base import sample_standard_normal, standard_normal_log_prob, subtract_mean
-from flowattn.flows.equivariant import EquivariantLinear
-from flowattn.flows.location import SetLocation
-from flowattn.flows.manybody import NeighbourhoodInteraction
-from flowattn.flows.monotone import InverseMonotoneResidual, MonotoneResidual
-from flowattn.flows.radial import RadialInteraction
-from flowattn.flows.residual import InvertibleResidual, TransformerResidualPair
-from flowattn.nn import LipschitzMLP
-from flowattn.validation import check_sets
-
+from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
+from ..validation import check_sets
+from .base import sample_standard_normal, standard_normal_log_prob
+from .geometry import subtract_mean
+from .inverse import InverseOptions
+from .layers import ActNorm, EquivariantLinear, SetLocation
+from .logdet import LogDetOptions
+from .monotone import InverseMonotoneResidual, MonotoneResidual
+from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS"]
 
@@ -43,7 +41,7 @@ class SetFlow(nn.Module):
         zero_com: zero-centre-of-mass mode.
 
     Examples:
-        >>> flow = set_flow(dim=2, blocks=1, heads=1, logdet="exact").eval()
+        >>> flow = set_flow(dim=2, blocks=1, heads=1, logdet=LogDetOptions("exact")).eval()
         >>> flow.log_prob(torch.randn(3, 4, 2)).shape
         torch.Size([3])
     """
@@ -131,80 +129,36 @@ class SetFlow(nn.Module):
 
 
 def _default_attention(dim: int, heads: int, coeff: float, norm: str) -> nn.Module:
-    from flowattn.attention import ContractiveL2MHA
+    from ..attention import ContractiveL2MHA
 
     return ContractiveL2MHA(dim, heads, coeff=coeff, norm=norm)
 
 
-def _build(
-    dim: int,
-    blocks: int,
-    heads: int,
-    hidden: int | None,
-    coeff: float,
-    mlp: bool,
-    actnorm: bool,
-    zero_com: bool,
-    causal: bool,
-    norm: str,
-    attention: Callable[..., nn.Module] | None,
-    residual_kwargs: dict,
-    linear: bool = False,
-    interaction: str = "attention",
-    location: bool = False,
-    radial_basis: int = 64,
-    radial_range: float = 4.0,
-    manybody: bool = False,
-    radial_max_slope: float | None = None,
-    radial_inverse: bool = False,
-) -> SetFlow:
+def _check(blocks: int, coeff: float) -> None:
     if blocks < 1:
         raise InputError(f"blocks must be >= 1, got {blocks}")
     if not 0 < coeff < 1:
         raise InputError(f"coeff must lie in (0, 1), got {coeff}")
-    if interaction not in INTERACTIONS:
-        raise InputError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
-    if manybody and interaction != "radial":
-        raise InputError("manybody=True adds NeighbourhoodInteraction blocks to "
-                         f"interaction='radial', not {interaction!r}")
-    if radial_inverse and (radial_max_slope is None or interaction != "radial"):
-        raise InputError("radial_inverse=True inverts every second monotone radial block: it "
-                         "needs interaction='radial' and a radial_max_slope")
-    if location and zero_com:
-        raise InputError("location=True models the centroid, which zero_com fixes at 0")
-    factory = attention or _default_attention
+
+
+def _attention_layer(
+    dim: int,
+    heads: int,
+    hidden: int,
+    coeff: float,
+    mlp: bool,
+    norm: str,
+    attention: Callable[..., nn.Module] | None,
+    residual: dict[str, Any],
+) -> Transform:
+    """x + g_att(x), followed by x + g_mlp(x) with ``mlp``; ``residual`` goes to both blocks."""
     # In zero-COM mode the attention output is projected (x - mean x); that projection can
     # double an inf-norm Lipschitz constant (2 (n - 1) / n), so the coefficient is halved.
-    att_coeff = coeff / 2 if (zero_com and norm != "2") else coeff
-    hidden = hidden or 4 * dim
-    kwargs = dict(residual_kwargs, causal=causal, zero_com=zero_com)
-    layers: list[Transform] = [SetLocation(dim)] if location else []
-    for index in range(blocks):
-        if actnorm:
-            layers.append(ActNorm(dim, zero_com=zero_com))
-        if linear and interaction != "none":
-            layers.append(EquivariantLinear(dim, zero_com=zero_com))
-        if interaction == "radial":
-            radial = RadialInteraction(coeff, radial_basis, radial_range, radial_max_slope)
-            if radial_max_slope is None:
-                layers.append(InvertibleResidual(radial, **kwargs))
-            elif radial_inverse and index % 2 == 1:
-                layers.append(InverseMonotoneResidual(radial, zero_com=zero_com))
-            else:
-                layers.append(MonotoneResidual(radial, **kwargs))
-            if manybody:
-                many = NeighbourhoodInteraction(coeff, r_max=radial_range)
-                layers.append(InvertibleResidual(many, **kwargs))
-        if interaction != "attention":  # no attention: pointwise MLP residuals
-            if mlp or interaction != "radial":
-                layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **kwargs))
-            continue
-        att = factory(dim, heads, att_coeff, norm)
-        if mlp:
-            layers.append(TransformerResidualPair(att, LipschitzMLP(dim, hidden, coeff), **kwargs))
-        else:
-            layers.append(InvertibleResidual(att, **kwargs))
-    return SetFlow(CompositeTransform(layers), dim, zero_com)
+    att_coeff = coeff / 2 if (residual["zero_com"] and norm != "2") else coeff
+    att = (attention or _default_attention)(dim, heads, att_coeff, norm)
+    if mlp:
+        return TransformerResidualPair(att, LipschitzMLP(dim, hidden, coeff), **residual)
+    return InvertibleResidual(att, **residual)
 
 
 def set_flow(
@@ -226,15 +180,16 @@ def set_flow(
     manybody: bool = False,
     radial_max_slope: float | None = None,
     radial_inverse: bool = False,
-    **residual_kwargs: Any,
+    logdet: LogDetOptions | None = None,
+    inverse: InverseOptions | None = None,
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
 
     Each of the ``blocks`` blocks is ActNorm -> EquivariantLinear -> x + g_att(x) -> x + g_mlp(x)
     with a contractive L2 self-attention branch (Kim et al. 2021, §5.3) and a pointwise
-    :class:`LipschitzMLP`. The equivariant linear map (exact log-det and inverse) supplies the
-    global linear coupling of elements, which contractive attention, held down by its certified
-    bound, can only build up over many blocks.
+    :class:`~flowattn.branches.LipschitzMLP`. The equivariant linear map (exact log-det and
+    inverse) supplies the global linear coupling of elements, which contractive attention, held
+    down by its certified bound, can only build up over many blocks.
     Without positional information the flow is permutation-equivariant and its density is
     exchangeable: log p(x[:, perm]) = log p(x) (exactly so with the exact log-det).
 
@@ -255,9 +210,9 @@ def set_flow(
             (no attention: ActNorm -> EquivariantLinear -> x + g_mlp(x)) or ``"none"`` (ActNorm
             -> x + g_mlp(x): each element transformed alone, the density of i.i.d. points).
             The last two are baselines that show what attention adds. ``"radial"`` replaces
-            attention by :class:`RadialInteraction`, an E(n)-equivariant pairwise interaction
-            of particles with a tight certified bound: ActNorm -> EquivariantLinear ->
-            x + g_radial(x) -> x + g_mlp(x) (the last only with ``mlp``).
+            attention by :class:`~flowattn.branches.RadialInteraction`, an E(n)-equivariant
+            pairwise interaction of particles with a tight certified bound: ActNorm ->
+            EquivariantLinear -> x + g_radial(x) -> x + g_mlp(x) (the last only with ``mlp``).
         location: start (on the data side) with a :class:`SetLocation`, a spline flow of each
             set's centroid given its size. Attention and equivariant linear maps are affine
             along a translation of the whole set, so without it a multimodal distribution of
@@ -265,26 +220,63 @@ def set_flow(
         radial_basis: number of Gaussian bumps of psi' (``interaction="radial"``).
         radial_range: the largest bump centre, in the units after ActNorm.
         manybody: with ``interaction="radial"``, follow each radial residual by one of
-            :class:`NeighbourhoodInteraction`, a many-body branch (the gradient of an embedding
-            potential of soft neighbour counts in shells up to ``radial_range``).
+            :class:`~flowattn.branches.NeighbourhoodInteraction`, a many-body branch (the
+            gradient of an embedding potential of soft neighbour counts in shells up to
+            ``radial_range``).
         radial_max_slope: with ``interaction="radial"``, a number u makes the radial blocks
             monotone (:class:`MonotoneResidual`): psi' may reach u instead of ``coeff``, so one
             block expands by up to 1 + u; contraction stays bounded by ``coeff``.
         radial_inverse: with ``radial_max_slope``, every second radial block is an
             :class:`InverseMonotoneResidual` (contraction down to 1 / (1 + u), by a Newton solve).
-        residual_kwargs: passed to every :class:`InvertibleResidual` (``logdet``, ``n_terms``,
-            ``grad``, ``memory_efficient``, ``inverse_tol``, ...).
+        logdet: how every :class:`InvertibleResidual` computes its log-det (default
+            ``LogDetOptions()``).
+        inverse: how every :class:`InvertibleResidual` is inverted (default
+            ``InverseOptions()``).
 
     Examples:
-        >>> flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact")
+        >>> flow = set_flow(dim=2, blocks=2, heads=1, logdet=LogDetOptions("exact"))
         >>> flow.log_prob(torch.randn(5, 4, 2)).shape
         torch.Size([5])
     """
-    return _build(
-        dim, blocks, heads, hidden, coeff, mlp, actnorm, zero_com, False, norm, attention,
-        residual_kwargs, linear, interaction, location, radial_basis, radial_range, manybody,
-        radial_max_slope, radial_inverse,
-    )
+    _check(blocks, coeff)
+    if interaction not in INTERACTIONS:
+        raise InputError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
+    if manybody and interaction != "radial":
+        raise InputError("manybody=True adds NeighbourhoodInteraction blocks to "
+                         f"interaction='radial', not {interaction!r}")
+    if radial_inverse and (radial_max_slope is None or interaction != "radial"):
+        raise InputError("radial_inverse=True inverts every second monotone radial block: it "
+                         "needs interaction='radial' and a radial_max_slope")
+    if location and zero_com:
+        raise InputError("location=True models the centroid, which zero_com fixes at 0")
+    hidden = hidden or 4 * dim
+    residual = dict(logdet=logdet, inverse=inverse, causal=False, zero_com=zero_com)
+    layers: list[Transform] = [SetLocation(dim)] if location else []
+    for index in range(blocks):
+        if actnorm:
+            layers.append(ActNorm(dim, zero_com=zero_com))
+        if linear and interaction != "none":
+            layers.append(EquivariantLinear(dim, zero_com=zero_com))
+        if interaction == "attention":
+            layers.append(
+                _attention_layer(dim, heads, hidden, coeff, mlp, norm, attention, residual)
+            )
+            continue
+        if interaction == "radial":
+            radial = RadialInteraction(coeff, radial_basis, radial_range, radial_max_slope)
+            if radial_max_slope is None:
+                layers.append(InvertibleResidual(radial, **residual))
+            elif radial_inverse and index % 2 == 1:
+                layers.append(InverseMonotoneResidual(radial, zero_com=zero_com))
+            else:
+                layers.append(MonotoneResidual(radial, **residual))
+            if manybody:
+                many = NeighbourhoodInteraction(coeff, r_max=radial_range)
+                layers.append(InvertibleResidual(many, **residual))
+        # no attention: pointwise MLP residuals
+        if mlp or interaction != "radial":
+            layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **residual))
+    return SetFlow(CompositeTransform(layers), dim, zero_com)
 
 
 def sequence_flow(
@@ -298,21 +290,27 @@ def sequence_flow(
     actnorm: bool = True,
     norm: str = "inf",
     attention: Callable[..., nn.Module] | None = None,
-    **residual_kwargs: Any,
+    logdet: LogDetOptions | None = None,
+    inverse: InverseOptions | None = None,
 ) -> SetFlow:
     r"""A residual flow over sequences, with causal attention by default.
 
-    With ``causal=True`` element i attends to j <= i, the Jacobian of every block is block
-    lower-triangular and the exact log-det is sum_i log det(I + J_ii) over D x D blocks, cheap
-    for any length (``logdet="exact"`` or the default ``"auto"``). Arguments as in
-    :func:`set_flow`.
+    Each block is ActNorm -> x + g_att(x) -> x + g_mlp(x). With ``causal=True`` element i
+    attends to j <= i, the Jacobian of every block is block lower-triangular and the exact
+    log-det is sum_i log det(I + J_ii) over D x D blocks, cheap for any length
+    (``LogDetOptions("exact")`` or the default ``"auto"``). Arguments as in :func:`set_flow`.
 
     Examples:
         >>> flow = sequence_flow(dim=2, blocks=1, heads=1).eval()
         >>> flow.log_prob(torch.randn(2, 6, 2)).shape
         torch.Size([2])
     """
-    return _build(
-        dim, blocks, heads, hidden, coeff, mlp, actnorm, False, causal, norm, attention,
-        residual_kwargs,
-    )
+    _check(blocks, coeff)
+    hidden = hidden or 4 * dim
+    residual = dict(logdet=logdet, inverse=inverse, causal=causal, zero_com=False)
+    layers: list[Transform] = []
+    for _ in range(blocks):
+        if actnorm:
+            layers.append(ActNorm(dim))
+        layers.append(_attention_layer(dim, heads, hidden, coeff, mlp, norm, attention, residual))
+    return SetFlow(CompositeTransform(layers), dim)

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from flowattn.flows.logdet import project
-
 from ..errors import InputError, InverseNotConverged
+from .geometry import project
 
 __all__ = [
-    "InverseNotConverged",
+    "InverseOptions",
     "fixed_point_inverse",
     "anderson_inverse",
     "residual_inverse",
@@ -23,6 +23,39 @@ __all__ = [
 INVERSE_METHODS = ("anderson", "fixed-point")
 
 
+@dataclass(frozen=True)
+class InverseOptions:
+    """How an invertible residual block solves x + g(x) = y (:func:`residual_inverse`).
+
+    Attributes:
+        method: ``"anderson"`` (:func:`anderson_inverse`) or ``"fixed-point"``
+            (:func:`fixed_point_inverse`).
+        tol: relative residual tolerance, per set.
+        max_iter: iteration budget; then :class:`~flowattn.errors.InverseNotConverged`.
+
+    Examples:
+        >>> InverseOptions("fixed-point", tol=1e-8).max_iter
+        1000
+    """
+
+    method: str = "anderson"
+    _: KW_ONLY
+    tol: float = 1e-6
+    max_iter: int = 1000
+
+    def __post_init__(self) -> None:
+        if self.method not in INVERSE_METHODS:
+            raise InputError(
+                f"InverseOptions.method must be one of {INVERSE_METHODS}, got {self.method!r}"
+            )
+        if not self.tol > 0:
+            raise InputError(f"InverseOptions.tol must be positive, got {self.tol}")
+        if int(self.max_iter) != self.max_iter or self.max_iter < 1:
+            raise InputError(
+                f"InverseOptions.max_iter must be an integer >= 1, got {self.max_iter}"
+            )
+        object.__setattr__(self, "tol", float(self.tol))
+        object.__setattr__(self, "max_iter", int(self.max_iter))
 
 
 def _residual_norm(r: Tensor, scale: Tensor) -> Tensor:
@@ -263,7 +296,7 @@ def residual_inverse(
     elif method == "fixed-point":
         solver = fixed_point_inverse
     else:
-        raise InputError(f"inverse_method must be one of {INVERSE_METHODS}, got {method!r}")
+        raise InputError(f"method must be one of {INVERSE_METHODS}, got {method!r}")
     x_star = solver(branch, y, mask, **kwargs)
     if not torch.is_grad_enabled():
         return x_star

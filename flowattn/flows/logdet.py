@@ -19,56 +19,109 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import KW_ONLY, dataclass
 
 import torch
 from torch import Tensor
 
-from flowattn.flows.base import subtract_mean
-
 from ..errors import InputError
+from .geometry import PROBES, project, sample_probes, vjp
 
 __all__ = [
-    "project",
+    "LogDetOptions",
     "exact_logdet",
     "jacobian_logdet",
     "series_logdet",
     "roulette_logdet",
     "sample_roulette_lengths",
     "roulette_tail_probability",
-    "sample_probes",
     "memory_efficient_logdet",
+    "LOGDET_METHODS",
     "STRUCTURES",
 ]
 
 STRUCTURES = ("full", "pointwise", "causal")
+GRADIENTS = ("backprop", "neumann")
+ROULETTE_LAWS = ("geometric", "poisson")
+ROULETTE_LENGTHS = ("batch", "sample")
+LOGDET_METHODS = ("auto", "exact", "series", "roulette")
 
 
-def project(v: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Tensor:
-    """Apply P: zero padded elements, and remove each set's centre of mass if ``zero_com``.
+@dataclass(frozen=True)
+class LogDetOptions:
+    r"""How an invertible residual block computes log|det(I + J_g(x))|.
 
-    ``v`` may carry extra leading dimensions (probe samples): its last three are (B, N, D).
+    In training mode the block runs ``method``: ``"exact"`` (:func:`exact_logdet`, or the
+    branch's closed-form Jacobian), ``"series"`` (:func:`series_logdet`), ``"roulette"``
+    (:func:`roulette_logdet`) or ``"auto"`` (exact when the Jacobian is block-structured or
+    N D <= ``exact_max_dim``, roulette otherwise). In evaluation mode it is always deterministic
+    and accurate: exact where feasible, otherwise ``eval_n_terms`` series terms with
+    ``eval_n_samples`` probes drawn from a generator seeded with ``eval_seed``.
+
+    Attributes:
+        method: ``"auto"``, ``"exact"``, ``"series"`` or ``"roulette"``.
+        n_terms: terms of the truncated series.
+        n_exact_terms: terms always computed by the roulette estimator.
+        n_samples: Hutchinson probes per set.
+        probe: ``"rademacher"`` or ``"gaussian"``.
+        grad: ``"backprop"`` or ``"neumann"`` (the Neumann gradient series).
+        memory_efficient: compute the log-det's gradient inside the forward pass, so that the
+            peak memory does not grow with the number of terms
+            (:func:`memory_efficient_logdet`).
+        roulette: the law of the roulette length, ``"geometric"`` or ``"poisson"``.
+        roulette_param: its p or lambda.
+        roulette_lengths: ``"batch"`` (one length per call) or ``"sample"`` (one per set).
+        exact_max_dim: the largest N D for which ``"auto"`` and evaluation use the full exact
+            path (8 times more for a branch with a closed-form ``jacobian``).
+        eval_n_terms: series terms in evaluation when exact is infeasible (``None``: from the
+            branch bound, between 20 and 100).
+        eval_n_samples: probes in evaluation when exact is infeasible.
+        eval_seed: seed of the evaluation probes.
+        generator: torch.Generator of the training-time probes and lengths (``None``: torch's
+            global RNG).
+
+    Examples:
+        >>> LogDetOptions("series", n_terms=20).n_terms
+        20
     """
-    if zero_com:
-        lead = v.shape[:-3]
-        flat = v.reshape(-1, *v.shape[-2:])
-        m = None if mask is None else mask.expand(*lead, *mask.shape).reshape(-1, mask.shape[-1])
-        return subtract_mean(flat, m).reshape(v.shape)
-    if mask is None:
-        return v
-    return v * mask.unsqueeze(-1).to(v.dtype)
 
+    method: str = "auto"
+    _: KW_ONLY
+    n_terms: int = 10
+    n_exact_terms: int = 2
+    n_samples: int = 1
+    probe: str = "rademacher"
+    grad: str = "neumann"
+    memory_efficient: bool = False
+    roulette: str = "geometric"
+    roulette_param: float = 0.5
+    roulette_lengths: str = "batch"
+    exact_max_dim: int = 64
+    eval_n_terms: int | None = None
+    eval_n_samples: int = 8
+    eval_seed: int = 0
+    generator: torch.Generator | None = None
 
-def _vjp(gx: Tensor, x: Tensor, w: Tensor, create_graph: bool, batched: bool) -> Tensor:
-    """w^T J for one vector (``batched=False``) or a leading batch of vectors."""
-    if not batched:
-        return torch.autograd.grad(gx, x, w, retain_graph=True, create_graph=create_graph)[0]
-    try:
-        return torch.autograd.grad(
-            gx, x, w, retain_graph=True, create_graph=create_graph, is_grads_batched=True
-        )[0]
-    except RuntimeError:
-        # Some operators have no batching rule for their backward; fall back to a loop.
-        return torch.stack([_vjp(gx, x, wi, create_graph, False) for wi in w])
+    def __post_init__(self) -> None:
+        for name, value, allowed in (
+            ("method", self.method, LOGDET_METHODS),
+            ("grad", self.grad, GRADIENTS),
+            ("probe", self.probe, PROBES),
+            ("roulette", self.roulette, ROULETTE_LAWS),
+            ("roulette_lengths", self.roulette_lengths, ROULETTE_LENGTHS),
+        ):
+            if value not in allowed:
+                raise InputError(f"LogDetOptions.{name} must be one of {allowed}, got {value!r}")
+        for name, low in (("n_terms", 1), ("n_exact_terms", 0), ("n_samples", 1),
+                          ("eval_n_samples", 1)):
+            value = getattr(self, name)
+            if int(value) != value or value < low:
+                raise InputError(f"LogDetOptions.{name} must be an integer >= {low}, got {value}")
+            object.__setattr__(self, name, int(value))
+        object.__setattr__(self, "memory_efficient", bool(self.memory_efficient))
+        object.__setattr__(self, "roulette_param", float(self.roulette_param))
+        object.__setattr__(self, "exact_max_dim", int(self.exact_max_dim))
+        object.__setattr__(self, "eval_seed", int(self.eval_seed))
 
 
 def _check_pair(gx: Tensor, x: Tensor) -> None:
@@ -131,7 +184,7 @@ def exact_logdet(
 
     if structure == "pointwise":
         basis = eye_d.reshape(D, 1, 1, D).expand(D, B, N, D)
-        rows = _vjp(gx, x, basis, create_graph, batched=True)  # (D_out, B, N, D_in)
+        rows = vjp(gx, x, basis, create_graph, batched=True)  # (D_out, B, N, D_in)
         rows = project(rows, mask)
         blocks = rows.permute(1, 2, 0, 3)  # (B, N, D_out, D_in) = J_ii
         return _block_logdet(blocks, mask)
@@ -144,7 +197,7 @@ def exact_logdet(
         for start in range(0, M, step):
             idx = torch.arange(start, min(start + step, M), device=x.device)
             basis = eye_m[idx].reshape(-1, 1, N, D).expand(-1, B, N, D)
-            rows = project(_vjp(gx, x, basis, create_graph, batched=True), mask)
+            rows = project(vjp(gx, x, basis, create_graph, batched=True), mask)
             elem = idx // D
             # row (i, d) restricted to element i's columns: J_ii[d, :]
             pieces.append(rows[torch.arange(len(idx), device=x.device), :, elem, :])
@@ -156,7 +209,7 @@ def exact_logdet(
     pieces = []
     for start in range(0, M, step):
         basis = eye_m[start : start + step].reshape(-1, 1, N, D).expand(-1, B, N, D)
-        pieces.append(project(_vjp(gx, x, basis, create_graph, batched=True), mask, zero_com))
+        pieces.append(project(vjp(gx, x, basis, create_graph, batched=True), mask, zero_com))
     jac = torch.cat(pieces, dim=0).reshape(M, B, M).transpose(0, 1)  # (B, rows, cols)
     return torch.linalg.slogdet(jac + eye_m)[1]
 
@@ -198,28 +251,6 @@ def _block_logdet(blocks: Tensor, mask: Tensor | None) -> Tensor:
     return per_element.sum(dim=1)
 
 
-def sample_probes(
-    shape: Sequence[int],
-    probe: str = "rademacher",
-    generator: torch.Generator | None = None,
-    device=None,
-    dtype=None,
-) -> Tensor:
-    """Hutchinson probes with E[v v^T] = I: Rademacher (+-1) or standard Gaussian.
-
-    Drawn from ``generator`` (on its own device, then moved), so results are reproducible.
-    """
-    gen_device = generator.device if generator is not None else device
-    if probe == "gaussian":
-        v = torch.randn(*shape, generator=generator, device=gen_device, dtype=dtype)
-    elif probe == "rademacher":
-        bits = torch.randint(0, 2, tuple(shape), generator=generator, device=gen_device)
-        v = (2 * bits - 1).to(dtype if dtype is not None else torch.get_default_dtype())
-    else:
-        raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
-    return v.to(device)
-
-
 def _series_core(
     gx: Tensor,
     x: Tensor,
@@ -250,7 +281,7 @@ def _series_core(
     if grad == "backprop":
         w, total = v, x.new_zeros(x.shape[0])
         for k in range(K):
-            w = project(_vjp(gx, x, w, create_graph, batched), mask, zero_com)
+            w = project(vjp(gx, x, w, create_graph, batched), mask, zero_com)
             total = total + c[:, k] * dot(w, v)
         return total
     if grad != "neumann":
@@ -266,13 +297,13 @@ def _series_core(
 
     u = scale(ck[:, 0], w)
     for k in range(K):
-        w = project(_vjp(gx, x, w, False, batched), mask, zero_com).detach()
+        w = project(vjp(gx, x, w, False, batched), mask, zero_com).detach()
         value = value + c[:, k].detach() * dot(w, v)
         if k + 1 < K:
             u = u + scale(ck[:, k + 1], w)
     if not create_graph:
         return value
-    surrogate = dot(project(_vjp(gx, x, u, True, batched), mask, zero_com), v)
+    surrogate = dot(project(vjp(gx, x, u, True, batched), mask, zero_com), v)
     return value + surrogate - surrogate.detach()
 
 
@@ -325,8 +356,8 @@ def series_logdet(
         raise InputError(f"n_terms must be >= 1, got {n_terms}")
     if n_samples < 1:
         raise InputError(f"n_samples must be >= 1, got {n_samples}")
-    probes = sample_probes((n_samples, *x.shape), probe, generator, x.device, x.dtype)
-    probes = project(probes, mask, zero_com)
+    probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator, x.device,
+                           x.dtype)
     coeffs = _series_coefficients(n_terms, x.dtype, x.device)
     return _series_core(gx, x, coeffs, probes, mask, zero_com, grad, create_graph)
 
@@ -447,8 +478,8 @@ def roulette_logdet(
     active = (k.unsqueeze(0) <= (n_exact_terms + extra).unsqueeze(1)).to(torch.float64)
     coeffs = (active * base * weights).expand(B, K)  # (1, K) rows broadcast for "batch"
     coeffs = coeffs.to(device=x.device, dtype=x.dtype)
-    probes = sample_probes((n_samples, *x.shape), probe, generator, x.device, x.dtype)
-    probes = project(probes, mask, zero_com)
+    probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator, x.device,
+                           x.dtype)
     return _series_core(gx, x, coeffs, probes, mask, zero_com, grad, create_graph)
 
 

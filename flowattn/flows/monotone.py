@@ -25,12 +25,11 @@ import torch
 from nflows.transforms import Transform
 from torch import Tensor, nn
 
-from flowattn.flows.base import _present, subtract_mean
-from flowattn.flows.logdet import jacobian_logdet, project, residual_matrix
-from flowattn.flows.residual import InvertibleResidual, mask_from_context
-from flowattn.validation import check_sets
-
 from ..errors import InputError, InverseNotConverged
+from ..validation import check_sets, present_weights
+from .geometry import mask_from_context, project, subtract_mean
+from .logdet import LogDetOptions, jacobian_logdet, residual_matrix
+from .residual import InvertibleResidual
 
 __all__ = ["MonotoneResidual", "InverseMonotoneResidual"]
 
@@ -71,7 +70,7 @@ class _Recentred(nn.Module):
     def jacobian(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         a = self.scale().to(x)
         B, N, D = x.shape
-        present = _present(x, mask)
+        present = present_weights(x, mask)
         n = present.sum(1).clamp_min(1.0)
         same = torch.eye(N, dtype=x.dtype, device=x.device)
         centring = present[:, :, None] * (same - present[:, None, :] / n[:, None, None])
@@ -84,15 +83,15 @@ class MonotoneResidual(Transform):
     r"""y = x + g(x) for a gradient-field branch with Jacobian eigenvalues in [-l, u], l < 1.
 
     The branch provides ``spectrum() -> (l, u)`` (certified, for every set size) and a
-    symmetric Jacobian, e.g. :class:`~flowattn.flows.RadialInteraction` with ``max_slope=u``.
+    symmetric Jacobian, e.g. :class:`~flowattn.branches.RadialInteraction` with ``max_slope=u``.
     Only l must stay below 1; u sets how far one block can expand. Keyword arguments go to the
     inner :class:`~flowattn.flows.InvertibleResidual` (``logdet``, ``zero_com``, inverse
     settings, ...); its inverse iterations converge at the rate q = (u + l) / (u - l + 2).
 
     Examples:
-        >>> from flowattn.flows import RadialInteraction
+        >>> from flowattn.branches import RadialInteraction
         >>> branch = RadialInteraction(coeff=0.9, max_slope=3.0)
-        >>> block = MonotoneResidual(branch, logdet="exact", zero_com=True).eval()
+        >>> block = MonotoneResidual(branch, logdet=LogDetOptions("exact"), zero_com=True).eval()
         >>> x = torch.randn(2, 4, 2)
         >>> x = x - x.mean(1, keepdim=True)
         >>> y, logdet = block(x)
@@ -113,7 +112,7 @@ class MonotoneResidual(Transform):
 
     def _scale_logdet(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         a = self.residual.branch.scale().to(x)
-        n = _present(x, mask).sum(1)
+        n = present_weights(x, mask).sum(1)
         return a, (n - 1).clamp_min(0.0) * x.shape[-1] * torch.log(a)
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
@@ -153,10 +152,11 @@ class InverseMonotoneResidual(Transform):
         tol: relative residual tolerance of the Newton solve (at least 16 machine epsilons of
             the inputs' dtype).
         max_iter: Newton iterations before ``InverseNotConverged``.
-        residual_kwargs: passed to the :class:`MonotoneResidual` of the sampling direction.
+        residual_kwargs: passed to the :class:`MonotoneResidual` of the sampling direction
+            (``logdet`` defaults to ``LogDetOptions("exact")``).
 
     Examples:
-        >>> from flowattn.flows import RadialInteraction
+        >>> from flowattn.branches import RadialInteraction
         >>> layer = InverseMonotoneResidual(RadialInteraction(coeff=0.9, max_slope=3.0)).eval()
         >>> x = torch.randn(2, 4, 2)
         >>> z, logdet = layer(x)
@@ -172,7 +172,7 @@ class InverseMonotoneResidual(Transform):
                              "mask): the Newton solve of an inverse monotone block needs one")
         if not tol > 0 or max_iter < 1:
             raise InputError(f"need tol > 0 and max_iter >= 1, got {tol}, {max_iter}")
-        residual_kwargs.setdefault("logdet", "exact")
+        residual_kwargs.setdefault("logdet", LogDetOptions("exact"))
         self.block = MonotoneResidual(branch, zero_com=zero_com, **residual_kwargs)
         self.zero_com = bool(zero_com)
         self.tol = float(tol)

@@ -9,47 +9,22 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
-from flowattn.attention import twice_differentiable
-from flowattn.flows.inverse import INVERSE_METHODS, residual_inverse
-from flowattn.flows.logdet import (
+from ..attention import twice_differentiable
+from ..branches.mlp import frozen_power_iteration
+from ..errors import InputError
+from ..validation import check_sets
+from .geometry import mask_from_context, project
+from .inverse import InverseOptions, residual_inverse
+from .logdet import (
+    LogDetOptions,
     exact_logdet,
     jacobian_logdet,
     memory_efficient_logdet,
-    project,
     roulette_logdet,
     series_logdet,
 )
-from flowattn.nn import frozen_power_iteration
-from flowattn.validation import check_sets
 
-from ..errors import InputError
-
-__all__ = ["InvertibleResidual", "TransformerResidualPair", "mask_from_context", "branch_bound"]
-
-LOGDET_METHODS = ("auto", "exact", "series", "roulette")
-
-
-def mask_from_context(context, x: Tensor) -> Tensor | None:
-    """The padding mask carried by nflows' ``context`` argument.
-
-    ``context`` may be ``None``, a bool tensor (B, N) (True = present) or a dict with a
-    ``"mask"`` entry. Anything else raises ``ValueError``: in this library the context slot of a
-    set / sequence transform is reserved for the mask.
-    """
-    if context is None:
-        return None
-    if isinstance(context, dict):
-        context = context.get("mask")
-        if context is None:
-            return None
-    if not isinstance(context, Tensor) or context.dtype != torch.bool:
-        raise InputError(
-            "the context of a set transform must be None, a bool mask (B, N) or {'mask': mask}; "
-            f"got {type(context).__name__}"
-            + (f" of dtype {context.dtype}" if isinstance(context, Tensor) else "")
-        )
-    return context
-
+__all__ = ["InvertibleResidual", "TransformerResidualPair", "branch_bound"]
 
 def branch_bound(branch: nn.Module, n: int, zero_com: bool = False) -> float:
     """The certified Lipschitz constant of ``branch`` on sets of ``n`` elements, as a float.
@@ -101,7 +76,7 @@ class InvertibleResidual(Transform):
     :func:`flowattn.attention.twice_differentiable`, so attention branches keep their fused
     path (the fused CPU kernels alone have no double backward).
 
-    Log-determinant (``logdet``):
+    Log-determinant (``logdet``, a :class:`~flowattn.flows.LogDetOptions`):
         ``"exact"`` -- full Jacobian by batched VJPs, or the block-triangular path for causal /
         pointwise branches (sum_i log det(I + J_ii)); ``"series"`` -- ``n_terms`` terms of the
         power series with ``n_samples`` Hutchinson probes; ``"roulette"`` -- unbiased Russian
@@ -118,33 +93,17 @@ class InvertibleResidual(Transform):
 
     Arguments:
         branch: the contractive module g.
-        logdet: ``"auto"``, ``"exact"``, ``"series"`` or ``"roulette"``.
-        n_terms: terms of the truncated series.
-        n_exact_terms: terms always computed by the roulette estimator.
-        n_samples: Hutchinson probes per set.
-        probe: ``"rademacher"`` or ``"gaussian"``.
-        grad: ``"backprop"`` or ``"neumann"``.
-        memory_efficient: compute the log-det's gradient inside the forward pass.
-        inverse_method: ``"anderson"`` or ``"fixed-point"``.
-        inverse_tol: relative residual tolerance of the inverse.
-        inverse_max_iter: iteration budget of the inverse (then ``InverseNotConverged``).
+        logdet: how the log-det is computed (default ``LogDetOptions()``: ``"auto"``).
+        inverse: how the inverse is solved (default ``InverseOptions()``: Anderson, tolerance
+            1e-6, at most 1000 iterations).
         causal: call the branch with ``causal=True`` and use the block-triangular exact path.
         zero_com: keep sum_i x_i = 0 (project the branch output; log-det on the subspace).
-        roulette: ``"geometric"`` or ``"poisson"``; ``roulette_param`` is p or lambda.
-        roulette_lengths: ``"batch"`` (one length per call) or ``"sample"`` (one per set).
-        exact_max_dim: the largest N D for which ``"auto"`` and evaluation use the full exact path
-            (8 times more for a branch with a closed-form ``jacobian``).
-        eval_n_terms: series terms in evaluation when exact is infeasible (``None``: from the
-            branch bound, between 20 and 100).
-        eval_n_samples: probes in evaluation when exact is infeasible.
-        eval_seed: seed of the evaluation probes.
-        generator: torch.Generator for the training-time probes and lengths (``None``: torch's
-            global RNG).
         check_size: set size at which the branch bound is checked at construction.
 
     Examples:
-        >>> from flowattn.nn import LipschitzMLP
-        >>> block = InvertibleResidual(LipschitzMLP(2, 16, coeff=0.9), logdet="exact").eval()
+        >>> from flowattn.branches import LipschitzMLP
+        >>> branch = LipschitzMLP(2, 16, coeff=0.9)
+        >>> block = InvertibleResidual(branch, logdet=LogDetOptions("exact")).eval()
         >>> x = torch.randn(4, 3, 2)
         >>> y, logdet = block(x)
         >>> x_back, _ = block.inverse(y)
@@ -155,85 +114,33 @@ class InvertibleResidual(Transform):
     def __init__(
         self,
         branch: nn.Module,
-        logdet: str = "auto",
-        n_terms: int = 10,
-        n_exact_terms: int = 2,
-        n_samples: int = 1,
-        probe: str = "rademacher",
-        grad: str = "neumann",
-        memory_efficient: bool = False,
-        inverse_method: str = "anderson",
-        inverse_tol: float = 1e-6,
-        inverse_max_iter: int = 1000,
+        *,
+        logdet: LogDetOptions | None = None,
+        inverse: InverseOptions | None = None,
         causal: bool = False,
         zero_com: bool = False,
-        roulette: str = "geometric",
-        roulette_param: float = 0.5,
-        roulette_lengths: str = "batch",
-        exact_max_dim: int = 64,
-        eval_n_terms: int | None = None,
-        eval_n_samples: int = 8,
-        eval_seed: int = 0,
-        generator: torch.Generator | None = None,
         check_size: int = 2,
     ) -> None:
         super().__init__()
         if not isinstance(branch, nn.Module):
             raise InputError(f"branch must be an nn.Module, got {type(branch).__name__}")
+        logdet = LogDetOptions() if logdet is None else logdet
+        inverse = InverseOptions() if inverse is None else inverse
+        if not isinstance(logdet, LogDetOptions):
+            raise InputError(f"logdet must be a LogDetOptions, got {type(logdet).__name__}")
+        if not isinstance(inverse, InverseOptions):
+            raise InputError(f"inverse must be an InverseOptions, got {type(inverse).__name__}")
         bound = branch_bound(branch, check_size, zero_com)
         if bound >= 1:
             raise InputError(
                 f"branch {type(branch).__name__} is not contractive: certified Lipschitz bound "
                 f"{bound:.4f} >= 1 on sets of {check_size} elements"
             )
-        if logdet not in LOGDET_METHODS:
-            raise InputError(f"logdet must be one of {LOGDET_METHODS}, got {logdet!r}")
-        if grad not in ("backprop", "neumann"):
-            raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
-        if probe not in ("rademacher", "gaussian"):
-            raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
-        if inverse_method not in INVERSE_METHODS:
-            raise InputError(
-                f"inverse_method must be one of {INVERSE_METHODS}, got {inverse_method!r}"
-            )
-        if roulette not in ("geometric", "poisson"):
-            raise InputError(f"roulette must be 'geometric' or 'poisson', got {roulette!r}")
-        if roulette_lengths not in ("batch", "sample"):
-            raise InputError(
-                f"roulette_lengths must be 'batch' or 'sample', got {roulette_lengths!r}"
-            )
-        for name, value, low in (
-            ("n_terms", n_terms, 1),
-            ("n_exact_terms", n_exact_terms, 0),
-            ("n_samples", n_samples, 1),
-            ("inverse_max_iter", inverse_max_iter, 1),
-            ("eval_n_samples", eval_n_samples, 1),
-        ):
-            if int(value) != value or value < low:
-                raise InputError(f"{name} must be an integer >= {low}, got {value}")
-        if not inverse_tol > 0:
-            raise InputError(f"inverse_tol must be positive, got {inverse_tol}")
         self.branch = branch
-        self.logdet = logdet
-        self.n_terms = int(n_terms)
-        self.n_exact_terms = int(n_exact_terms)
-        self.n_samples = int(n_samples)
-        self.probe = probe
-        self.grad = grad
-        self.memory_efficient = bool(memory_efficient)
-        self.inverse_method = inverse_method
-        self.inverse_tol = float(inverse_tol)
-        self.inverse_max_iter = int(inverse_max_iter)
+        self.logdet_options = logdet
+        self.inverse_options = inverse
         self.causal = bool(causal)
         self.zero_com = bool(zero_com)
-        self.roulette = roulette
-        self.roulette_param = float(roulette_param)
-        self.roulette_lengths = roulette_lengths
-        self.exact_max_dim = int(exact_max_dim)
-        self.eval_n_terms = eval_n_terms
-        self.eval_n_samples = int(eval_n_samples)
-        self.eval_seed = int(eval_seed)
-        self.generator = generator
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -276,40 +183,42 @@ class InvertibleResidual(Transform):
         return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph)
 
     def _exact_feasible(self, n: int, d: int) -> bool:
+        max_dim = self.logdet_options.exact_max_dim
         if callable(getattr(self.branch, "jacobian", None)) and not self.causal:
-            return n * d <= 8 * self.exact_max_dim  # no VJPs: only the determinant's cost
-        return self.structure != "full" or n * d <= self.exact_max_dim
+            return n * d <= 8 * max_dim  # no VJPs: only the determinant's cost
+        return self.structure != "full" or n * d <= max_dim
 
     def _logdet_fn(self, x_shape, mask: Tensor | None):
         """(gx, x, create_graph) -> log-det (B,) for the current mode."""
         _, n, d = x_shape
         zc = self.zero_com
+        opt = self.logdet_options
         if not self.training:
             if self._exact_feasible(n, d):
                 return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
             bound = self._check_contractive(n)
-            terms = self.eval_n_terms or _terms_for_bound(bound)
+            terms = opt.eval_n_terms or _terms_for_bound(bound)
 
             def eval_series(gx, x, cg):
-                gen = torch.Generator(device=x.device).manual_seed(self.eval_seed)
+                gen = torch.Generator(device=x.device).manual_seed(opt.eval_seed)
                 return series_logdet(
-                    gx, x, terms, mask, self.eval_n_samples, self.probe, "backprop", zc, gen, cg
+                    gx, x, terms, mask, opt.eval_n_samples, opt.probe, "backprop", zc, gen, cg
                 )
 
             return eval_series
-        method = self.logdet
+        method = opt.method
         if method == "auto":
             method = "exact" if self._exact_feasible(n, d) else "roulette"
         if method == "exact":
             return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
         if method == "series":
             return lambda gx, x, cg: series_logdet(
-                gx, x, self.n_terms, mask, self.n_samples, self.probe, self.grad, zc,
-                self.generator, cg,
+                gx, x, opt.n_terms, mask, opt.n_samples, opt.probe, opt.grad, zc,
+                opt.generator, cg,
             )
         return lambda gx, x, cg: roulette_logdet(
-            gx, x, self.n_exact_terms, mask, self.n_samples, self.probe, self.grad,
-            self.roulette, self.roulette_param, self.roulette_lengths, zc, self.generator, cg,
+            gx, x, opt.n_exact_terms, mask, opt.n_samples, opt.probe, opt.grad,
+            opt.roulette, opt.roulette_param, opt.roulette_lengths, zc, opt.generator, cg,
         )
 
     @staticmethod
@@ -332,7 +241,7 @@ class InvertibleResidual(Transform):
         return (y.squeeze(1) if flat else y), logdet
 
     def _forward(self, x_in, mask, logdet_fn, params, need_graph):
-        if need_graph and self.memory_efficient:
+        if need_graph and self.logdet_options.memory_efficient:
             return memory_efficient_logdet(lambda x: self._g(x, mask), x_in, logdet_fn, params)
         with torch.enable_grad():
             x = x_in if (need_graph and x_in.requires_grad) else x_in.detach()
@@ -348,7 +257,7 @@ class InvertibleResidual(Transform):
         """x with x + g(x) = inputs (per-set convergence), and log|det dx/dy| = -log|det dy/dx|.
 
         ``x0`` is an optional warm start. Raises ``InverseNotConverged`` (a ``RuntimeError``)
-        when the solver misses ``inverse_tol`` within ``inverse_max_iter`` iterations.
+        when the solver misses the tolerance within the iteration budget of ``inverse``.
         Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted.
         """
         with frozen_power_iteration():
@@ -366,10 +275,10 @@ class InvertibleResidual(Transform):
             lambda z, m: self._g(z, m),
             y_in,
             mask,
-            method=self.inverse_method,
+            method=self.inverse_options.method,
             x0=x0,
-            tol=self.inverse_tol,
-            max_iter=self.inverse_max_iter,
+            tol=self.inverse_options.tol,
+            max_iter=self.inverse_options.max_iter,
             zero_com=self.zero_com,
         )
         logdet_fn = self._logdet_fn(y_in.shape, mask)
@@ -385,10 +294,11 @@ class InvertibleResidual(Transform):
         return (x.squeeze(1) if flat else x), -logdet
 
     def extra_repr(self) -> str:
+        opt = self.logdet_options
         return (
-            f"logdet={self.logdet!r}, grad={self.grad!r}, "
-            f"memory_efficient={self.memory_efficient}, inverse_method={self.inverse_method!r}, "
-            f"causal={self.causal}, zero_com={self.zero_com}"
+            f"logdet={opt.method!r}, grad={opt.grad!r}, memory_efficient={opt.memory_efficient}, "
+            f"inverse={self.inverse_options.method!r}, causal={self.causal}, "
+            f"zero_com={self.zero_com}"
         )
 
 
@@ -417,8 +327,9 @@ class TransformerResidualPair(CompositeTransform):
         kwargs: passed to both :class:`InvertibleResidual` blocks.
 
     Examples:
-        >>> from flowattn.nn import LipschitzMLP
-        >>> pair = TransformerResidualPair(LipschitzMLP(2, 8), LipschitzMLP(2, 8), logdet="exact")
+        >>> from flowattn.branches import LipschitzMLP
+        >>> exact = LogDetOptions("exact")
+        >>> pair = TransformerResidualPair(LipschitzMLP(2, 8), LipschitzMLP(2, 8), logdet=exact)
         >>> pair(torch.randn(3, 4, 2))[1].shape
         torch.Size([3])
     """

@@ -37,8 +37,8 @@ def invert_block(
     Each residual map is solved per sequence by the Banach iteration x <- y - g(x) (Behrmann et
     al. 2019, Alg. 1) or Anderson acceleration of it, to ||x + g(x) - y||_inf <=
     tol * max(1, ||y||_inf): :func:`flowattn.flows.inverse.residual_inverse`, the solver of the
-    flows' invertible residual blocks, with ``method``, ``tol`` and ``max_iter`` in the roles
-    of their ``inverse_method``, ``inverse_tol`` and ``inverse_max_iter``. The
+    flows' invertible residual blocks, with ``method``, ``tol`` and ``max_iter`` the fields of
+    :class:`~flowattn.flows.InverseOptions` of the same names. The
     :class:`~flowattn.lm.model.ChannelAffine` layers are inverted exactly.
 
     Raises:

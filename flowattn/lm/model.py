@@ -146,7 +146,7 @@ def _attention(config: LMConfig) -> nn.Module:
 
 
 def _lipschitz_feed_forward(config: LMConfig) -> nn.Module:
-    from ..nn import LipschitzMLP
+    from ..branches import LipschitzMLP
 
     return LipschitzMLP(config.dim, config.ff_mult * config.dim, coeff=config.contractive_coeff)
 

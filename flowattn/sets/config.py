@@ -160,8 +160,8 @@ def resolved_field(flow: SetsFlow, zero_com: bool) -> str:
 
 
 def _build_field(flow: SetsFlow, dim: int, zero_com: bool):
-    from ..flows.egnn import EGNNField
-    from ..flows.fields import AttentionField
+    from ..flows.continuous.egnn import EGNNField
+    from ..flows.continuous.fields import AttentionField
 
     if resolved_field(flow, zero_com) == "egnn":
         return EGNNField(dim, hidden=flow.field_hidden or 32, layers=flow.field_layers or 3,
@@ -180,7 +180,8 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     from nflows.transforms import CompositeTransform
 
     from ..flows.builders import SetFlow, set_flow
-    from ..flows.location import SetLocation
+    from ..flows.layers import SetLocation
+    from ..flows.logdet import LogDetOptions
 
     if dim % flow.heads != 0:
         raise ConfigError(f"heads={flow.heads} must divide the data dimension D={dim}")
@@ -217,9 +218,9 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             radial_max_slope=flow.radial_max_slope,
             radial_inverse=flow.radial_inverse,
             location=location,
-            logdet=logdet,
+            logdet=LogDetOptions(logdet),
         )
-    from ..flows.cnf import CNF
+    from ..flows.continuous.cnf import CNF
 
     divergence = flow.divergence
     if divergence == "auto":

@@ -1,4 +1,4 @@
-"""Tests of flowattn.flows.cnf: log-determinants, masks, regularisers, counters and errors."""
+"""Tests of flowattn.flows.continuous.cnf: log-dets, masks, regularisers, counters and errors."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from torch import nn
 from torchdiffeq import odeint
 
 from flowattn.errors import ODESolverError
-from flowattn.flows.base import standard_normal_log_prob, subtract_mean
-from flowattn.flows.cnf import CNF
-from flowattn.flows.divergence import draw_probe
+from flowattn.flows.base import standard_normal_log_prob
+from flowattn.flows.continuous.cnf import CNF
+from flowattn.flows.geometry import sample_probes, subtract_mean
 
 TIGHT = dict(atol=1e-10, rtol=1e-10)
 
@@ -111,9 +111,9 @@ def test_zero_com_logabsdet_equals_logdet_on_the_subspace():
     assert z.sum(dim=1).abs().max() < 1e-12
 
 
-@pytest.mark.parametrize("noise", ["rademacher", "gaussian"])
+@pytest.mark.parametrize("probe", ["rademacher", "gaussian"])
 @pytest.mark.parametrize("zero_com", [False, True])
-def test_hutchinson_logabsdet_is_unbiased_within_4_standard_errors(noise, zero_com):
+def test_hutchinson_logabsdet_is_unbiased_within_4_standard_errors(probe, zero_com):
     field = MeanField(seed=4)
     x = torch.randn(1, 3, 2, generator=torch.Generator().manual_seed(5))
     if zero_com:
@@ -123,7 +123,7 @@ def test_hutchinson_logabsdet_is_unbiased_within_4_standard_errors(noise, zero_c
     cnf = CNF(
         field,
         divergence="hutchinson",
-        noise=noise,
+        probe=probe,
         generator=torch.Generator().manual_seed(6),
         zero_com=zero_com,
         atol=1e-8,
@@ -145,7 +145,8 @@ def test_hutchinson_probe_is_fixed_for_the_whole_solve():
         generator=torch.Generator().manual_seed(8), **TIGHT,
     )
     logabsdet = cnf(x)[1]
-    eps = draw_probe(x, "rademacher", generator=torch.Generator().manual_seed(8))
+    eps = sample_probes(x.shape, "rademacher", generator=torch.Generator().manual_seed(8),
+                        dtype=x.dtype)
     expected = 2.0 * ((eps @ a.t()) * eps).sum(dim=(1, 2))
     assert torch.allclose(logabsdet, expected, atol=1e-9)
     again = CNF(
@@ -264,7 +265,7 @@ def test_rnode_regularisers_of_a_linear_field_match_closed_forms():
     x = torch.randn(2, 3, 2, generator=torch.Generator().manual_seed(23))
     mask = torch.tensor([[True, True, True], [True, True, False]])
     t1 = 1.5
-    cnf = CNF(LinearField(a), t1=t1, regularize=True, **TIGHT)
+    cnf = CNF(LinearField(a), t1=t1, regularise=True, **TIGHT)
     cnf(x, mask=mask)
     # int_0^T ||A z(t)||^2 dt with z(t) = exp(tA) x, by composite Simpson on a fine grid
     ts = torch.linspace(0, t1, 2001)
@@ -285,7 +286,7 @@ def test_hutchinson_frobenius_regulariser_is_unbiased():
     draws = 2000
     x = torch.randn(1, 3, 2, generator=torch.Generator().manual_seed(24)).expand(draws, -1, -1)
     cnf = CNF(
-        LinearField(a), divergence="hutchinson", noise="gaussian", regularize=True,
+        LinearField(a), divergence="hutchinson", probe="gaussian", regularise=True,
         generator=torch.Generator().manual_seed(25),
     )
     cnf(x.contiguous())
@@ -298,7 +299,7 @@ def test_regularisers_do_not_change_the_solver_steps():
     field = MeanField(seed=26)
     x = 2 * torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(27))
     plain = CNF(field, atol=1e-6, rtol=1e-6)
-    regularised = CNF(field, regularize=True, atol=1e-6, rtol=1e-6)
+    regularised = CNF(field, regularise=True, atol=1e-6, rtol=1e-6)
     z, logabsdet = plain(x)
     z_r, logabsdet_r = regularised(x)
     assert regularised.nfe_forward == plain.nfe_forward
@@ -318,7 +319,7 @@ def test_adjoint_gradients_equal_direct_gradients(divergence):
         field = MeanField(seed=29)
         # the same seed gives both the same probe; the adjoint must reuse it backwards
         cnf = CNF(
-            field, adjoint=adjoint, regularize=True, divergence=divergence,
+            field, adjoint=adjoint, regularise=True, divergence=divergence,
             generator=torch.Generator().manual_seed(1), **TIGHT,
         )
         z, logabsdet = cnf(x, mask=mask)
@@ -466,7 +467,7 @@ def test_zero_com_rejects_uncentred_inputs():
         ({"solver": "rk4"}, "step_size"),
         ({"atol": -1.0}, "atol"),
         ({"divergence": "approx"}, "divergence"),
-        ({"noise": "uniform"}, "noise"),
+        ({"probe": "uniform"}, "probe"),
         ({"max_steps": 0}, "max_steps"),
     ],
 )

@@ -5,16 +5,20 @@ import math
 import pytest
 import torch
 
+from flowattn.branches import RadialInteraction
+from flowattn.errors import InverseNotConverged
 from flowattn.flows import (
     InverseMonotoneResidual,
-    InverseNotConverged,
+    InverseOptions,
     InvertibleResidual,
+    LogDetOptions,
     MonotoneResidual,
-    RadialInteraction,
     set_flow,
 )
 from flowattn.flows.monotone import _Recentred
 from flowattn.lipschitz import jacobian, lipschitz_lower_bound
+
+EXACT = LogDetOptions("exact")
 
 
 def make(seed=0, coeff=0.9, max_slope=5.0, scale=3.0):
@@ -40,8 +44,8 @@ def centred(x, mask):
 @pytest.mark.parametrize("zero_com", [False, True])
 def test_block_is_x_plus_g_and_inverts(zero_com):
     g = make()
-    block = MonotoneResidual(g, logdet="exact", zero_com=zero_com, inverse_tol=1e-11,
-                             inverse_max_iter=5000).eval()
+    block = MonotoneResidual(g, logdet=EXACT, zero_com=zero_com,
+                             inverse=InverseOptions(tol=1e-11, max_iter=5000)).eval()
     x = 1.5 * randn(3, 5, 2)
     x = centred(x, MASK) if zero_com else x * MASK[..., None]
     y, logdet = block(x, context=MASK)
@@ -53,7 +57,7 @@ def test_block_is_x_plus_g_and_inverts(zero_com):
 
 def test_logdet_is_exact():
     g = make()
-    block = MonotoneResidual(g, logdet="exact").eval()
+    block = MonotoneResidual(g, logdet=EXACT).eval()
     x = 1.5 * randn(3, 5, 2)
     with torch.no_grad():
         _, logdet = block(x, context=MASK)
@@ -113,7 +117,8 @@ def test_errors():
 
 def test_monotone_set_flow_samples_and_scores_consistently():
     flow = set_flow(2, blocks=2, heads=1, interaction="radial", radial_max_slope=4.0,
-                    zero_com=True, norm="2", logdet="exact", inverse_tol=1e-10).double().eval()
+                    zero_com=True, norm="2", logdet=EXACT,
+                    inverse=InverseOptions(tol=1e-10)).double().eval()
     assert sum(isinstance(m, MonotoneResidual) for m in flow.modules()) == 2
     with torch.no_grad():
         for m in flow.modules():
@@ -181,8 +186,8 @@ def test_inverse_block_converges_in_float32_and_reports_failure():
 
 def test_alternating_flow_and_its_settings():
     flow = set_flow(2, blocks=2, heads=1, interaction="radial", radial_max_slope=4.0,
-                    radial_inverse=True, zero_com=True, norm="2", logdet="exact",
-                    inverse_tol=1e-11).double().eval()
+                    radial_inverse=True, zero_com=True, norm="2", logdet=EXACT,
+                    inverse=InverseOptions(tol=1e-11)).double().eval()
     kinds = [type(m) for m in flow.transform._transforms]
     assert MonotoneResidual in kinds and InverseMonotoneResidual in kinds
     x, log_prob = flow.sample_and_log_prob(32, set_size=4,
@@ -198,7 +203,7 @@ def test_alternating_flow_and_its_settings():
 
 
 def test_a_branch_without_closed_form_jacobian_uses_the_vjp_path():
-    from flowattn.flows.base import subtract_mean
+    from flowattn.flows.geometry import subtract_mean
 
     class Stretch(torch.nn.Module):
         """g(x) = 2 P x: eigenvalues 2 on the centred directions, inside [-0.5, 3]."""
@@ -211,7 +216,8 @@ def test_a_branch_without_closed_form_jacobian_uses_the_vjp_path():
         def forward(self, x, mask=None, causal=False):
             return 2.0 * subtract_mean(x, mask)
 
-    block = MonotoneResidual(Stretch(), logdet="exact", inverse_tol=1e-12).eval()
+    block = MonotoneResidual(Stretch(), logdet=EXACT, inverse=InverseOptions(tol=1e-12))
+    block = block.eval()
     x = randn(2, 4, 3)
     y, logdet = block(x)
     torch.testing.assert_close(y, x + 2.0 * subtract_mean(x))

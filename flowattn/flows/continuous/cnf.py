@@ -10,10 +10,11 @@ from nflows.transforms.base import Transform
 from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
-from ..errors import InputError, ODESolverError
-from ..validation import check_finite, check_sets
-from .base import sample_standard_normal, standard_normal_log_prob, subtract_mean
-from .divergence import draw_probe, exact_divergence, hutchinson_divergence
+from ...errors import InputError, ODESolverError
+from ...validation import check_finite, check_sets
+from ..base import sample_standard_normal, standard_normal_log_prob
+from ..geometry import PROBES, project, sample_probes, subtract_mean
+from .divergence import exact_divergence, hutchinson_divergence
 
 __all__ = ["CNF", "ODESolverError", "ADAPTIVE_SOLVERS", "FIXED_GRID_SOLVERS"]
 
@@ -53,14 +54,14 @@ class _Dynamics(nn.Module):
         mask: Tensor | None,
         probe: Tensor | None,
         zero_com: bool,
-        regularize: bool,
+        regularise: bool,
         counter: _Counter,
         adjoint: bool,
     ):
         super().__init__()
         self.field = field
         self.mask, self.probe, self.zero_com = mask, probe, zero_com
-        self.regularize, self.counter, self.adjoint = regularize, counter, adjoint
+        self.regularise, self.counter, self.adjoint = regularise, counter, adjoint
 
     def _field(self, t: Tensor, z: Tensor, mask: Tensor | None) -> Tensor:
         f = self.field(t, z) if mask is None else self.field(t, z, mask=mask)
@@ -69,12 +70,8 @@ class _Dynamics(nn.Module):
                 f"the vector field must return the state's shape {tuple(z.shape)}, "
                 f"got {tuple(f.shape)}"
             )
-        if mask is not None:
-            # padded elements stay where they are
-            f = f * mask.unsqueeze(-1).to(f.dtype)
-        if self.zero_com:
-            f = subtract_mean(f, mask)
-        return f
+        # padded elements stay where they are; zero_com keeps the centre of mass
+        return project(f, mask, self.zero_com)
 
     def forward(self, t: Tensor, state: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         counter = self.counter
@@ -95,13 +92,13 @@ class _Dynamics(nn.Module):
                     z,
                     self.mask,
                     self.zero_com,
-                    frobenius=self.regularize,
+                    frobenius=self.regularise,
                     create_graph=create_graph,
                 )
             else:
                 f = self._field(t, z, self.mask)
                 div, frob = hutchinson_divergence(
-                    f, z, self.probe, self.mask, self.zero_com, self.regularize, create_graph
+                    f, z, self.probe, self.mask, self.zero_com, self.regularise, create_graph
                 )
         if not bool(torch.isfinite(f).all()):
             raise ODESolverError(
@@ -115,7 +112,7 @@ class _Dynamics(nn.Module):
         elif counter.solving and not self.adjoint and f.requires_grad:
             f.register_hook(counter.count_backward)
         derivatives = (f, div)
-        if self.regularize:
+        if self.regularise:
             kinetic = f.pow(2).reshape(f.shape[0], -1).sum(dim=1)
             derivatives = derivatives + (kinetic, frob)
         return derivatives
@@ -187,7 +184,7 @@ class CNF(Transform):
     densities follow the E(n)-flow convention of
     ``standard_normal_log_prob(z, mask, zero_com=True)``.
 
-    **Regularisers.** With ``regularize=True`` the forward solve also integrates RNODE's
+    **Regularisers.** With ``regularise=True`` the forward solve also integrates RNODE's
     kinetic energy int ||f||^2 dt and Jacobian Frobenius norm int ||df/dz||_F^2 dt (exact, or
     Hutchinson's ||eps^T df/dz||^2 from the same vjp). They are extra states the step-size
     control ignores and are exposed as ``kinetic_energy`` and ``jacobian_frobenius``, (B,)
@@ -196,7 +193,7 @@ class CNF(Transform):
     **Counters.** ``nfe_forward`` counts the field evaluations of the latest solve;
     ``nfe_backward`` the evaluations of its backward pass (adjoint solve evaluations with
     ``adjoint=True``; evaluations whose graph was backpropagated otherwise). Each is also
-    logged at DEBUG level by the ``flowattn.flows.cnf`` logger.
+    logged at DEBUG level by the ``flowattn.flows.continuous.cnf`` logger.
 
     **Failures** raise :class:`ODESolverError` (a RuntimeError) whose ``cause`` names the
     reason (step size underflow, non-finite state or field, too many steps); bad inputs raise
@@ -219,9 +216,9 @@ class CNF(Transform):
         divergence: ``"exact"`` or ``"hutchinson"``.
         eval_divergence: the divergence in evaluation mode (``None``: ``divergence``); e.g.
             Hutchinson to train and the exact trace to report likelihoods (E-NF's practice).
-        noise: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
+        probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
         generator: torch.Generator the probes are drawn from (default: the global RNG).
-        regularize: integrate the RNODE regularisers during ``forward``.
+        regularise: integrate the RNODE regularisers during ``forward``.
         zero_com: zero-centre-of-mass mode; ``None`` takes ``field.zero_com`` (or False).
         max_steps: maximum number of adaptive steps per solve (``None``: unlimited).
         solver_options: further options for the torchdiffeq solver.
@@ -255,9 +252,9 @@ class CNF(Transform):
         adjoint_rtol: float | None = None,
         divergence: str = "exact",
         eval_divergence: str | None = None,
-        noise: str = "rademacher",
+        probe: str = "rademacher",
         generator: torch.Generator | None = None,
-        regularize: bool = False,
+        regularise: bool = False,
         zero_com: bool | None = None,
         max_steps: int | None = None,
         solver_options: dict | None = None,
@@ -280,8 +277,8 @@ class CNF(Transform):
         if eval_divergence not in (None, "exact", "hutchinson"):
             raise InputError("eval_divergence must be None, 'exact' or 'hutchinson', got "
                              f"{eval_divergence!r}")
-        if noise not in ("rademacher", "gaussian"):
-            raise InputError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
+        if probe not in PROBES:
+            raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
         if max_steps is not None and max_steps < 1:
             raise InputError(f"max_steps must be a positive integer, got {max_steps!r}")
         if solver in FIXED_GRID_SOLVERS and "step_size" not in (solver_options or {}):
@@ -294,9 +291,9 @@ class CNF(Transform):
         self.adjoint_params = None if adjoint_params is None else tuple(adjoint_params)
         self.adjoint_atol = atol if adjoint_atol is None else adjoint_atol
         self.adjoint_rtol = rtol if adjoint_rtol is None else adjoint_rtol
-        self.divergence, self.noise, self.generator = divergence, noise, generator
+        self.divergence, self.probe, self.generator = divergence, probe, generator
         self.eval_divergence = divergence if eval_divergence is None else eval_divergence
-        self.regularize = regularize
+        self.regularise = regularise
         self.zero_com = bool(getattr(field, "zero_com", False)) if zero_com is None else zero_com
         self.max_steps = max_steps
         self.solver_options = dict(solver_options or {})
@@ -371,17 +368,18 @@ class CNF(Transform):
 
     # ------------------------------------------------------------------ solving
 
-    def _solve(self, z0: Tensor, mask: Tensor | None, reverse: bool, regularize: bool):
+    def _solve(self, z0: Tensor, mask: Tensor | None, reverse: bool, regularise: bool):
         counter = _Counter()
         self._counter = counter
         probe = None
         if (self.divergence if self.training else self.eval_divergence) == "hutchinson":
-            probe = draw_probe(z0, self.noise, mask, self.zero_com, self.generator)
+            probe = sample_probes(z0.shape, self.probe, mask, self.zero_com, self.generator,
+                                  z0.device, z0.dtype)
         dynamics = _Dynamics(
-            self.field, mask, probe, self.zero_com, regularize, counter, self.adjoint
+            self.field, mask, probe, self.zero_com, regularise, counter, self.adjoint
         )
         zeros = z0.new_zeros(z0.shape[0])
-        state = (z0, zeros) + ((zeros, zeros) if regularize else ())
+        state = (z0, zeros) + ((zeros, zeros) if regularise else ())
         times = [self.t1, 0.0] if reverse else [0.0, self.t1]
         t = torch.tensor(times, dtype=z0.dtype, device=z0.device)
 
@@ -430,9 +428,9 @@ class CNF(Transform):
         mask = self._resolve_mask(inputs, context, mask)
         if self.zero_com:
             self._check_centred(inputs, mask)
-        out = self._solve(inputs, mask, reverse=False, regularize=self.regularize)
+        out = self._solve(inputs, mask, reverse=False, regularise=self.regularise)
         out = (_keep_padding(out[0], inputs, mask),) + out[1:]
-        if self.regularize:
+        if self.regularise:
             self.kinetic_energy, self.jacobian_frobenius = out[2], out[3]
         else:
             self.kinetic_energy = self.jacobian_frobenius = None
@@ -445,7 +443,7 @@ class CNF(Transform):
         mask = self._resolve_mask(inputs, context, mask)
         if self.zero_com:
             self._check_centred(inputs, mask)
-        out = self._solve(inputs, mask, reverse=True, regularize=False)
+        out = self._solve(inputs, mask, reverse=True, regularise=False)
         return _keep_padding(out[0], inputs, mask), out[1]
 
     # ------------------------------------------------------------------ densities

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
-from .base import _present
+from ..validation import present_weights
 
 __all__ = ["RadialInteraction"]
 
@@ -54,8 +54,9 @@ class RadialInteraction(nn.Module):
             expansions up to 1 + u.
 
     Examples:
-        >>> from flowattn.flows import InvertibleResidual
-        >>> block = InvertibleResidual(RadialInteraction(coeff=0.9), logdet="exact").eval()
+        >>> from flowattn.flows import InvertibleResidual, LogDetOptions
+        >>> branch = RadialInteraction(coeff=0.9)
+        >>> block = InvertibleResidual(branch, logdet=LogDetOptions("exact")).eval()
         >>> x = torch.randn(3, 4, 2)
         >>> y, logdet = block(x)
         >>> bool((block.inverse(y)[0] - x).abs().max() < 1e-4)
@@ -147,7 +148,7 @@ class RadialInteraction(nn.Module):
         eps = torch.finfo(x.dtype).eps ** 0.5
         sq = diff.pow(2).sum(-1)
         dist = sq.clamp_min(eps * eps).sqrt()
-        present = _present(x, mask)
+        present = present_weights(x, mask)
         weight = present[:, :, None] * present[:, None, :]
         n = present.sum(1).clamp_min(1.0)[:, None, None]
         return diff, sq, dist, weight / n, eps

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from flowattn.data import load_dataset
-from flowattn.flows import SetLocation, set_flow, size_features
+from flowattn.flows import SetLocation, set_flow
+from flowattn.flows.layers import size_features
 from flowattn.lipschitz import jacobian
 
 

@@ -5,10 +5,22 @@ import math
 import pytest
 import torch
 
-from flowattn.flows import ActNorm, SetFlow, sequence_flow, set_flow
-from flowattn.flows.base import subtract_mean
+from flowattn.flows import (
+    CNF,
+    ActNorm,
+    AttentionField,
+    EGNNField,
+    InverseOptions,
+    LogDetOptions,
+    SetFlow,
+    SetLocation,
+    sequence_flow,
+    set_flow,
+)
+from flowattn.flows.geometry import subtract_mean
 
 DT = torch.float64
+EXACT = LogDetOptions("exact")
 
 
 def _jacobian(fn, x):
@@ -80,7 +92,7 @@ def _trained_actnorm(flow, x, mask=None):
 @pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
 def test_set_flow_log_prob_matches_brute_force_jacobian(options):
     torch.manual_seed(3)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, **options).double()
     x = torch.randn(3, 5, 2, dtype=DT)
     _trained_actnorm(flow, 2 * x + 1)
     log_prob = flow.log_prob(x)
@@ -91,7 +103,7 @@ def test_set_flow_log_prob_matches_brute_force_jacobian(options):
 @pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
 def test_set_flow_log_prob_is_exchangeable(options):
     torch.manual_seed(4)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double().eval()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, **options).double().eval()
     x = torch.randn(4, 6, 2, dtype=DT)
     perm = torch.randperm(6)
     assert (flow.log_prob(x[:, perm]) - flow.log_prob(x)).abs().max() < 1e-10
@@ -100,7 +112,7 @@ def test_set_flow_log_prob_is_exchangeable(options):
 @pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
 def test_padded_batch_log_prob_equals_each_set_alone(options):
     torch.manual_seed(5)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", **options).double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, **options).double()
     data = torch.randn(8, 6, 2, dtype=DT)
     _trained_actnorm(flow, data)
     sizes = [6, 3, 1]
@@ -115,8 +127,8 @@ def test_padded_batch_log_prob_equals_each_set_alone(options):
 @pytest.mark.parametrize("interaction", ["attention", "radial"])
 def test_zero_com_flow_keeps_centre_and_matches_subspace_brute_force(interaction):
     torch.manual_seed(6)
-    flow = set_flow(dim=2, blocks=2, heads=1, logdet="exact", zero_com=True,
-                    inverse_tol=1e-12, interaction=interaction).double()
+    flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, zero_com=True,
+                    inverse=InverseOptions(tol=1e-12), interaction=interaction).double()
     x = subtract_mean(torch.randn(3, 4, 2, dtype=DT))
     _trained_actnorm(flow, 1.5 * x)
     z = flow.transform_to_noise(x)
@@ -188,7 +200,7 @@ def test_flows_reject_bad_inputs():
 
 def test_default_set_flow_trains_in_float32_with_the_roulette_estimator():
     torch.manual_seed(9)
-    flow = set_flow(dim=4, blocks=1, heads=2, n_exact_terms=1).train()
+    flow = set_flow(dim=4, blocks=1, heads=2, logdet=LogDetOptions(n_exact_terms=1)).train()
     x = torch.randn(3, 20, 4)  # N D = 80 > exact_max_dim: "auto" uses roulette + Neumann
     mask = torch.ones(3, 20, dtype=torch.bool)
     mask[0, 15:] = False
@@ -197,3 +209,83 @@ def test_default_set_flow_trains_in_float32_with_the_roulette_estimator():
     grads = [p.grad for p in flow.parameters() if p.requires_grad]
     assert torch.isfinite(loss) and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert any(g.abs().sum() > 0 for g in grads)
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+ACTNORM = ["initialized", "log_scale", "shift"]
+LU = ["log_diag", "lower", "upper"]
+MLP = ["activations.0.rho"] + [f"layers.{i}.{p}" for i in (0, 1) for p in ("bias", "u", "v",
+                                                                            "weight")]
+L2 = ["attention.w_o", "attention.w_q", "attention.w_v"]
+RADIAL = ["centres", "weight"]
+MANYBODY = ["centres", "in_bias", "in_weight", "linear", "out_weight"]
+
+
+def _keys(prefix, names):
+    return [f"{prefix}.{name}" for name in names]
+
+
+def _layer(i, names):
+    return _keys(f"transform._transforms.{i}", names)
+
+
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (
+            lambda: set_flow(dim=2, blocks=1, heads=1),
+            _layer(0, ACTNORM) + _layer(1, [f"{m}.{p}" for m in ("deviation", "mean") for p in LU])
+            + _keys("transform._transforms.2._transforms.0.branch", L2)
+            + _keys("transform._transforms.2._transforms.1.branch", MLP),
+        ),
+        (
+            lambda: set_flow(dim=2, blocks=2, heads=1, interaction="radial", zero_com=True,
+                             norm="2", manybody=True, radial_max_slope=3.0, radial_inverse=True,
+                             radial_basis=4),
+            _layer(0, ACTNORM) + _layer(1, [f"deviation.{p}" for p in LU])
+            + _layer(2, [f"residual.branch.branch.{p}" for p in RADIAL])
+            + _layer(3, [f"branch.{p}" for p in MANYBODY])
+            + _layer(4, [f"branch.{p}" for p in MLP])
+            + _layer(5, ACTNORM) + _layer(6, [f"deviation.{p}" for p in LU])
+            + _layer(7, [f"block.residual.branch.branch.{p}" for p in RADIAL])
+            + _layer(8, [f"branch.{p}" for p in MANYBODY])
+            + _layer(9, [f"branch.{p}" for p in MLP]),
+        ),
+        (
+            lambda: sequence_flow(dim=2, blocks=1, heads=1),
+            _layer(0, ACTNORM) + _keys("transform._transforms.1._transforms.0.branch", L2)
+            + _keys("transform._transforms.1._transforms.1.branch", MLP),
+        ),
+        (
+            lambda: SetFlow(CNF(AttentionField(2, layers=1, hidden=4)), 2),
+            _keys("transform.field", ["attention.0.w_o", "attention.0.w_q", "attention.0.w_v",
+                                      "lift.bias", "lift.weight", "project.bias",
+                                      "project.weight", "time_net.0.bias", "time_net.0.weight",
+                                      "time_net.2.bias", "time_net.2.weight"]),
+        ),
+        (
+            lambda: SetFlow(CNF(EGNNField(2, hidden=4, layers=1, zero_com=True)), 2, True),
+            _keys("transform.field", ["embed_time.bias", "embed_time.weight"])
+            + _keys("transform.field.layers.0", [
+                "displacement.0.bias", "displacement.0.weight", "displacement.2.weight",
+                "gate.bias", "gate.weight", "message.0.bias", "message.0.weight",
+                "message.2.bias", "message.2.weight", "update.0.bias", "update.0.weight",
+                "update.2.bias", "update.2.weight"]),
+        ),
+    ],
+)
+def test_state_dict_keys_match_saved_checkpoints(make, expected):
+    # Checkpoints store these keys: a renamed attribute or a reordered layer would orphan them.
+    assert sorted(make().state_dict()) == sorted(expected)
+
+
+def test_state_dict_keys_of_a_flow_with_set_location():
+    keys = sorted(set_flow(dim=2, blocks=1, heads=1, interaction="linear", location=True)
+                  .state_dict())
+    # the centroid flow is nflows' spline stack: its inner keys are nflows' own
+    location = sorted(SetLocation(2).state_dict())
+    assert location and all(k.startswith("centroid_flow._transforms.") for k in location)
+    assert sorted(_layer(0, location) + _layer(1, ACTNORM)
+                  + _layer(2, [f"{m}.{p}" for m in ("deviation", "mean") for p in LU])
+                  + _layer(3, [f"branch.{p}" for p in MLP])) == keys

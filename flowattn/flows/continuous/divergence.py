@@ -7,36 +7,14 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ..errors import InputError
-from .base import subtract_mean
+from ..geometry import project, vjp
 
-__all__ = ["exact_divergence", "hutchinson_divergence", "draw_probe", "project_tangent"]
+__all__ = ["exact_divergence", "hutchinson_divergence"]
 
 
 def _event_sum(x: Tensor) -> Tensor:
     """Sum over every dimension but the first (the batch)."""
     return x.reshape(x.shape[0], -1).sum(dim=1)
-
-
-def project_tangent(v: Tensor, mask: Tensor | None, zero_com: bool) -> Tensor:
-    """Zero the padded elements of ``v`` and, with ``zero_com``, remove each set's mean.
-
-    This is the orthogonal projection P onto the space the dynamics live in: the present
-    coordinates, intersected with the zero-centre-of-mass subspace in ``zero_com`` mode.
-    """
-    if zero_com:
-        return subtract_mean(v, mask)
-    if mask is None:
-        return v
-    return v * mask.unsqueeze(-1).to(v.dtype)
-
-
-def _vjp(f: Tensor, z: Tensor, v: Tensor, create_graph: bool) -> Tensor:
-    """v^T df/dz, with zeros where f does not depend on z."""
-    if not f.requires_grad:
-        return torch.zeros_like(z)
-    (g,) = torch.autograd.grad(f, z, v, create_graph=create_graph, allow_unused=True)
-    return torch.zeros_like(z) if g is None else g
 
 
 def exact_divergence(
@@ -84,14 +62,14 @@ def exact_divergence(
     eye = torch.eye(k, dtype=z.dtype, device=z.device).reshape(k, 1, *event)
     probes = eye.expand(k, batch, *event).reshape(k * batch, *event)
     mask_rep = None if mask is None else mask.repeat(k, 1)
-    probes = project_tangent(probes, mask_rep, zero_com)
+    probes = project(probes, mask_rep, zero_com)
     z_rep = z.repeat(k, *([1] * len(event)))
     f_rep = field(z_rep, mask_rep)
-    rows = _vjp(f_rep, z_rep, probes, create_graph)
+    rows = vjp(f_rep, z_rep, probes, create_graph)
     div = _event_sum(rows * probes).reshape(k, batch).sum(dim=0)
     frob = None
     if frobenius:
-        tangent = project_tangent(rows, mask_rep, zero_com)
+        tangent = project(rows, mask_rep, zero_com)
         frob = _event_sum(tangent.pow(2)).reshape(k, batch).sum(dim=0)
     return f_rep[:batch], div, frob
 
@@ -115,7 +93,7 @@ def hutchinson_divergence(
     Arguments:
         f: the field's output at z.
         z: the state, requiring grad, that f was computed from.
-        probe: eps, already projected (see :func:`draw_probe`).
+        probe: eps, already projected (see :func:`~flowattn.flows.geometry.sample_probes`).
         mask: optional bool (B, N) padding mask, used to project the regulariser.
         zero_com: zero-centre-of-mass mode, used to project the regulariser.
         frobenius: also return the Frobenius estimate.
@@ -130,44 +108,10 @@ def hutchinson_divergence(
         >>> hutchinson_divergence(2 * z, z, eps)[0].tolist()
         [6.0, 6.0]
     """
-    row = _vjp(f, z, probe, create_graph)
+    row = vjp(f, z, probe, create_graph)
     div = _event_sum(row * probe)
     frob = None
     if frobenius:
-        frob = _event_sum(project_tangent(row, mask, zero_com).pow(2))
+        frob = _event_sum(project(row, mask, zero_com).pow(2))
     return div, frob
 
-
-def draw_probe(
-    like: Tensor,
-    noise: str = "rademacher",
-    mask: Tensor | None = None,
-    zero_com: bool = False,
-    generator: torch.Generator | None = None,
-) -> Tensor:
-    """Draw a Hutchinson probe of ``like``'s shape: Rademacher or Gaussian, then projected.
-
-    The probe is drawn on the generator's device (or ``like``'s device without a generator)
-    and moved to ``like``'s device and dtype.
-
-    Arguments:
-        like: tensor giving shape, dtype and device.
-        noise: "rademacher" (+-1 with equal probability) or "gaussian" (standard normal).
-        mask: optional bool (B, N) padding mask; padded elements get zero probes.
-        zero_com: project the probe onto the zero-centre-of-mass subspace.
-        generator: optional seeded torch.Generator.
-
-    Examples:
-        >>> g = torch.Generator().manual_seed(0)
-        >>> draw_probe(torch.zeros(1, 4), generator=g).abs().tolist()
-        [[1.0, 1.0, 1.0, 1.0]]
-    """
-    device = like.device if generator is None else generator.device
-    if noise == "rademacher":
-        bits = torch.randint(0, 2, like.shape, generator=generator, device=device)
-        eps = (2 * bits - 1).to(like.dtype)
-    elif noise == "gaussian":
-        eps = torch.randn(like.shape, generator=generator, device=device, dtype=like.dtype)
-    else:
-        raise InputError(f"noise must be 'rademacher' or 'gaussian', got {noise!r}")
-    return project_tangent(eps.to(like.device), mask, zero_com)

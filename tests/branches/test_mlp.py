@@ -1,9 +1,9 @@
-"""Tests for flowattn.nn: LipSwish, SpectralLinear and the LipschitzMLP branch."""
+"""Tests for flowattn.branches.mlp: LipSwish, SpectralLinear and the LipschitzMLP branch."""
 
 import pytest
 import torch
 
-from flowattn.nn import LIPSWISH_MAX_SLOPE, LipschitzMLP, LipSwish, SpectralLinear
+from flowattn.branches.mlp import LIPSWISH_MAX_SLOPE, LipschitzMLP, LipSwish, SpectralLinear
 
 
 def _slope(beta: float) -> torch.Tensor:

@@ -4,16 +4,16 @@ import pytest
 import torch
 
 from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
+from flowattn.flows.geometry import project
 from flowattn.flows.logdet import (
     exact_logdet,
     memory_efficient_logdet,
-    project,
     roulette_logdet,
     roulette_tail_probability,
     sample_roulette_lengths,
     series_logdet,
 )
-from flowattn.nn import LipschitzMLP
 
 DT = torch.float64
 

@@ -1,6 +1,6 @@
 """NeighbourhoodInteraction: gradient of its potential, certified bound, many-body coupling.
 
-Equivariance, padding and the closed-form Jacobian: tests/test_particle_branches.py.
+Equivariance, padding and the closed-form Jacobian: tests/branches/test_particle_branches.py.
 """
 
 import math
@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
-from flowattn.flows import InvertibleResidual, set_flow
-from flowattn.flows.manybody import NeighbourhoodInteraction
+from flowattn.branches import NeighbourhoodInteraction
+from flowattn.flows import InvertibleResidual, LogDetOptions, set_flow
 from flowattn.lipschitz import lipschitz_lower_bound
+
+EXACT = LogDetOptions("exact")
 
 
 def make(seed=0, coeff=0.9, channels=4, hidden=6, strength=1.0):
@@ -75,7 +77,7 @@ def test_bound_is_nearly_attained_by_a_linear_embedding_of_one_shell():
 
 
 def test_shell_sum_constants_bound_their_sums():
-    from flowattn.flows import manybody
+    from flowattn.branches import manybody
 
     rho = torch.linspace(0.0, 12.0, 24001, dtype=torch.float64)
     centres = torch.linspace(0.0, 10.0, 11, dtype=torch.float64)
@@ -88,7 +90,7 @@ def test_shell_sum_constants_bound_their_sums():
 
 def test_a_pair_feels_a_third_element_unlike_a_pair_interaction():
     """dg_0/dx_1 changes when x_2 moves: zero for any sum of pair terms, not here."""
-    from flowattn.flows.radial import RadialInteraction
+    from flowattn.branches import RadialInteraction
 
     def coupling(branch, third):
         x = torch.tensor([[[0.0, 0.0], [1.0, 0.0], third]], dtype=torch.float64)
@@ -103,7 +105,7 @@ def test_a_pair_feels_a_third_element_unlike_a_pair_interaction():
 
 
 def test_invertible_residual_round_trip_in_zero_com_mode():
-    block = InvertibleResidual(make(strength=3.0), logdet="exact", zero_com=True).eval()
+    block = InvertibleResidual(make(strength=3.0), logdet=EXACT, zero_com=True).eval()
     x = randn(3, 4, 2)
     x = x - x.mean(1, keepdim=True)
     y, _ = block(x)
@@ -114,7 +116,7 @@ def test_invertible_residual_round_trip_in_zero_com_mode():
 
 def test_set_flow_with_many_body_blocks_and_errors():
     flow = set_flow(2, blocks=2, heads=1, interaction="radial", manybody=True, zero_com=True,
-                    norm="2", logdet="exact").double().eval()
+                    norm="2", logdet=EXACT).double().eval()
     assert sum(isinstance(m, NeighbourhoodInteraction) for m in flow.modules()) == 2
     x = randn(3, 4, 2)
     assert torch.isfinite(flow.log_prob(x)).all()

@@ -2,7 +2,7 @@
 
 import torch
 
-from flowattn.flows import EquivariantLinear
+from flowattn.flows import EquivariantLinear, LogDetOptions
 from flowattn.lipschitz import jacobian
 
 
@@ -82,7 +82,8 @@ def test_iid_baseline_density_factorises_over_elements_and_the_others_do_not():
     x = randn(3, 5, 2, seed=7)
     for interaction, factorises in (("none", True), ("linear", False), ("attention", False)):
         torch.manual_seed(0)
-        flow = set_flow(2, 2, 1, hidden=8, interaction=interaction, logdet="exact").double()
+        flow = set_flow(2, 2, 1, hidden=8, interaction=interaction,
+                        logdet=LogDetOptions("exact")).double()
         flow.log_prob(randn(16, 5, 2, seed=8))  # data-dependent ActNorm initialisation
         with torch.no_grad():  # make the interaction non-trivial
             for p in flow.parameters():

@@ -147,7 +147,7 @@ def test_solvers_reject_bad_arguments():
         anderson_inverse(g, y, max_iter=0)
     with pytest.raises(ValueError, match="x0"):
         anderson_inverse(g, y, x0=torch.zeros(1, 4, 3))
-    with pytest.raises(ValueError, match="inverse_method"):
+    with pytest.raises(ValueError, match="method must be"):
         residual_inverse(g, y, method="newton")
 
 

@@ -25,8 +25,8 @@ constant: the ODE it defines has a unique solution for all times (the field is s
 locally Lipschitz, and bounded, |f_i| <= c L (n - 1) before centring, so no solution blows
 up), but nothing bounds how fast nearby trajectories separate. It is the
 reference dynamics for particle systems; the certified alternative is a residual flow of
-:class:`~flowattn.flows.RadialInteraction` and
-:class:`~flowattn.flows.NeighbourhoodInteraction` blocks.
+:class:`~flowattn.branches.RadialInteraction` and
+:class:`~flowattn.branches.NeighbourhoodInteraction` blocks.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..errors import InputError
-from ..validation import check_sets
-from .base import _present, subtract_mean
+from ...errors import InputError
+from ...validation import check_sets, present_weights
+from ..geometry import project
 
 __all__ = ["EGNNField"]
 
@@ -131,7 +131,7 @@ class EGNNField(nn.Module):
     def forward(self, t: Tensor | float, z: Tensor, mask: Tensor | None = None) -> Tensor:
         """dz/dt at time ``t`` for positions ``z`` (B, N, D); ``mask`` (B, N): present ones."""
         mask = check_sets(z, mask, self.dim, name="z")
-        present = _present(z, mask)
+        present = present_weights(z, mask)
         off_diagonal = 1.0 - torch.eye(z.shape[1], dtype=z.dtype, device=z.device)
         pairs = (present[:, :, None] * present[:, None, :] * off_diagonal)[..., None]
         t = torch.as_tensor(t, dtype=z.dtype, device=z.device).reshape(1, 1, 1)
@@ -140,5 +140,4 @@ class EGNNField(nn.Module):
         x = z
         for layer in self.layers:
             h, x = layer(h, x, start_sq, pairs)
-        velocity = (x - z) * present[..., None]
-        return subtract_mean(velocity, mask) if self.zero_com else velocity
+        return project(x - z, mask, self.zero_com)

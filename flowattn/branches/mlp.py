@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .errors import InputError
+from ..errors import InputError
 
 __all__ = [
     "LipSwish",

@@ -7,12 +7,19 @@ from nflows.flows import Flow
 from nflows.transforms import CompositeTransform
 
 from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
 from flowattn.errors import InverseNotConverged
-from flowattn.flows import InvertibleResidual, TransformerResidualPair
-from flowattn.flows.logdet import exact_logdet, project
-from flowattn.nn import LipschitzMLP
+from flowattn.flows import (
+    InverseOptions,
+    InvertibleResidual,
+    LogDetOptions,
+    TransformerResidualPair,
+)
+from flowattn.flows.geometry import project
+from flowattn.flows.logdet import exact_logdet
 
 DT = torch.float64
+EXACT = LogDetOptions("exact")
 
 
 def brute_logdet(transform, x, mask=None):
@@ -47,24 +54,34 @@ def test_branch_without_bound_or_with_bound_at_least_one_is_rejected():
 
 
 @pytest.mark.parametrize(
-    "kwargs,match",
+    "options,kwargs,match",
     [
-        ({"logdet": "svd"}, "logdet"),
-        ({"grad": "adjoint"}, "grad"),
-        ({"probe": "sphere"}, "probe"),
-        ({"inverse_method": "newton"}, "inverse_method"),
-        ({"n_terms": 0}, "n_terms"),
-        ({"inverse_tol": -1.0}, "inverse_tol"),
-        ({"roulette": "binomial"}, "roulette"),
+        (LogDetOptions, {"method": "svd"}, "LogDetOptions.method"),
+        (LogDetOptions, {"grad": "adjoint"}, "LogDetOptions.grad"),
+        (LogDetOptions, {"probe": "sphere"}, "LogDetOptions.probe"),
+        (InverseOptions, {"method": "newton"}, "InverseOptions.method"),
+        (LogDetOptions, {"n_terms": 0}, "LogDetOptions.n_terms"),
+        (InverseOptions, {"tol": -1.0}, "InverseOptions.tol"),
+        (InverseOptions, {"max_iter": 0}, "InverseOptions.max_iter"),
+        (LogDetOptions, {"roulette": "binomial"}, "LogDetOptions.roulette"),
     ],
 )
-def test_bad_keywords_are_rejected_by_name(kwargs, match):
+def test_bad_options_are_rejected_by_name(options, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        InvertibleResidual(LipschitzMLP(2, 8), **kwargs)
+        options(**kwargs)
+
+
+def test_options_are_passed_as_option_objects():
+    with pytest.raises(ValueError, match="LogDetOptions"):
+        InvertibleResidual(LipschitzMLP(2, 8), logdet="exact")
+    with pytest.raises(ValueError, match="InverseOptions"):
+        InvertibleResidual(LipschitzMLP(2, 8), inverse="anderson")
+    with pytest.raises(TypeError):
+        InvertibleResidual(LipschitzMLP(2, 8), n_terms=5)
 
 
 def test_bad_inputs_raise_clear_errors():
-    block = InvertibleResidual(LipschitzMLP(2, 8), logdet="exact")
+    block = InvertibleResidual(LipschitzMLP(2, 8), logdet=EXACT)
     with pytest.raises(ValueError, match="non-finite"):
         block(torch.tensor([[[float("nan"), 0.0]]]))
     with pytest.raises(ValueError, match="shape"):
@@ -78,7 +95,7 @@ def test_bad_inputs_raise_clear_errors():
 @pytest.mark.parametrize("causal", [False, True])
 def test_exact_logdet_of_attention_block_matches_brute_force(causal):
     torch.manual_seed(0)
-    block = InvertibleResidual(ContractiveL2MHA(4, 2, coeff=0.9), logdet="exact", causal=causal)
+    block = InvertibleResidual(ContractiveL2MHA(4, 2, coeff=0.9), logdet=EXACT, causal=causal)
     block = block.double()
     x = torch.randn(3, 5, 4, dtype=DT)
     _, logdet = block(x)
@@ -91,7 +108,7 @@ def test_causal_block_path_equals_full_exact_path():
     att = ContractiveL2MHA(2, 1, coeff=0.9).double()
     x = torch.randn(2, 7, 2, dtype=DT)
     mask = torch.tensor([[1] * 7, [1] * 4 + [0] * 3], dtype=torch.bool)
-    causal = InvertibleResidual(att, logdet="exact", causal=True)
+    causal = InvertibleResidual(att, logdet=EXACT, causal=True)
     _, fast = causal(x, context=mask)
     xr = x.clone().requires_grad_(True)
     gx = project(att(xr, mask, True), mask)
@@ -111,7 +128,7 @@ def _branches(coeff):
 def test_round_trips_float32_within_1e_5(coeff, method):
     torch.manual_seed(2)
     for _, branch in _branches(coeff):
-        block = InvertibleResidual(branch, inverse_method=method, inverse_tol=1e-7).eval()
+        block = InvertibleResidual(branch, inverse=InverseOptions(method, tol=1e-7)).eval()
         x = torch.randn(8, 6, 4)
         mask = torch.ones(8, 6, dtype=torch.bool)
         mask[::2, 4:] = False
@@ -127,7 +144,8 @@ def test_round_trips_float32_within_1e_5(coeff, method):
 
 def test_inverse_that_cannot_converge_raises_through_the_block():
     torch.manual_seed(3)
-    block = InvertibleResidual(ContractiveL2MHA(4, 2, coeff=0.97), inverse_max_iter=1).eval()
+    block = InvertibleResidual(ContractiveL2MHA(4, 2, coeff=0.97),
+                               inverse=InverseOptions(max_iter=1)).eval()
     with pytest.raises(InverseNotConverged) as info:
         block.inverse(3 * torch.randn(4, 6, 4))
     assert info.value.iterations == 1
@@ -136,7 +154,8 @@ def test_inverse_that_cannot_converge_raises_through_the_block():
 def test_eval_mode_logdet_is_deterministic_and_accurate_when_exact_is_infeasible():
     torch.manual_seed(4)
     att = ContractiveL2MHA(4, 1, coeff=0.9).double()
-    block = InvertibleResidual(att, exact_max_dim=8, eval_n_samples=64, eval_n_terms=30).eval()
+    logdet = LogDetOptions(exact_max_dim=8, eval_n_samples=64, eval_n_terms=30)
+    block = InvertibleResidual(att, logdet=logdet).eval()
     x = torch.randn(2, 5, 4, dtype=DT)  # N D = 20 > exact_max_dim: series in eval
     _, a = block(x)
     _, b = block(x)
@@ -151,8 +170,9 @@ def test_training_estimators_give_gradients_to_branch_parameters(logdet, grad):
     # float32 attention: the unfused path is twice differentiable
     torch.manual_seed(5)
     block = InvertibleResidual(
-        ContractiveL2MHA(4, 2, coeff=0.9), logdet=logdet, grad=grad, n_terms=4,
-        generator=torch.Generator().manual_seed(0),
+        ContractiveL2MHA(4, 2, coeff=0.9),
+        logdet=LogDetOptions(logdet, grad=grad, n_terms=4,
+                             generator=torch.Generator().manual_seed(0)),
     ).train()
     x = torch.randn(3, 5, 4)
     y, ld = block(x)
@@ -165,12 +185,13 @@ def test_training_estimators_give_gradients_to_branch_parameters(logdet, grad):
 def test_memory_efficient_block_matches_plain_block_gradients():
     torch.manual_seed(6)
     att = ContractiveL2MHA(4, 2, coeff=0.9).double()
-    kw = dict(logdet="roulette", grad="neumann", n_exact_terms=2)
     x = torch.randn(3, 5, 4, dtype=DT, requires_grad=True)
     results = []
     for me in (False, True):
         gen = torch.Generator().manual_seed(1)
-        block = InvertibleResidual(att, memory_efficient=me, generator=gen, **kw)
+        logdet = LogDetOptions("roulette", grad="neumann", n_exact_terms=2, memory_efficient=me,
+                               generator=gen)
+        block = InvertibleResidual(att, logdet=logdet)
         y, ld = block(x)
         loss = (y**2).sum() - ld.mean()
         results.append(torch.autograd.grad(loss, [x, *att.parameters()]))
@@ -180,7 +201,7 @@ def test_memory_efficient_block_matches_plain_block_gradients():
 
 def test_flat_two_dimensional_inputs_are_sets_of_one_element():
     torch.manual_seed(7)
-    block = InvertibleResidual(LipschitzMLP(2, 16, coeff=0.9), logdet="exact").eval()
+    block = InvertibleResidual(LipschitzMLP(2, 16, coeff=0.9), logdet=EXACT).eval()
     x = torch.randn(10, 2, dtype=DT)
     block = block.double()
     y, ld = block(x)
@@ -196,8 +217,8 @@ def test_transformer_pair_logdets_add_and_pair_inverts():
     pair = TransformerResidualPair(
         ContractiveL2MHA(4, 2, coeff=0.9),
         LipschitzMLP(4, 16, coeff=0.9),
-        logdet="exact",
-        inverse_tol=1e-13,
+        logdet=EXACT,
+        inverse=InverseOptions(tol=1e-13),
     ).double().eval()
     x = torch.randn(2, 5, 4, dtype=DT)
     y, ld = pair(x)
@@ -215,8 +236,8 @@ def test_plain_nflows_flow_composes_for_log_prob_and_sample():
     N, D = 4, 2
     transform = CompositeTransform(
         [
-            InvertibleResidual(ContractiveL2MHA(D, 1, coeff=0.9), logdet="exact"),
-            InvertibleResidual(LipschitzMLP(D, 16, coeff=0.9), logdet="exact"),
+            InvertibleResidual(ContractiveL2MHA(D, 1, coeff=0.9), logdet=EXACT),
+            InvertibleResidual(LipschitzMLP(D, 16, coeff=0.9), logdet=EXACT),
         ]
     )
     flow = Flow(transform, StandardNormal([N, D])).eval()  # nflows samples in float32
@@ -236,7 +257,7 @@ def test_plain_nflows_flow_composes_for_log_prob_and_sample():
 def test_inverse_logdet_with_gradients_enabled_equals_the_no_grad_value_and_differentiates():
     torch.manual_seed(11)
     block = InvertibleResidual(
-        ContractiveL2MHA(4, 2, coeff=0.9), logdet="exact", inverse_tol=1e-12
+        ContractiveL2MHA(4, 2, coeff=0.9), logdet=EXACT, inverse=InverseOptions(tol=1e-12)
     ).double().eval()
     z = torch.randn(2, 5, 4, dtype=DT, requires_grad=True)
     x, logdet_inv = block.inverse(z)

@@ -7,11 +7,11 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ..attention import L2MHA, DotProductMHA, twice_differentiable
-from ..errors import InputError
-from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
-from ..validation import check_sets
-from .base import subtract_mean
+from ...attention import L2MHA, DotProductMHA, twice_differentiable
+from ...errors import InputError
+from ...lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
+from ...validation import check_sets
+from ..geometry import project
 
 __all__ = ["AttentionField", "DotProductField"]
 
@@ -72,12 +72,8 @@ class _StackedAttentionField(nn.Module):
                 h = attend(h, mask=mask, causal=self.causal) * gains[i] + shifts[i]
                 if i < self.layers - 1:
                     h = torch.tanh(h)
-        out = self.project(h)
-        if mask is not None:
-            out = out * mask.unsqueeze(-1).to(out.dtype)
-        if self.zero_com:
-            out = subtract_mean(out, mask)
-        return out
+        # padded elements get zero velocity; zero_com removes the centre of mass
+        return project(self.project(h), mask, self.zero_com)
 
 
 class AttentionField(_StackedAttentionField):

@@ -1,6 +1,6 @@
 """RadialInteraction: certified bound vs Jacobian norms, tightness, blocks and flows.
 
-Equivariance, padding and the closed-form Jacobian: tests/test_particle_branches.py.
+Equivariance, padding and the closed-form Jacobian: tests/branches/test_particle_branches.py.
 """
 
 import math
@@ -8,9 +8,11 @@ import math
 import pytest
 import torch
 
-from flowattn.flows import InvertibleResidual, set_flow
-from flowattn.flows.radial import RadialInteraction
+from flowattn.branches import RadialInteraction
+from flowattn.flows import InvertibleResidual, LogDetOptions, set_flow
 from flowattn.lipschitz import jacobian, jacobian_norm, lipschitz_lower_bound
+
+EXACT = LogDetOptions("exact")
 
 
 def make(seed=0, coeff=0.9, scale=1.0, uniform=False):
@@ -59,7 +61,7 @@ def test_jacobian_is_symmetric_and_psi_integrates_its_derivative():
 
 
 def test_invertible_residual_round_trip_and_exact_logdet_in_zero_com_mode():
-    block = InvertibleResidual(make(scale=3.0), logdet="exact", zero_com=True).eval()
+    block = InvertibleResidual(make(scale=3.0), logdet=EXACT, zero_com=True).eval()
     x = randn(3, 4, 2)
     x = x - x.mean(1, keepdim=True)
     y, logdet = block(x)
@@ -77,7 +79,7 @@ def test_invertible_residual_round_trip_and_exact_logdet_in_zero_com_mode():
 
 def test_radial_set_flow_and_errors():
     flow = set_flow(2, blocks=2, heads=1, interaction="radial", zero_com=True, norm="2",
-                    logdet="exact").double().eval()
+                    logdet=EXACT).double().eval()
     x = randn(3, 4, 2)
     assert torch.isfinite(flow.log_prob(x)).all()
     perm = torch.tensor([2, 0, 3, 1])
@@ -90,7 +92,7 @@ def test_radial_set_flow_and_errors():
 
 
 def test_closed_form_makes_the_exact_path_feasible_for_larger_sets():
-    block = InvertibleResidual(make(), logdet="auto", zero_com=True)
+    block = InvertibleResidual(make(), logdet=LogDetOptions("auto"), zero_com=True)
     assert block._exact_feasible(40, 3)  # 120 dimensions: beyond the VJP path's 64
     assert not block._exact_feasible(200, 3)
     x = randn(2, 40, 3)

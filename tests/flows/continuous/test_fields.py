@@ -1,13 +1,13 @@
-"""Tests of flowattn.flows.fields: certified bounds, masks, symmetry, causality, CNF use."""
+"""Tests of flowattn.flows.continuous.fields: certified bounds, masks, symmetry, causality."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from flowattn.flows.base import subtract_mean
-from flowattn.flows.cnf import CNF
-from flowattn.flows.fields import AttentionField, DotProductField
+from flowattn.flows.continuous.cnf import CNF
+from flowattn.flows.continuous.fields import AttentionField, DotProductField
+from flowattn.flows.geometry import subtract_mean
 from flowattn.lipschitz import jacobian, jacobian_norm, lipschitz_lower_bound
 
 TIGHT = dict(atol=1e-9, rtol=1e-9)
@@ -256,7 +256,7 @@ def test_cnf_training_step_backpropagates_through_the_divergence(kind):
     x = torch.randn(4, 3, 2, generator=torch.Generator().manual_seed(31))
     for divergence in ("exact", "hutchinson"):
         field.zero_grad()
-        cnf = CNF(field, divergence=divergence, regularize=True, atol=1e-5, rtol=1e-5)
+        cnf = CNF(field, divergence=divergence, regularise=True, atol=1e-5, rtol=1e-5)
         loss = -cnf.log_prob(x).mean() + 0.01 * cnf.kinetic_energy.mean()
         loss.backward()
         grads = [p.grad for p in field.parameters()]

@@ -8,7 +8,7 @@ with weights large enough that their certificates scale them down.
 import pytest
 import torch
 
-from flowattn.flows import NeighbourhoodInteraction, RadialInteraction
+from flowattn.branches import NeighbourhoodInteraction, RadialInteraction
 from flowattn.flows.logdet import exact_logdet, jacobian_logdet
 from flowattn.lipschitz import jacobian
 

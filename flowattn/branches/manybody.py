@@ -20,7 +20,7 @@ of g is the Hessian of U, a symmetric matrix, so Lip_2(g) = sup ||Hess U||_2, an
                     + ||Hess F||_2 sup_r sum_c |grad phi_c(r)|^2
 
 for every set size n: the first term bounds the weighted graph Laplacians of the Hessians of the
-s_i as in :mod:`flowattn.flows.radial`, the second bounds (1/2) sum_i (ds_i)^T Hess F (ds_i) by
+s_i as in :mod:`flowattn.branches.radial`, the second bounds (1/2) sum_i (ds_i)^T Hess F (ds_i) by
 Cauchy-Schwarz and sum_i sum_j |v_i - v_j|^2 <= 2 n |v|^2. Both sups over r are sums of shifted
 copies of one profile (the shells are w apart), bounded once (at import) by a fine grid over the
 shift plus a Lipschitz margin. Dividing U by the bound when it exceeds ``coeff`` makes x + g(x)
@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
-from .base import _present
+from ..validation import present_weights
 
 __all__ = ["NeighbourhoodInteraction"]
 
@@ -95,8 +95,9 @@ class NeighbourhoodInteraction(nn.Module):
         r_max: the centre of the outermost shell; the shells' width w is r_max / (C - 1).
 
     Examples:
-        >>> from flowattn.flows import InvertibleResidual
-        >>> block = InvertibleResidual(NeighbourhoodInteraction(coeff=0.9), logdet="exact").eval()
+        >>> from flowattn.flows import InvertibleResidual, LogDetOptions
+        >>> branch = NeighbourhoodInteraction(coeff=0.9)
+        >>> block = InvertibleResidual(branch, logdet=LogDetOptions("exact")).eval()
         >>> x = torch.randn(3, 4, 2)
         >>> y, logdet = block(x)
         >>> bool((block.inverse(y)[0] - x).abs().max() < 1e-4)
@@ -178,7 +179,7 @@ class NeighbourhoodInteraction(nn.Module):
         w2 = self.width**2
         rho = (diff.pow(2).sum(-1) + w2).sqrt()[..., None]  # (B, N, N, 1)
         u = (rho - self.centres.to(x)) / self.width  # (B, N, N, C)
-        present = _present(x, mask)
+        present = present_weights(x, mask)
         n = present.sum(1).clamp_min(1.0)[:, None, None]
         off_diagonal = 1.0 - torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
         weight = (present[:, :, None] * present[:, None, :] * off_diagonal / n)[..., None]

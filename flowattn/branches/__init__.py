@@ -1,0 +1,18 @@
+"""Residual branches with certified Lipschitz constants: the g of an invertible block x + g(x).
+
+Every branch is called as ``branch(x, mask=None, causal=False)`` on sets or sequences x of shape
+(B, N, D) and reports a certified ``lipschitz_bound(n)`` for sets of n elements; the blocks of
+:mod:`flowattn.flows` check it before they trust the branch. The attention branches
+(:class:`~flowattn.attention.ContractiveL2MHA`) live in :mod:`flowattn.attention`.
+
+* :class:`LipschitzMLP` -- pointwise, spectrally normalised (module :mod:`flowattn.branches.mlp`,
+  with its ``SpectralLinear`` and ``LipSwish`` layers);
+* :class:`RadialInteraction` -- an E(n)-equivariant pairwise interaction of particles;
+* :class:`NeighbourhoodInteraction` -- an E(n)-equivariant many-body interaction.
+"""
+
+from .manybody import NeighbourhoodInteraction
+from .mlp import LipschitzMLP
+from .radial import RadialInteraction
+
+__all__ = ["LipschitzMLP", "RadialInteraction", "NeighbourhoodInteraction"]

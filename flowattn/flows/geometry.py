@@ -1,0 +1,145 @@
+r"""The space a flow on sets works in: present elements, the admissible subspace, its probes.
+
+A batch of sets or sequences has shape (B, N, D); a padding mask (bool (B, N), True = present)
+says which elements exist, and in zero-centre-of-mass mode (particle systems) a set lives on
+{sum_i x_i = 0}. P is the orthogonal projection onto the admissible coordinates: padded
+elements zeroed and, with ``zero_com``, each set's centre of mass removed. Every flow here
+restricts its maps to the range of P, so log-determinants, divergences and inverses are those
+of the restricted map. This module holds the pieces they share:
+
+* :func:`mask_from_context` -- the mask, carried by nflows' ``context`` argument;
+* :func:`subtract_mean` and :func:`project` -- the centring and the projection P;
+* :func:`sample_probes` -- Hutchinson probes P u with E[u u^T] = I (log-det series, CNF
+  divergences);
+* :func:`vjp` -- vector-Jacobian products w^T J, one vector or a batch of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import InputError
+from ..validation import present_weights
+
+__all__ = ["mask_from_context", "subtract_mean", "project", "sample_probes", "vjp", "PROBES"]
+
+PROBES = ("rademacher", "gaussian")  # the laws of Hutchinson probes
+
+
+def mask_from_context(context, x: Tensor) -> Tensor | None:
+    """The padding mask carried by nflows' ``context`` argument.
+
+    ``context`` may be ``None``, a bool tensor (B, N) (True = present) or a dict with a
+    ``"mask"`` entry. Anything else raises ``ValueError``: in this library the context slot of a
+    set / sequence transform is reserved for the mask.
+    """
+    if context is None:
+        return None
+    if isinstance(context, dict):
+        context = context.get("mask")
+        if context is None:
+            return None
+    if not isinstance(context, Tensor) or context.dtype != torch.bool:
+        raise InputError(
+            "the context of a set transform must be None, a bool mask (B, N) or {'mask': mask}; "
+            f"got {type(context).__name__}"
+            + (f" of dtype {context.dtype}" if isinstance(context, Tensor) else "")
+        )
+    return context
+
+
+def subtract_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Remove each set's centre of mass: x_i - mean_j x_j over present elements.
+
+    Padded elements are returned as zeros.
+
+    Examples:
+        >>> subtract_mean(torch.tensor([[[1.0], [3.0]]])).flatten().tolist()
+        [-1.0, 1.0]
+    """
+    w = present_weights(x, mask).unsqueeze(-1)
+    mean = (x * w).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True)
+    return (x - mean) * w
+
+
+def project(v: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Tensor:
+    """Apply P: zero padded elements, and remove each set's centre of mass if ``zero_com``.
+
+    ``v`` may carry extra leading dimensions (probe samples): its last three are (B, N, D).
+    Without a mask and without ``zero_com`` P is the identity, for any shape of ``v``.
+    """
+    if zero_com:
+        lead = v.shape[:-3]
+        flat = v.reshape(-1, *v.shape[-2:])
+        m = None if mask is None else mask.expand(*lead, *mask.shape).reshape(-1, mask.shape[-1])
+        return subtract_mean(flat, m).reshape(v.shape)
+    if mask is None:
+        return v
+    return v * mask.unsqueeze(-1).to(v.dtype)
+
+
+def sample_probes(
+    shape: Sequence[int],
+    probe: str = "rademacher",
+    mask: Tensor | None = None,
+    zero_com: bool = False,
+    generator: torch.Generator | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> Tensor:
+    """Hutchinson probes P u with E[u u^T] = I: u Rademacher (+-1) or standard Gaussian.
+
+    Drawn from ``generator`` (on its own device, then moved to ``device``), so results are
+    reproducible; then projected by P (``mask``, ``zero_com``, see :func:`project`), so that
+    E[(P u)^T J (P u)] = tr(P J P).
+
+    Arguments:
+        shape: the probes' shape, (..., B, N, D) (any shape without mask and ``zero_com``).
+        probe: ``"rademacher"`` or ``"gaussian"``.
+        mask: bool (B, N), True = present; padded elements get zero probes.
+        zero_com: project onto the zero-centre-of-mass subspace.
+        generator: optional seeded torch.Generator.
+        device: where the probes go.
+        dtype: their dtype (default: torch's default dtype).
+
+    Examples:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> sample_probes((1, 4), generator=g).abs().tolist()
+        [[1.0, 1.0, 1.0, 1.0]]
+    """
+    gen_device = generator.device if generator is not None else device
+    if probe == "gaussian":
+        v = torch.randn(*shape, generator=generator, device=gen_device, dtype=dtype)
+    elif probe == "rademacher":
+        bits = torch.randint(0, 2, tuple(shape), generator=generator, device=gen_device)
+        v = (2 * bits - 1).to(dtype if dtype is not None else torch.get_default_dtype())
+    else:
+        raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
+    return project(v.to(device), mask, zero_com)
+
+
+def vjp(
+    output: Tensor, x: Tensor, w: Tensor, create_graph: bool = False, batched: bool = False
+) -> Tensor:
+    """w^T d output / dx for one vector ``w``, or for a leading batch of them (``batched``).
+
+    The graph of ``output`` is kept for further products; where ``output`` does not depend on
+    ``x`` the result is zero. A batch whose backward has no batching rule runs as a loop.
+    """
+    if not output.requires_grad:
+        return x.new_zeros(w.shape[:1] + x.shape if batched else x.shape)
+    if batched:
+        try:
+            grads = torch.autograd.grad(output, x, w, retain_graph=True,
+                                        create_graph=create_graph, allow_unused=True,
+                                        is_grads_batched=True)
+        except RuntimeError:
+            # Some operators have no batching rule for their backward; fall back to a loop.
+            return torch.stack([vjp(output, x, wi, create_graph) for wi in w])
+        return x.new_zeros(w.shape[:1] + x.shape) if grads[0] is None else grads[0]
+    (grad,) = torch.autograd.grad(output, x, w, retain_graph=True, create_graph=create_graph,
+                                  allow_unused=True)
+    return torch.zeros_like(x) if grad is None else grad
