@@ -359,11 +359,13 @@ def test_written_files_follow_the_umask(tmp_path):
     old = os.umask(0o022)
     try:
         fit_tiny(tmp_path / "run", steps=2)
+        save_npz(tmp_path / "sets.npz", torch.zeros(2, 3, 2))
     finally:
         os.umask(old)
     for name in ("checkpoint.pt", "config.json", "run.json", "summary.json", "metrics.jsonl"):
         mode = stat.S_IMODE((tmp_path / "run" / name).stat().st_mode)
         assert mode == 0o644, (name, oct(mode))
+    assert stat.S_IMODE((tmp_path / "sets.npz").stat().st_mode) == 0o644
 
 
 # ----------------------------------------------------------------------------- metrics

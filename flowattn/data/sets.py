@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError
+from ..files import atomic_write
 
 __all__ = ["SetData", "load_npz", "save_npz"]
 
@@ -160,11 +160,4 @@ def save_npz(path: str | os.PathLike, x: Tensor, mask: Tensor | None = None) -> 
     arrays = {"x": x.detach().cpu().numpy()}
     if mask is not None:
         arrays["mask"] = mask.detach().cpu().numpy().astype(bool)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            np.savez(handle, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, lambda handle: np.savez(handle, **arrays))

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -25,44 +24,14 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, RunError
+from ..files import atomic_write
 
 __all__ = ["CHECKPOINT", "VERSION", "save_checkpoint", "read_checkpoint", "find_checkpoint",
-           "atomic_write", "atomic_write_text"]
+           "check_resumable"]
 
 CHECKPOINT = "checkpoint.pt"
 VERSION = 2
 LEGACY_NAMES = ("ckpt.pt",)  # the language-model checkpoint name of format version 1
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: str | os.PathLike, write) -> None:
-    """Call ``write(handle)`` on a temporary file beside ``path``, then rename it into place.
-
-    A reader never sees half a file; the file gets the permissions of an ordinary new file
-    (0666 less the umask), not the temporary file's 0600.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(text: str, path: str | os.PathLike) -> None:
-    """Write ``text`` to ``path`` atomically (see :func:`atomic_write`)."""
-    atomic_write(path, lambda handle: handle.write(text.encode()))
 
 
 def save_checkpoint(payload: dict[str, Any], path: str | os.PathLike) -> None:

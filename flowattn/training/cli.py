@@ -26,7 +26,7 @@ def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None
                        "change only how long it trains and how it reports")
     group.add_argument("--config", metavar="FILE",
                        help="settings from a JSON or YAML file (flat keys, or nested by "
-                       "section); flags override it")
+                       "section; --print-config lists every key); flags override it")
     group.add_argument("--print-config", nargs="?", const="yaml", choices=("yaml", "json"),
                        help="print every setting (defaults, --config, flags) and exit")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,

@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from tqdm.auto import tqdm
 
 from ..errors import NonFiniteError
-from .checkpoint import CHECKPOINT, atomic_write_text, save_checkpoint
+from ..files import atomic_write_text
+from .checkpoint import CHECKPOINT, save_checkpoint
 from .distributed import Distributed
 from .metrics import MetricsLog
 from .run import DIVERGED_FILE, SUMMARY_FILE, RunPlan

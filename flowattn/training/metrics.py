@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RunError
-from .checkpoint import atomic_write_text
+from ..files import atomic_write_text
 
 __all__ = ["MetricsLog", "METRICS", "read_metrics"]
 

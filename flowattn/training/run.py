@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError, RunError
+from ..files import atomic_write_text
 from .checkpoint import (
     CHECKPOINT,
     LEGACY_NAMES,
-    atomic_write_text,
     check_resumable,
     read_checkpoint,
 )
