@@ -6,10 +6,13 @@ Three studies, each writing a JSON file and printing a Markdown table:
   (4 layers, 4 heads, width 128, block 64, batch 12, 2000 steps, AdamW lr 1e-3 with 100
   warm-up steps and cosine decay to 1e-4, beta2 0.99, weight decay 0.1, clipping 1.0, no
   dropout), against nanoGPT's 1.886 nats/char.
-* ``attention``: the same budget for every attention type, the invertible LM and the LSTM:
-  validation loss and training throughput. Throughput is also timed in interleaved rounds of
-  training steps (so that a changing machine load hits every model alike), with its ratio to
-  dot-product attention.
+* ``attention``: the same budget for every attention type, the same model without attention
+  (``none``), the invertible LM and the LSTM: validation loss and training throughput, beside
+  count-based character n-gram models (add-alpha, orders 1-5) on the same split, so that the
+  table shows how much context each model uses. Throughput is also timed in interleaved rounds
+  of training steps (so that a changing machine load hits every model alike), with its ratio
+  to dot-product attention.
+* ``ngram``: only the n-gram rows.
 * ``throughput``: only the interleaved timing of training steps, for ``--variants``.
 * ``depth``: constant learning rate, no warm-up, 2 to 12 layers of post-norm Transformers
   with dot-product, tied-L2 and contractive-L2 attention (Kim et al. 2021, §5.4, Table 1):
@@ -17,6 +20,7 @@ Three studies, each writing a JSON file and printing a Markdown table:
 
     python benchmarks/lm.py peer                     # ~3 min on two quiet cores
     python benchmarks/lm.py attention
+    python benchmarks/lm.py ngram                    # ~30 s
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
     python benchmarks/lm.py depth --depths 2 4 6 8 10 12
     python benchmarks/lm.py all --quick              # a fast smoke run of everything
@@ -61,6 +65,7 @@ VARIANTS = {
     "l2-tied": dict(attention="l2-tied"),
     "contractive-l2": dict(attention="contractive-l2"),
     "scaled-cosine": dict(attention="scaled-cosine"),
+    "none": dict(attention="none"),
     "invertible": dict(invertible=True),
     "lstm": dict(model="lstm"),
 }
@@ -167,6 +172,22 @@ def peer(args, base: dict) -> dict:
     return result
 
 
+def ngram_rows(data: str) -> list[dict]:
+    """Add-alpha character n-gram models of orders 1-5 on the split the LMs are scored on."""
+    from flowattn.lm.ngram import ngram_baselines
+
+    corpus = load_corpus(data)
+    return ngram_baselines(corpus.train, corpus.val, corpus.vocab.size, (1, 2, 3, 4, 5))
+
+
+def ngram(args, base: dict) -> dict:
+    rows = ngram_rows(base["data"])
+    print(table([[f"{r['order']}-gram", f"{r['alpha']:g}", fmt(r["val_loss"]),
+                  fmt(r["val_bpc"])] for r in rows],
+                ["model", "alpha", "val loss (nats/char)", "bpc"]))
+    return {"study": "ngram", "machine": machine(), "ngrams": rows}
+
+
 def attention(args, base: dict) -> dict:
     names = args.variants
     runs = {n: run_one(n, {**base, **VARIANTS[n]}, args.out / f"attn-{n}", args.reuse)
@@ -184,10 +205,13 @@ def attention(args, base: dict) -> dict:
                      "—" if rate is None else f"{rate:.0f}",
                      "—" if rate is None or dp_rate is None else f"{rate / dp_rate:.2f}",
                      f"{s['params']:,}", "yes" if s["diverged"] else "no"])
+    grams = ngram_rows(base["data"])
+    rows += [[f"{r['order']}-gram (add-{r['alpha']:g})", fmt(r["val_loss"]), "—", "—", "—", "—",
+              "—", "—"] for r in grams]
     print(table(rows, ["model", "val loss", "best val", "tokens/s (run)",
                        "tokens/s (interleaved)", "× dp", "params", "diverged"]))
     return {"study": "attention", "machine": machine(), "runs": runs, "throughput": timed,
-            "throughput_ratio_target": THROUGHPUT_TARGET}
+            "throughput_ratio_target": THROUGHPUT_TARGET, "ngrams": grams}
 
 
 def throughput(args, base: dict) -> dict:
@@ -257,7 +281,8 @@ def plot_depth(results: dict, depths, path: Path, base: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("study", choices=("peer", "attention", "throughput", "depth", "all"))
+    parser.add_argument("study", choices=("peer", "attention", "throughput", "depth", "ngram",
+                                          "all"))
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 150 steps, depths 2 4 6, fewer timing rounds")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
@@ -298,7 +323,7 @@ def main(argv=None) -> int:
     for study in studies:
         print(f"\n## {study}\n", flush=True)
         studies_by_name = {"peer": peer, "attention": attention, "throughput": throughput,
-                           "depth": depth}
+                           "depth": depth, "ngram": ngram}
         result = studies_by_name[study](args, base)
         result.update(quick=args.quick, steps=base["steps"], command=" ".join(sys.argv))
         path = args.out / f"lm_{study}.json"

@@ -184,6 +184,42 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- ngram
+
+
+def _add_ngram(sub) -> None:
+    p = sub.add_parser(
+        "ngram", help="count-based n-gram baselines on a corpus",
+        description="Validation loss of add-alpha smoothed character n-gram models of each "
+        "order, on the split the neural models are scored on (alpha chosen on the last tenth "
+        "of the training split): the floor a language model should clear.")
+    p.add_argument("--data", metavar="PATH", help="UTF-8 text or PTB-char file (default: the "
+                   "embedded corpus)")
+    p.add_argument("--format", dest="data_format", choices=("auto", "text", "ptb-char"),
+                   default="auto", help="(default: %(default)s)")
+    p.add_argument("--val-data", metavar="PATH", help="separate validation file")
+    p.add_argument("--orders", type=int, nargs="+", default=[1, 2, 3, 4, 5],
+                   help="n of each model (default: 1 2 3 4 5)")
+    p.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
+    p.set_defaults(handler=_ngram)
+
+
+def _ngram(args: argparse.Namespace) -> int:
+    from .data import load_corpus
+    from .ngram import ngram_baselines
+
+    if any(order < 1 for order in args.orders):
+        raise InputError(f"--orders must be positive, got {args.orders}")
+    corpus = load_corpus(args.data, args.data_format, args.val_data)
+    records = ngram_baselines(corpus.train, corpus.val, corpus.vocab.size,
+                              tuple(sorted(set(args.orders))))
+    lines = [f"data: {corpus.describe()}"]
+    lines += [f"{r['order']}-gram (alpha {r['alpha']:g}): val loss {r['val_loss']:.4f} "
+              f"nats/char ({r['val_bpc']:.4f} bpc)" for r in records]
+    _emit({"source": corpus.source, "ngrams": records}, args.json, lines)
+    return 0
+
+
 # ----------------------------------------------------------------------------- invert-check
 
 
@@ -245,9 +281,9 @@ def _invert_check(args: argparse.Namespace) -> int:
 
 
 def add_lm_subparsers(subparsers) -> None:
-    """Register ``lm`` and its commands ``train``, ``eval``, ``sample`` and ``invert-check`` on
-    the sub-command set of a top-level parser. Each command stores its function as
-    ``args.handler``, which returns the exit status."""
+    """Register ``lm`` and its commands ``train``, ``eval``, ``sample``, ``invert-check`` and
+    ``ngram`` on the sub-command set of a top-level parser. Each command stores its function
+    as ``args.handler``, which returns the exit status."""
     lm = subparsers.add_parser(
         "lm",
         help="character-level language models",
@@ -259,3 +295,4 @@ def add_lm_subparsers(subparsers) -> None:
     _add_eval(sub)
     _add_sample(sub)
     _add_invert_check(sub)
+    _add_ngram(sub)

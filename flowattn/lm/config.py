@@ -17,7 +17,7 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS"]
 
-ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine")
+ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
 NORM_POSITIONS = ("pre", "post")
 INITS = ("default", "glorot-l2", "lipschitz", "spectral")
@@ -40,8 +40,10 @@ class LMSettings(Section):
     layers: int = Field(4, ge=1, description="Transformer blocks (or LSTM layers)")
     dim: int = Field(128, ge=1, description="model width D")
     heads: int = Field(4, ge=1, description="attention heads H")
-    attention: Literal["dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine"] | None = Field(
-        None, description="attention type (none: dp; contractive-l2 with --invertible)")
+    attention: Literal["dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine",
+                       "none"] | None = Field(
+        None, description="attention type; none is the attention-free baseline (default: dp, "
+        "contractive-l2 with --invertible)")
     norm: Literal["layernorm", "centernorm", "actnorm", "none"] | None = Field(
         None, description="block normalisation (none: layernorm; actnorm with --invertible)")
     norm_position: Literal["pre", "post"] = Field(

@@ -17,6 +17,7 @@ __all__ = [
     "TransformerLM",
     "LSTMLM",
     "Block",
+    "NoAttention",
     "FeedForward",
     "ChannelAffine",
     "CenterNorm",
@@ -128,8 +129,53 @@ def _norm(kind: str, dim: int, bias: bool) -> nn.Module:
     return nn.Identity()
 
 
+class NoAttention(nn.Module):
+    """The attention-free baseline: an attention branch that returns zeros, so a block keeps
+    only its feed-forward branch and each token sees no other token.
+
+    It has the interface the LM asks of an attention module (each token's attention matrix is
+    the identity, no projections, Lipschitz constant 0), so every option that works with
+    attention works without it. Comparing a model with this branch against the same model
+    with attention shows how much of the context the attention uses.
+
+    Examples:
+        >>> x = torch.randn(2, 5, 8)
+        >>> NoAttention(8, 2)(x, causal=True).abs().max().item()
+        0.0
+        >>> NoAttention(8, 2).attention_probabilities(x)[0, 0]
+        tensor([[1., 0., 0., 0., 0.],
+                [0., 1., 0., 0., 0.],
+                [0., 0., 1., 0., 0.],
+                [0., 0., 0., 1., 0.],
+                [0., 0., 0., 0., 1.]])
+    """
+
+    similarity = "none"
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.dim, self.heads = dim, heads
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        return torch.zeros_like(x)
+
+    def attention_probabilities(self, x: Tensor, mask: Tensor | None = None,
+                                causal: bool = False) -> Tensor:
+        b, n = x.shape[0], x.shape[1]
+        eye = torch.eye(n, dtype=x.dtype, device=x.device)
+        return eye.expand(b, self.heads, n, n)
+
+    def projections(self) -> list:
+        return []
+
+    def lipschitz_bound(self, n: int, norm: str = "inf") -> float:
+        return 0.0
+
+
 def _attention(config: LMConfig) -> nn.Module:
     d, h, p = config.dim, config.heads, config.dropout
+    if config.attention == "none":
+        return NoAttention(d, h)
     if config.attention == "dp":
         return DotProductMHA(d, h, dropout=p, bias=config.bias)
     if config.attention == "l2":

@@ -248,8 +248,13 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
             if inner is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
             elif get_origin(inner) is Literal:
-                choices = list(get_args(inner)) + (["none"] if optional else [])
-                group.add_argument(flag, choices=choices, type=_literal(optional), **common)
+                # "none" is a value of its own where the choices name it (e.g. norm "none"),
+                # else the way to ask for an optional setting's automatic default
+                literal_none = "none" in get_args(inner)
+                choices = list(get_args(inner)) + (["none"] if optional and not literal_none
+                                                   else [])
+                group.add_argument(flag, choices=choices,
+                                   type=_literal(optional and not literal_none), **common)
             elif inner in (int, float, str):
                 metavar = {int: "N", float: "X", str: "TEXT"}[inner]
                 group.add_argument(flag, type=_parse(inner, optional, flag), metavar=metavar,
