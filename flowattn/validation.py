@@ -1,14 +1,61 @@
 """Input checks shared by every public entry point (errors are raised where data enters), and
-the padding mask read as per-element weights or per-set counts."""
+the padding mask read as per-element weights or per-set counts.
+
+Data are checked once, where they enter: the outermost call (``SetFlow.log_prob``, or a
+transform or attention module called directly) runs :func:`check_sets`, then runs its layers
+inside :func:`trusted_inputs`, where :func:`check_sets` returns at once. The checks cost a host
+synchronisation each (the finiteness and empty-set tests read a value back), so a flow of many
+layers pays for them once per call instead of once per layer.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
 
 from .errors import InputError, NonFiniteError
 
-__all__ = ["check_sets", "check_finite", "present_counts", "present_weights"]
+__all__ = [
+    "check_sets",
+    "check_finite",
+    "trusted_inputs",
+    "inputs_trusted",
+    "present_counts",
+    "present_weights",
+]
+
+_TRUSTED: ContextVar[bool] = ContextVar("flowattn_trusted_inputs", default=False)
+
+
+@contextmanager
+def trusted_inputs() -> Iterator[None]:
+    """Within this context :func:`check_sets` trusts its arguments and returns the mask as given.
+
+    An entry point checks its inputs, then calls its layers inside this context: the layers'
+    own checks (each a host synchronisation) are skipped, since the data were checked where they
+    entered. Outside it, every checked call checks, so a transform or attention module called
+    directly still refuses bad input with a clear error.
+
+    Examples:
+        >>> x = torch.full((1, 2, 3), float("nan"))
+        >>> with trusted_inputs():
+        ...     check_sets(x) is None  # not checked again
+        True
+    """
+    token = _TRUSTED.set(True)
+    try:
+        yield
+    finally:
+        _TRUSTED.reset(token)
+
+
+def inputs_trusted() -> bool:
+    """Whether the caller runs inside :func:`trusted_inputs` (its inputs were checked)."""
+    return _TRUSTED.get()
 
 
 def check_finite(x: Tensor, name: str = "x") -> None:
@@ -35,6 +82,8 @@ def check_sets(
         dim: the expected feature width D, if the caller has one.
         name: the argument's name, used in error messages.
 
+    Inside :func:`trusted_inputs` nothing is checked and ``mask`` is returned as given.
+
     Returns:
         The mask (``None`` stays ``None``), moved to ``x``'s device.
 
@@ -42,6 +91,8 @@ def check_sets(
         ValueError: naming the wrong rank, width, dtype, non-finite values, mask shape or
             dtype, or an empty set.
     """
+    if _TRUSTED.get():
+        return mask
     if not isinstance(x, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3:

@@ -76,6 +76,16 @@ class ActNorm(Transform):
         self.log_scale = nn.Parameter(torch.zeros(dim))
         self.shift = nn.Parameter(torch.zeros(dim), requires_grad=not zero_com)
         self.register_buffer("initialized", torch.tensor(False))
+        self._seen_initialised = False  # the buffer read once as True: no more reads (syncs)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._seen_initialised = False  # the loaded buffer decides again
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _needs_initialisation(self) -> bool:
+        if not self._seen_initialised:
+            self._seen_initialised = bool(self.initialized)  # one host read, until it is True
+        return not self._seen_initialised
 
     @torch.no_grad()
     def _initialise(self, x: Tensor, mask: Tensor | None) -> None:
@@ -90,6 +100,7 @@ class ActNorm(Transform):
         self.shift.copy_(-mean)
         self.log_scale.copy_(-torch.log(var.sqrt() + self.eps))
         self.initialized.fill_(True)
+        self._seen_initialised = True
 
     def _logdet(self, x: Tensor, mask: Tensor | None) -> Tensor:
         # set_dims gives n D (or (n - 1) D); every feature direction holds 1/D of them.
@@ -104,7 +115,7 @@ class ActNorm(Transform):
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         x, mask, flat = self._prepare(inputs, context)
-        if self.training and not bool(self.initialized):
+        if self.training and self._needs_initialisation():
             self._initialise(x, mask)
         y = (x + self.shift) * torch.exp(self.log_scale)
         if mask is not None:

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from ..attention import twice_differentiable
 from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
-from ..validation import check_sets
+from ..validation import check_sets, trusted_inputs
 from .geometry import mask_from_context, project
 from .inverse import InverseOptions, residual_inverse
 from .logdet import (
@@ -232,13 +232,17 @@ class InvertibleResidual(Transform):
         """y = x + g(x) and log|det dy/dx| per set, shape (B,)."""
         x_in, flat = self._as_sets(inputs)
         mask = check_sets(x_in, mask_from_context(context, x_in), name="inputs")
+        with trusted_inputs():  # the branch trusts its caller
+            y, logdet = self._checked_forward(x_in, mask)
+        return (y.squeeze(1) if flat else y), logdet
+
+    def _checked_forward(self, x_in: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         if not self.training:
             self._check_contractive(x_in.shape[1])
         logdet_fn = self._logdet_fn(x_in.shape, mask)
         params = [p for p in self.branch.parameters() if p.requires_grad]
         need_graph = torch.is_grad_enabled() and (x_in.requires_grad or len(params) > 0)
-        y, logdet = self._forward(x_in, mask, logdet_fn, params, need_graph)
-        return (y.squeeze(1) if flat else y), logdet
+        return self._forward(x_in, mask, logdet_fn, params, need_graph)
 
     def _forward(self, x_in, mask, logdet_fn, params, need_graph):
         if need_graph and self.logdet_options.memory_efficient:
@@ -260,12 +264,13 @@ class InvertibleResidual(Transform):
         when the solver misses the tolerance within the iteration budget of ``inverse``.
         Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted.
         """
-        with frozen_power_iteration():
-            return self._inverse(inputs, context, x0)
-
-    def _inverse(self, inputs: Tensor, context, x0: Tensor | None):
         y_in, flat = self._as_sets(inputs)
         mask = check_sets(y_in, mask_from_context(context, y_in), name="inputs")
+        with frozen_power_iteration(), trusted_inputs():
+            x, logdet = self._inverse(y_in, mask, flat, x0)
+        return (x.squeeze(1) if flat else x), logdet
+
+    def _inverse(self, y_in: Tensor, mask: Tensor | None, flat: bool, x0: Tensor | None):
         self._check_contractive(y_in.shape[1])
         if x0 is not None and flat:
             x0 = x0.unsqueeze(1)
@@ -291,7 +296,7 @@ class InvertibleResidual(Transform):
             logdet = logdet_fn(gx, xr, need_graph)
         if not need_graph:
             x, logdet = x.detach(), logdet.detach()
-        return (x.squeeze(1) if flat else x), -logdet
+        return x, -logdet
 
     def extra_repr(self) -> str:
         opt = self.logdet_options
