@@ -10,9 +10,9 @@ layers pays for them once per call instead of once per layer.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -28,7 +28,14 @@ __all__ = [
     "present_weights",
 ]
 
-_TRUSTED: ContextVar[bool] = ContextVar("flowattn_trusted_inputs", default=False)
+class _Trust(threading.local):
+    """Per thread: whether the running call is inside :func:`trusted_inputs`. A thread-local
+    attribute, not a ContextVar, so that ``torch.compile`` traces it without a graph break."""
+
+    trusted = False
+
+
+_TRUST = _Trust()
 
 
 @contextmanager
@@ -46,16 +53,17 @@ def trusted_inputs() -> Iterator[None]:
         ...     check_sets(x) is None  # not checked again
         True
     """
-    token = _TRUSTED.set(True)
+    previous = _TRUST.trusted
+    _TRUST.trusted = True
     try:
         yield
     finally:
-        _TRUSTED.reset(token)
+        _TRUST.trusted = previous
 
 
 def inputs_trusted() -> bool:
     """Whether the caller runs inside :func:`trusted_inputs` (its inputs were checked)."""
-    return _TRUSTED.get()
+    return _TRUST.trusted
 
 
 def check_finite(x: Tensor, name: str = "x") -> None:
@@ -91,7 +99,7 @@ def check_sets(
         ValueError: naming the wrong rank, width, dtype, non-finite values, mask shape or
             dtype, or an empty set.
     """
-    if _TRUSTED.get():
+    if _TRUST.trusted:
         return mask
     if not isinstance(x, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

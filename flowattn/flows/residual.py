@@ -167,6 +167,24 @@ class InvertibleResidual(Transform):
             )
         return project(out, mask, self.zero_com)
 
+    def _linearised(self, x: Tensor, mask: Tensor | None):
+        """(P g(x), w -> w^T P J) from the branch's ``linearise``, or ``None`` without one."""
+        linearise = getattr(self.branch, "linearise", None)
+        if not callable(linearise):
+            return None
+        out, branch_vjp = linearise(x, mask=mask, causal=self.causal)
+        if out.shape != x.shape:
+            raise InputError(
+                f"branch {type(self.branch).__name__} returned shape {tuple(out.shape)} "
+                f"for input shape {tuple(x.shape)}"
+            )
+        mask_, zero_com = mask, self.zero_com
+
+        def vjp_fn(w: Tensor) -> Tensor:  # d(P g)/dx = P J_g, so w^T P J_g = (P w)^T J_g
+            return branch_vjp(project(w, mask_, zero_com))
+
+        return project(out, mask, zero_com), vjp_fn
+
     def _check_contractive(self, n: int) -> float:
         bound = branch_bound(self.branch, n, self.zero_com)
         if bound >= 1:
@@ -176,11 +194,13 @@ class InvertibleResidual(Transform):
             )
         return bound
 
-    def _exact_logdet(self, gx: Tensor, x: Tensor, mask: Tensor | None, create_graph: bool):
+    def _exact_logdet(self, gx: Tensor, x: Tensor, mask: Tensor | None, create_graph: bool,
+                      vjp_fn=None):
         jacobian_fn = getattr(self.branch, "jacobian", None)
         if callable(jacobian_fn) and not self.causal:  # the branch's closed form: one pass
             return jacobian_logdet(jacobian_fn(x, mask), mask, self.zero_com)
-        return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph)
+        return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph,
+                            vjp_fn=vjp_fn)
 
     def _exact_feasible(self, n: int, d: int) -> bool:
         max_dim = self.logdet_options.exact_max_dim
@@ -189,20 +209,21 @@ class InvertibleResidual(Transform):
         return self.structure != "full" or n * d <= max_dim
 
     def _logdet_fn(self, x_shape, mask: Tensor | None):
-        """(gx, x, create_graph) -> log-det (B,) for the current mode."""
+        """(gx, x, create_graph, vjp_fn=None) -> log-det (B,) for the current mode."""
         _, n, d = x_shape
         zc = self.zero_com
         opt = self.logdet_options
         if not self.training:
             if self._exact_feasible(n, d):
-                return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
+                return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
             bound = self._check_contractive(n)
             terms = opt.eval_n_terms or _terms_for_bound(bound)
 
-            def eval_series(gx, x, cg):
+            def eval_series(gx, x, cg, vjp_fn=None):
                 gen = torch.Generator(device=x.device).manual_seed(opt.eval_seed)
                 return series_logdet(
-                    gx, x, terms, mask, opt.eval_n_samples, opt.probe, "backprop", zc, gen, cg
+                    gx, x, terms, mask, opt.eval_n_samples, opt.probe, "backprop", zc, gen, cg,
+                    vjp_fn=vjp_fn,
                 )
 
             return eval_series
@@ -210,15 +231,16 @@ class InvertibleResidual(Transform):
         if method == "auto":
             method = "exact" if self._exact_feasible(n, d) else "roulette"
         if method == "exact":
-            return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
+            return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
         if method == "series":
-            return lambda gx, x, cg: series_logdet(
+            return lambda gx, x, cg, vjp_fn=None: series_logdet(
                 gx, x, opt.n_terms, mask, opt.n_samples, opt.probe, opt.grad, zc,
-                opt.generator, cg,
+                opt.generator, cg, vjp_fn=vjp_fn,
             )
-        return lambda gx, x, cg: roulette_logdet(
+        return lambda gx, x, cg, vjp_fn=None: roulette_logdet(
             gx, x, opt.n_exact_terms, mask, opt.n_samples, opt.probe, opt.grad,
             opt.roulette, opt.roulette_param, opt.roulette_lengths, zc, opt.generator, cg,
+            vjp_fn=vjp_fn,
         )
 
     @staticmethod
@@ -247,6 +269,13 @@ class InvertibleResidual(Transform):
     def _forward(self, x_in, mask, logdet_fn, params, need_graph):
         if need_graph and self.logdet_options.memory_efficient:
             return memory_efficient_logdet(lambda x: self._g(x, mask), x_in, logdet_fn, params)
+        if callable(getattr(self.branch, "linearise", None)):
+            # The branch's own products: no graph unless the result needs one, and no
+            # backward (let alone a double backward) inside the log-det.
+            with torch.set_grad_enabled(need_graph):
+                gx, vjp_fn = self._linearised(x_in, mask)
+                logdet = logdet_fn(gx, x_in, need_graph, vjp_fn)
+            return x_in + gx, logdet
         with torch.enable_grad():
             x = x_in if (need_graph and x_in.requires_grad) else x_in.detach()
             if not x.requires_grad:
@@ -288,6 +317,11 @@ class InvertibleResidual(Transform):
         )
         logdet_fn = self._logdet_fn(y_in.shape, mask)
         need_graph = torch.is_grad_enabled() and x.requires_grad
+        if callable(getattr(self.branch, "linearise", None)):
+            with torch.set_grad_enabled(need_graph):
+                gx, vjp_fn = self._linearised(x, mask)
+                logdet = logdet_fn(gx, x, need_graph, vjp_fn)
+            return x, -logdet
         with torch.enable_grad():
             # A fresh alias: the VJPs of the log-det must not pass through the implicit-gradient
             # hook that residual_inverse put on x (it only belongs to the outer backward).
