@@ -90,6 +90,7 @@ def project(v: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Te
     return v * mask.unsqueeze(-1).to(v.dtype)
 
 
+@torch.compiler.disable  # drawn eagerly: compiled and eager code see the same random stream
 def sample_probes(
     shape: Sequence[int],
     probe: str = "rademacher",
@@ -122,9 +123,10 @@ def sample_probes(
     gen_device = generator.device if generator is not None else device
     if probe == "gaussian":
         v = torch.randn(*shape, generator=generator, device=gen_device, dtype=dtype)
-    elif probe == "rademacher":
-        bits = torch.randint(0, 2, tuple(shape), generator=generator, device=gen_device)
-        v = (2 * bits - 1).to(dtype if dtype is not None else torch.get_default_dtype())
+    elif probe == "rademacher":  # 2 b - 1 for fair bits b, drawn in the probes' dtype
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        v = torch.randint(0, 2, tuple(shape), generator=generator, device=gen_device,
+                          dtype=dtype).mul_(2).sub_(1)
     else:
         raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
     return project(v.to(device), mask, zero_com)

@@ -285,11 +285,47 @@ def _block_logdet(blocks: Tensor, mask: Tensor | None) -> Tensor:
     return per_element.sum(dim=1)
 
 
+Draw = Callable[[], tuple[Tensor, Tensor]]
+
+
+@torch.compiler.disable
+def _draw_and_powers(
+    draw: Draw,
+    product: Product,
+    mask: Tensor | None,
+    zero_com: bool,
+    create_graph: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The random draws of a series estimate and its K products, eagerly.
+
+    ``draw()`` gives the term weights (K,) or (B, K) and the projected probes (S, B, N, D).
+    Returns the weights, the probes v ((B, N, D) for one probe, else (S, B, N, D)) and
+    (P J^T P)^k v for k = 0..K stacked along a new first dimension, with a graph only if
+    ``create_graph``.
+
+    Run eagerly, also under ``torch.compile``: the draws then come from the same random stream
+    as without it, and the number of terms, which the roulette draws anew on every call, never
+    reaches a compiled loop (which would be recompiled for every count). Each step is one
+    product, a few large kernels; the code around, whose shapes only carry K, compiles once.
+    """
+    coeffs, probes = draw()
+    batched = probes.shape[0] > 1
+    v = probes if batched else probes[0]
+    if not create_graph:
+        v = v.detach()
+    w, powers = v, [v]
+    for _ in range(coeffs.shape[-1]):
+        w = project(product(w, create_graph, batched), mask, zero_com)
+        if not create_graph:
+            w = w.detach()
+        powers.append(w)
+    return coeffs, v, torch.stack(powers)
+
+
 def _series_core(
     product: Product,
     x: Tensor,
-    coeffs: Tensor,
-    probes: Tensor,
+    draw: Draw,
     mask: Tensor | None,
     zero_com: bool,
     grad: str,
@@ -297,40 +333,29 @@ def _series_core(
 ) -> Tensor:
     """sum_k c_k v^T (P J P)^k v averaged over probes, with the chosen gradient.
 
-    ``product`` is ``(w, create_graph, batched) -> w^T P J`` (see :func:`_products`).
-    ``coeffs`` has shape (K,) or (B, K): the weight of tr(J^k), k = 1..K. ``probes`` has shape
-    (S, B, N, D) and is already projected. The K terms are collected and weighted in one
+    ``product`` is ``(w, create_graph, batched) -> w^T P J`` (see :func:`_products`); ``draw``
+    gives the weights ``coeffs`` of tr(J^k), k = 1..K, of shape (K,) or (B, K), and the probes,
+    of shape (S, B, N, D), already projected. The K terms are collected and weighted in one
     operation each (their dot products, the sum, and the Neumann vector u), not term by term.
     """
-    S = probes.shape[0]
-    batched = S > 1
+    if grad not in GRADIENTS:
+        raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
+    backprop = grad == "backprop"
+    coeffs, v, stacked = _draw_and_powers(draw, product, mask, zero_com,
+                                          backprop and create_graph)
+    batched = v.dim() == 4
     B, K = x.shape[0], coeffs.shape[-1]
     c = coeffs.to(x.dtype)
     if c.dim() == 1:
         c = c.unsqueeze(0).expand(B, K)
-    v = probes if batched else probes[0]
-
-    def dots(powers: Tensor) -> Tensor:  # (K, [S], B, N, D) -> (B, K), averaged over probes
-        d = (powers * v).sum(dim=(-2, -1))
-        return (d.mean(dim=1) if batched else d).transpose(0, 1)
-
-    if grad == "backprop":
-        w, powers = v, []
-        for _ in range(K):
-            w = project(product(w, create_graph, batched), mask, zero_com)
-            powers.append(w)
-        return (c * dots(torch.stack(powers))).sum(dim=-1)
-    if grad != "neumann":
-        raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
+    d = (stacked[1:] * v).sum(dim=(-2, -1))  # (K, [S], B): v^T (J^k v), per probe
+    dots = (d.mean(dim=1) if batched else d).transpose(0, 1)  # (B, K), averaged over probes
+    if backprop:
+        return (c * dots).sum(dim=-1)
     # Neumann series (Chen et al. 2019, eq. 8): d/dθ c_k tr(J^k) = k c_k tr(J^(k-1) dJ/dθ), so the
     # gradient needs u^T dJ v with u = sum_{k=1}^K k c_k (J^T)^(k-1) v, built without a graph.
     c = c.detach()
-    w, powers = v.detach(), [v.detach()]
-    for _ in range(K):
-        w = project(product(w, False, batched), mask, zero_com).detach()
-        powers.append(w)
-    stacked = torch.stack(powers)  # (J^T)^k v for k = 0..K
-    value = (c * dots(stacked[1:])).sum(dim=-1)
+    value = (c * dots).sum(dim=-1)
     if not create_graph:
         return value
     with torch.no_grad():
@@ -394,11 +419,13 @@ def series_logdet(
         raise InputError(f"n_terms must be >= 1, got {n_terms}")
     if n_samples < 1:
         raise InputError(f"n_samples must be >= 1, got {n_samples}")
-    probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator, x.device,
-                           x.dtype)
-    coeffs = _series_coefficients(n_terms, x.dtype, x.device)
+    def draw() -> tuple[Tensor, Tensor]:
+        probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator,
+                               x.device, x.dtype)
+        return _series_coefficients(n_terms, x.dtype, x.device), probes
+
     product = _products(gx, x, vjp_fn)
-    return _series_core(product, x, coeffs, probes, mask, zero_com, grad, create_graph)
+    return _series_core(product, x, draw, mask, zero_com, grad, create_graph)
 
 
 def roulette_tail_probability(distribution: str, param: float, m: int) -> float:
@@ -504,23 +531,38 @@ def roulette_logdet(
         raise InputError(f"n_exact_terms must be >= 0, got {n_exact_terms}")
     if lengths not in ("batch", "sample"):
         raise InputError(f"lengths must be 'batch' or 'sample', got {lengths!r}")
-    B = x.shape[0]
+    def draw() -> tuple[Tensor, Tensor]:  # the lengths first, then the probes
+        coeffs = _roulette_coefficients(distribution, param, n_exact_terms, lengths, x.shape[0],
+                                        generator, max_terms)
+        probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator,
+                               x.device, x.dtype)
+        return coeffs.to(device=x.device, dtype=x.dtype), probes
+
+    product = _products(gx, x, vjp_fn)
+    return _series_core(product, x, draw, mask, zero_com, grad, create_graph)
+
+
+def _roulette_coefficients(
+    distribution: str,
+    param: float,
+    n_exact_terms: int,
+    lengths: str,
+    batch: int,
+    generator: torch.Generator | None,
+    max_terms: int,
+) -> Tensor:
+    """Draw the roulette lengths; the series weights, (K,) for ``"batch"``, (B, K) per set."""
     extra = sample_roulette_lengths(
-        distribution, param, (B,) if lengths == "sample" else (1,), generator
+        distribution, param, (batch,) if lengths == "sample" else (1,), generator
     )
     extra = extra.clamp(max=max(1, max_terms - n_exact_terms))
     K = n_exact_terms + int(extra.max())
     row = torch.tensor(_roulette_row(distribution, param, n_exact_terms, K), dtype=torch.float64)
     if lengths == "batch":  # every term up to K is active
-        coeffs = row.to(device=x.device, dtype=x.dtype)
-    else:  # set b keeps the terms k <= n_exact + L_b
-        k = torch.arange(1, K + 1)
-        active = (k.unsqueeze(0) <= (n_exact_terms + extra).unsqueeze(1)).to(torch.float64)
-        coeffs = (active * row).to(device=x.device, dtype=x.dtype)
-    probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator, x.device,
-                           x.dtype)
-    product = _products(gx, x, vjp_fn)
-    return _series_core(product, x, coeffs, probes, mask, zero_com, grad, create_graph)
+        return row
+    k = torch.arange(1, K + 1)  # set b keeps the terms k <= n_exact + L_b
+    active = (k.unsqueeze(0) <= (n_exact_terms + extra).unsqueeze(1)).to(torch.float64)
+    return active * row
 
 
 @functools.lru_cache(maxsize=1024)

@@ -262,20 +262,30 @@ class InvertibleResidual(Transform):
         if not self.training:
             self._check_contractive(x_in.shape[1])
         logdet_fn = self._logdet_fn(x_in.shape, mask)
-        params = [p for p in self.branch.parameters() if p.requires_grad]
-        need_graph = torch.is_grad_enabled() and (x_in.requires_grad or len(params) > 0)
-        return self._forward(x_in, mask, logdet_fn, params, need_graph)
+        need_graph = torch.is_grad_enabled() and (
+            x_in.requires_grad or any(p.requires_grad for p in self.branch.parameters())
+        )
+        return self._forward(x_in, mask, logdet_fn, need_graph)
 
-    def _forward(self, x_in, mask, logdet_fn, params, need_graph):
-        if need_graph and self.logdet_options.memory_efficient:
-            return memory_efficient_logdet(lambda x: self._g(x, mask), x_in, logdet_fn, params)
-        if callable(getattr(self.branch, "linearise", None)):
+    def _forward(self, x_in, mask, logdet_fn, need_graph):
+        if callable(getattr(self.branch, "linearise", None)) and not (
+            need_graph and self.logdet_options.memory_efficient
+        ):
             # The branch's own products: no graph unless the result needs one, and no
-            # backward (let alone a double backward) inside the log-det.
+            # backward (let alone a double backward) inside the log-det; torch.compile traces it.
             with torch.set_grad_enabled(need_graph):
                 gx, vjp_fn = self._linearised(x_in, mask)
                 logdet = logdet_fn(gx, x_in, need_graph, vjp_fn)
             return x_in + gx, logdet
+        return self._autograd_forward(x_in, mask, logdet_fn, need_graph)
+
+    @torch.compiler.disable
+    def _autograd_forward(self, x_in, mask, logdet_fn, need_graph):
+        """The log-det from autograd VJPs of the branch, eagerly also under ``torch.compile``:
+        its gradient is a double backward, which compiled (AOT) graphs do not provide."""
+        if need_graph and self.logdet_options.memory_efficient:
+            params = [p for p in self.branch.parameters() if p.requires_grad]
+            return memory_efficient_logdet(lambda x: self._g(x, mask), x_in, logdet_fn, params)
         with torch.enable_grad():
             x = x_in if (need_graph and x_in.requires_grad) else x_in.detach()
             if not x.requires_grad:
@@ -322,15 +332,17 @@ class InvertibleResidual(Transform):
                 gx, vjp_fn = self._linearised(x, mask)
                 logdet = logdet_fn(gx, x, need_graph, vjp_fn)
             return x, -logdet
+        return x, -self._autograd_inverse_logdet(x, mask, logdet_fn, need_graph)
+
+    @torch.compiler.disable  # a double backward, as in _autograd_forward
+    def _autograd_inverse_logdet(self, x, mask, logdet_fn, need_graph):
         with torch.enable_grad():
             # A fresh alias: the VJPs of the log-det must not pass through the implicit-gradient
             # hook that residual_inverse put on x (it only belongs to the outer backward).
             xr = x.view_as(x) if need_graph else x.detach().requires_grad_(True)
             gx = self._g(xr, mask)
             logdet = logdet_fn(gx, xr, need_graph)
-        if not need_graph:
-            x, logdet = x.detach(), logdet.detach()
-        return x, -logdet
+        return logdet if need_graph else logdet.detach()
 
     def extra_repr(self) -> str:
         opt = self.logdet_options
