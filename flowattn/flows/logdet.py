@@ -145,6 +145,12 @@ def _check_pair(gx: Tensor, x: Tensor, vjp_fn: Callable[[Tensor], Tensor] | None
 Product = Callable[[Tensor, bool, bool], Tensor]
 
 
+def _pointwise(structure: str) -> bool:
+    if structure not in STRUCTURES:
+        raise InputError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+    return structure == "pointwise"
+
+
 def _products(gx: Tensor, x: Tensor, vjp_fn: Callable[[Tensor], Tensor] | None) -> Product:
     """(w, create_graph, batched) -> w^T P J, in ``x``'s dtype (the accumulation precision).
 
@@ -295,13 +301,15 @@ def _draw_and_powers(
     mask: Tensor | None,
     zero_com: bool,
     create_graph: bool,
+    pointwise: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The random draws of a series estimate and its K products, eagerly.
 
     ``draw()`` gives the term weights (K,) or (B, K) and the projected probes (S, B, N, D).
     Returns the weights, the probes v ((B, N, D) for one probe, else (S, B, N, D)) and
     (P J^T P)^k v for k = 0..K stacked along a new first dimension, with a graph only if
-    ``create_graph``.
+    ``create_graph``. With ``pointwise`` (g_i depends on x_i only) and D < K the powers come
+    from the Jacobian's D x D diagonal blocks, built from D products instead of K.
 
     Run eagerly, also under ``torch.compile``: the draws then come from the same random stream
     as without it, and the number of terms, which the roulette draws anew on every call, never
@@ -313,9 +321,26 @@ def _draw_and_powers(
     v = probes if batched else probes[0]
     if not create_graph:
         v = v.detach()
+    K, D = coeffs.shape[-1], v.shape[-1]
+    if pointwise and not zero_com and D < K:
+        # A block-diagonal Jacobian: its D x D blocks J_ii from D products, then the K powers
+        # per element, w_i <- w_i J_ii, at the cost of D products instead of K.
+        basis = torch.eye(D, dtype=v.dtype, device=v.device).reshape(D, 1, 1, D)
+        rows = project(product(basis.expand(D, *v.shape[-3:]), create_graph, True), mask)
+        blocks = rows.permute(1, 2, 0, 3)  # (B, N, D_out, D_in) = J_ii
+        if not create_graph:
+            blocks = blocks.detach()
+
+        def step(w: Tensor) -> Tensor:
+            return (w.unsqueeze(-2) @ blocks).squeeze(-2)
+    else:
+
+        def step(w: Tensor) -> Tensor:
+            return project(product(w, create_graph, batched), mask, zero_com)
+
     w, powers = v, [v]
-    for _ in range(coeffs.shape[-1]):
-        w = project(product(w, create_graph, batched), mask, zero_com)
+    for _ in range(K):
+        w = step(w)
         if not create_graph:
             w = w.detach()
         powers.append(w)
@@ -330,6 +355,7 @@ def _series_core(
     zero_com: bool,
     grad: str,
     create_graph: bool,
+    pointwise: bool = False,
 ) -> Tensor:
     """sum_k c_k v^T (P J P)^k v averaged over probes, with the chosen gradient.
 
@@ -342,7 +368,7 @@ def _series_core(
         raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
     backprop = grad == "backprop"
     coeffs, v, stacked = _draw_and_powers(draw, product, mask, zero_com,
-                                          backprop and create_graph)
+                                          backprop and create_graph, pointwise)
     batched = v.dim() == 4
     B, K = x.shape[0], coeffs.shape[-1]
     c = coeffs.to(x.dtype)
@@ -385,6 +411,7 @@ def series_logdet(
     generator: torch.Generator | None = None,
     create_graph: bool = False,
     vjp_fn: Callable[[Tensor], Tensor] | None = None,
+    structure: str = "full",
 ) -> Tensor:
     r"""Truncated power series with Hutchinson probes (Behrmann et al. 2019, eq. 6):
 
@@ -405,6 +432,9 @@ def series_logdet(
         generator: source of the probes.
         create_graph: return a differentiable estimate.
         vjp_fn: the branch's own product w -> w^T P J, used instead of autograd VJPs.
+        structure: ``"pointwise"`` if g_i depends on x_i only: with D < ``n_terms`` the powers
+            are then taken of the D x D diagonal blocks of J, built from D products (the same
+            estimate, at the cost of D products instead of ``n_terms``); otherwise ``"full"``.
 
     Returns:
         Tensor (B,).
@@ -425,7 +455,8 @@ def series_logdet(
         return _series_coefficients(n_terms, x.dtype, x.device), probes
 
     product = _products(gx, x, vjp_fn)
-    return _series_core(product, x, draw, mask, zero_com, grad, create_graph)
+    return _series_core(product, x, draw, mask, zero_com, grad, create_graph,
+                        _pointwise(structure))
 
 
 def roulette_tail_probability(distribution: str, param: float, m: int) -> float:
@@ -483,6 +514,7 @@ def roulette_logdet(
     create_graph: bool = False,
     max_terms: int = 1000,
     vjp_fn: Callable[[Tensor], Tensor] | None = None,
+    structure: str = "full",
 ) -> Tensor:
     r"""Unbiased Russian-roulette estimate of log det(I + J) (Chen et al. 2019, Thm. 1):
 
@@ -513,6 +545,8 @@ def roulette_logdet(
         create_graph: return a differentiable estimate.
         max_terms: cap on the total number of terms (a truncation, hit with tiny probability).
         vjp_fn: the branch's own product w -> w^T P J, used instead of autograd VJPs.
+        structure: ``"pointwise"`` or ``"full"``, as in :func:`series_logdet` (the blocks are
+            used when D is below the drawn number of terms).
 
     The lengths are drawn on the generator's device and read on the host (the number of terms
     to run): with the default CPU generator that read costs no device synchronisation.
@@ -539,7 +573,8 @@ def roulette_logdet(
         return coeffs.to(device=x.device, dtype=x.dtype), probes
 
     product = _products(gx, x, vjp_fn)
-    return _series_core(product, x, draw, mask, zero_com, grad, create_graph)
+    return _series_core(product, x, draw, mask, zero_com, grad, create_graph,
+                        _pointwise(structure))
 
 
 def _roulette_coefficients(

@@ -213,6 +213,7 @@ class InvertibleResidual(Transform):
         _, n, d = x_shape
         zc = self.zero_com
         opt = self.logdet_options
+        structure = "pointwise" if self.structure == "pointwise" else "full"
         if not self.training:
             if self._exact_feasible(n, d):
                 return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
@@ -223,7 +224,7 @@ class InvertibleResidual(Transform):
                 gen = torch.Generator(device=x.device).manual_seed(opt.eval_seed)
                 return series_logdet(
                     gx, x, terms, mask, opt.eval_n_samples, opt.probe, "backprop", zc, gen, cg,
-                    vjp_fn=vjp_fn,
+                    vjp_fn=vjp_fn, structure=structure,
                 )
 
             return eval_series
@@ -235,12 +236,12 @@ class InvertibleResidual(Transform):
         if method == "series":
             return lambda gx, x, cg, vjp_fn=None: series_logdet(
                 gx, x, opt.n_terms, mask, opt.n_samples, opt.probe, opt.grad, zc,
-                opt.generator, cg, vjp_fn=vjp_fn,
+                opt.generator, cg, vjp_fn=vjp_fn, structure=structure,
             )
         return lambda gx, x, cg, vjp_fn=None: roulette_logdet(
             gx, x, opt.n_exact_terms, mask, opt.n_samples, opt.probe, opt.grad,
             opt.roulette, opt.roulette_param, opt.roulette_lengths, zc, opt.generator, cg,
-            vjp_fn=vjp_fn,
+            vjp_fn=vjp_fn, structure=structure,
         )
 
     @staticmethod

@@ -304,30 +304,33 @@ def _pair_of_blocks(logdet, zero_com=False):
     return own, other
 
 
-def _seeded(method, grad, lengths="batch", n_samples=1):
-    return LogDetOptions(method, grad=grad, n_terms=5, n_exact_terms=2, n_samples=n_samples,
-                         roulette_lengths=lengths, generator=torch.Generator().manual_seed(3))
+def _seeded(method, grad, lengths="batch", n_samples=1, n_terms=5):
+    return LogDetOptions(method, grad=grad, n_terms=n_terms, n_exact_terms=2,
+                         n_samples=n_samples, roulette_lengths=lengths,
+                         generator=torch.Generator().manual_seed(3))
 
 
 @pytest.mark.parametrize(
-    "method, grad, lengths, n_samples, zero_com, masked",
+    "method, grad, lengths, n_samples, zero_com, masked, n_terms",
     [
-        ("roulette", "neumann", "batch", 1, False, False),
-        ("roulette", "neumann", "sample", 2, False, True),
-        ("roulette", "backprop", "batch", 1, True, True),
-        ("series", "neumann", "batch", 3, True, False),
-        ("series", "backprop", "batch", 1, False, True),
-        ("exact", "neumann", "batch", 1, False, True),
-        ("exact", "neumann", "batch", 1, True, True),
+        ("roulette", "neumann", "batch", 1, False, False, 5),
+        ("roulette", "neumann", "sample", 2, False, True, 5),
+        ("roulette", "backprop", "batch", 1, True, True, 5),
+        ("series", "neumann", "batch", 3, True, False, 5),
+        ("series", "backprop", "batch", 1, False, True, 5),
+        ("series", "neumann", "batch", 1, False, True, 2),  # K <= D: K products, no blocks
+        ("exact", "neumann", "batch", 1, False, True, 5),
+        ("exact", "neumann", "batch", 1, True, True, 5),
     ],
 )
 def test_mlp_block_with_its_own_products_matches_the_autograd_path_in_float64(
-    method, grad, lengths, n_samples, zero_com, masked
+    method, grad, lengths, n_samples, zero_com, masked, n_terms
 ):
     """The branch's linearisation changes how the products are computed, not their values: the
     log-det, outputs and every gradient agree with autograd VJPs to rounding."""
     results = []
-    for block in _pair_of_blocks(lambda: _seeded(method, grad, lengths, n_samples), zero_com):
+    options = lambda: _seeded(method, grad, lengths, n_samples, n_terms)  # noqa: E731
+    for block in _pair_of_blocks(options, zero_com):
         torch.manual_seed(12)
         x = torch.randn(6, 5, 3, dtype=DT, requires_grad=True)
         mask = torch.rand(6, 5) < 0.7 if masked else None
