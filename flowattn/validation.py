@@ -22,6 +22,7 @@ from .errors import InputError, NonFiniteError
 __all__ = [
     "check_sets",
     "check_finite",
+    "check_precision",
     "trusted_inputs",
     "inputs_trusted",
     "present_counts",
@@ -128,6 +129,40 @@ def check_sets(
         rows = empty.nonzero().flatten().tolist()[:8]
         raise InputError(f"mask leaves set(s) {rows} empty: every set needs a present element")
     return mask
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_precision(x: Tensor, *modules: torch.nn.Module, name: str = "x") -> None:
+    """Refuse half-precision data or parameters of a flow, naming the supported way.
+
+    Flows keep their parameters and data in float32 or float64: log-determinants (slogdet,
+    power series) and iterative inverses need at least float32, and CPU kernels of ``slogdet``
+    and ``solve`` have no float16 or bfloat16 versions. Mixed precision is supported through
+    ``torch.autocast``: the branches then compute in the low precision while log-dets and
+    inverses stay in float32.
+
+    Examples:
+        >>> check_precision(torch.zeros(2, 3, 2, dtype=torch.float16))
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: x has dtype torch.float16: ...
+    """
+    dtypes = [x.dtype] + [
+        p.dtype for m in modules for p in (next(m.parameters(), None),) if p is not None
+    ]
+    low = next((d for d in dtypes if d in LOW_PRECISION), None)
+    if low is None:
+        return
+    what = f"{name} has dtype {low}" if x.dtype == low else f"the flow's parameters are {low}"
+    raise InputError(
+        f"{what}: flows keep parameters and data in float32 or float64 (log-determinants and "
+        "inverses need it). For mixed precision keep them in float32 and run the flow under "
+        "torch.autocast, e.g. `with torch.autocast('cpu', dtype=torch.bfloat16):` (CUDA: "
+        "float16 or bfloat16); the branches then compute in the low precision and the "
+        "log-determinants in float32 (docs/flows.md, 'Mixed precision')"
+    )
 
 
 def present_counts(mask: Tensor | None, batch: int, length: int, device=None) -> Tensor:

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
-from ..validation import check_sets, trusted_inputs
+from ..validation import check_precision, check_sets, trusted_inputs
 from .base import sample_standard_normal, standard_normal_log_prob
 from .geometry import subtract_mean
 from .inverse import InverseOptions
@@ -54,6 +54,7 @@ class SetFlow(nn.Module):
 
     def _prepare(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         mask = check_sets(x, mask, dim=self.dim)
+        check_precision(x, self)
         if self.zero_com:
             x = subtract_mean(x, mask)
         return x, mask
@@ -119,6 +120,7 @@ class SetFlow(nn.Module):
         if self.zero_com and set_size < 2 and mask is None:
             raise InputError("zero_com needs sets of at least 2 elements")
         ref = self._reference_tensor()
+        check_precision(ref, name="the flow's parameters")
         if mask is not None:
             mask = mask.to(ref.device)
         z = sample_standard_normal(

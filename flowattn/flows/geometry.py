@@ -31,6 +31,7 @@ __all__ = [
     "project",
     "sample_probes",
     "vjp",
+    "full_precision",
     "BatchedVJPFallbackWarning",
     "PROBES",
 ]
@@ -88,6 +89,19 @@ def project(v: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Te
     if mask is None:
         return v
     return v * mask.unsqueeze(-1).to(v.dtype)
+
+
+def full_precision(x: Tensor) -> torch.autocast:
+    """A context in which ``torch.autocast`` is off on ``x``'s device: the exact layers, the
+    inverses and the determinants of a flow run in the working precision of their data.
+
+    Examples:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     with full_precision(torch.zeros(1)):
+        ...         (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.float32
+    """
+    return torch.autocast(x.device.type, enabled=False)
 
 
 @torch.compiler.disable  # drawn eagerly: compiled and eager code see the same random stream

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from ..attention import twice_differentiable
 from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
-from ..validation import check_sets, trusted_inputs
-from .geometry import mask_from_context, project
+from ..validation import check_precision, check_sets, inputs_trusted, trusted_inputs
+from .geometry import full_precision, mask_from_context, project
 from .inverse import InverseOptions, residual_inverse
 from .logdet import (
     LogDetOptions,
@@ -198,7 +198,7 @@ class InvertibleResidual(Transform):
                       vjp_fn=None):
         jacobian_fn = getattr(self.branch, "jacobian", None)
         if callable(jacobian_fn) and not self.causal:  # the branch's closed form: one pass
-            return jacobian_logdet(jacobian_fn(x, mask), mask, self.zero_com)
+            return jacobian_logdet(jacobian_fn(x, mask).to(x.dtype), mask, self.zero_com)
         return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph,
                             vjp_fn=vjp_fn)
 
@@ -255,6 +255,8 @@ class InvertibleResidual(Transform):
         """y = x + g(x) and log|det dy/dx| per set, shape (B,)."""
         x_in, flat = self._as_sets(inputs)
         mask = check_sets(x_in, mask_from_context(context, x_in), name="inputs")
+        if not inputs_trusted():
+            check_precision(x_in, self.branch, name="inputs")
         with trusted_inputs():  # the branch trusts its caller
             y, logdet = self._checked_forward(x_in, mask)
         return (y.squeeze(1) if flat else y), logdet
@@ -302,11 +304,16 @@ class InvertibleResidual(Transform):
 
         ``x0`` is an optional warm start. Raises ``InverseNotConverged`` (a ``RuntimeError``)
         when the solver misses the tolerance within the iteration budget of ``inverse``.
-        Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted.
+        Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted, and
+        ``torch.autocast`` is off: the solve runs in the inputs' precision.
         """
         y_in, flat = self._as_sets(inputs)
         mask = check_sets(y_in, mask_from_context(context, y_in), name="inputs")
-        with frozen_power_iteration(), trusted_inputs():
+        if not inputs_trusted():
+            check_precision(y_in, self.branch, name="inputs")
+        # Under torch.autocast too the inverse solves in the inputs' precision: a branch
+        # evaluated in bfloat16 is not smooth at the solver's tolerance.
+        with frozen_power_iteration(), trusted_inputs(), full_precision(y_in):
             x, logdet = self._inverse(y_in, mask, flat, x0)
         return (x.squeeze(1) if flat else x), logdet
 
