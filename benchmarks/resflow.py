@@ -322,10 +322,10 @@ def step_table(times: dict[str, list[float]], baseline: str) -> None:
 
 
 def bench_training_step(quick: bool, reference: str | None = None,
-                        before: str | None = None) -> None:
+                        before: str | None = None, steps: int | None = None) -> None:
     print("### Training step: 8 blocks, 2-64-64-2 LipschitzMLP (LipSwish, coeff 0.9 per layer), "
           "batch 512, 2-D data, roulette + Neumann gradient, float32\n")
-    steps = 10 if quick else 50
+    steps = steps or (10 if quick else 50)
     torch.manual_seed(0)
     configs = [("flowattn", *_our_model(False)), ("flowattn, memory_efficient", *_our_model(True))]
     if before:
@@ -347,11 +347,11 @@ def _set_model(package: str = "flowattn"):
     return flow, flow.log_prob
 
 
-def bench_set_step(quick: bool, before: str | None = None) -> None:
+def bench_set_step(quick: bool, before: str | None = None, steps: int | None = None) -> None:
     print("### Set-flow training step: set_flow(dim=3, blocks=4, heads=1) (ActNorm, equivariant "
           "linear, ContractiveL2MHA and LipschitzMLP residuals), 64 sets of N=32, roulette + "
           "Neumann gradient, float32\n")
-    steps = 5 if quick else 30
+    steps = steps or (5 if quick else 30)
     torch.manual_seed(1)
     data = torch.randn(64, 32, 3)
     configs = [("flowattn", *_set_model())]
@@ -365,9 +365,9 @@ def bench_set_step(quick: bool, before: str | None = None) -> None:
 
 
 # ------------------------------------------------------------------------------ torch.compile
-def bench_compile(quick: bool) -> None:
+def bench_compile(quick: bool, steps: int | None = None) -> None:
     print("### torch.compile: the residual-flow training step (as above) compiled against eager\n")
-    steps = 10 if quick else 50
+    steps = steps or (10 if quick else 50)
     torch.manual_seed(0)
     eager = _our_model(False)
     model, log_prob = _our_model(False)
@@ -404,6 +404,8 @@ def main() -> None:
                         help="path holding the Residual Flows package `resflows`, timed alongside")
     parser.add_argument("--before", default=None,
                         help="path holding an older flowattn checkout, timed alongside")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps of the training, set and compile sections")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -411,9 +413,11 @@ def main() -> None:
           f"device cpu, quick={args.quick}\n")
     for name in args.sections:
         if name == "training":
-            bench_training_step(args.quick, args.reference, args.before)
+            bench_training_step(args.quick, args.reference, args.before, args.steps)
         elif name == "set":
-            bench_set_step(args.quick, args.before)
+            bench_set_step(args.quick, args.before, args.steps)
+        elif name == "compile":
+            bench_compile(args.quick, args.steps)
         else:
             SECTIONS[name](args.quick)
 

@@ -70,7 +70,10 @@ class InvertibleResidual(Transform):
     evaluation mode and before every inverse (on the actual N). It may declare
     ``jacobian_structure = "pointwise"`` (block-diagonal Jacobian: exact log-det from D VJPs),
     or a closed-form ``jacobian(x, mask)`` of shape (B, N, D, N, D), which the exact path then
-    uses instead of N D VJPs.
+    uses instead of N D VJPs, or ``linearise(x, mask=None, causal=False)`` returning g(x) and
+    its product w -> w^T J (as :meth:`~flowattn.branches.LipschitzMLP.linearise`), which every
+    log-det estimator then uses instead of autograd VJPs: no double backward, and
+    ``torch.compile`` traces it.
     Training differentiates VJPs of the branch (double backward): the branch must be twice
     differentiable. The block evaluates it inside
     :func:`flowattn.attention.twice_differentiable`, so attention branches keep their fused
@@ -168,11 +171,8 @@ class InvertibleResidual(Transform):
         return project(out, mask, self.zero_com)
 
     def _linearised(self, x: Tensor, mask: Tensor | None):
-        """(P g(x), w -> w^T P J) from the branch's ``linearise``, or ``None`` without one."""
-        linearise = getattr(self.branch, "linearise", None)
-        if not callable(linearise):
-            return None
-        out, branch_vjp = linearise(x, mask=mask, causal=self.causal)
+        """(P g(x), w -> w^T P J) from the branch's ``linearise``."""
+        out, branch_vjp = self.branch.linearise(x, mask=mask, causal=self.causal)
         if out.shape != x.shape:
             raise InputError(
                 f"branch {type(self.branch).__name__} returned shape {tuple(out.shape)} "
