@@ -17,6 +17,7 @@ def _cpp_compiler():
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),  # in torch
     pytest.mark.skipif(
         _cpp_compiler() is None,
         reason="torch.compile on CPU (inductor) builds C++ kernels: no C++ compiler (g++, "
