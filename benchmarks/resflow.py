@@ -5,6 +5,7 @@ Run from the repository root:
     python benchmarks/resflow.py            # full settings
     python benchmarks/resflow.py --quick    # small settings, a minute or so on 2 CPU cores
     python benchmarks/resflow.py --sections training --reference /path/to/residual-flows
+    python benchmarks/resflow.py --sections training set --before /path/to/older/flowattn
 
 Every section prints a Markdown table. Sections can be selected with --sections.
 """
@@ -12,7 +13,11 @@ Every section prints a Markdown table. Sections can be selected with --sections.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import importlib.util
 import math
+import os
 import statistics
 import sys
 import time
@@ -204,23 +209,54 @@ def bench_inverse(quick: bool) -> None:
 
 
 # ------------------------------------------------------------------------------ training step
-def _our_model(memory_efficient: bool) -> nn.Module:
+def load_before(path: str):
+    """An older flowattn checkout at ``path``, imported as the package ``flowattn_before``."""
+    root = os.path.join(path, "flowattn")
+    spec = importlib.util.spec_from_file_location(
+        "flowattn_before", os.path.join(root, "__init__.py"), submodule_search_locations=[root]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["flowattn_before"] = package
+    spec.loader.exec_module(package)
+    return package
+
+
+def _entry(package: str):
+    """Check the data once and run the blocks trusting them, as ``SetFlow`` does (an older
+    flowattn without ``trusted_inputs`` checks in every block)."""
+    validation = importlib.import_module(f"{package}.validation")
+    trusted = getattr(validation, "trusted_inputs", None)
+    if trusted is None:
+        return lambda x: contextlib.nullcontext()
+
+    def enter(x):
+        validation.check_sets(x.unsqueeze(1))
+        return trusted()
+
+    return enter
+
+
+def _our_model(memory_efficient: bool, package: str = "flowattn"):
+    flows = importlib.import_module(f"{package}.flows")
+    branches = importlib.import_module(f"{package}.branches")
     blocks = [
-        InvertibleResidual(
-            LipschitzMLP(2, [64, 64], coeff=0.9, per_layer_coeff=True),
-            logdet=LogDetOptions("roulette", n_exact_terms=2, n_samples=1, grad="neumann",
-                                 memory_efficient=memory_efficient,
-                                 generator=torch.Generator().manual_seed(0)),
+        flows.InvertibleResidual(
+            branches.LipschitzMLP(2, [64, 64], coeff=0.9, per_layer_coeff=True),
+            logdet=flows.LogDetOptions("roulette", n_exact_terms=2, n_samples=1, grad="neumann",
+                                       memory_efficient=memory_efficient,
+                                       generator=torch.Generator().manual_seed(0)),
         )
         for _ in range(8)
     ]
     model = nn.ModuleList(blocks).train()
+    entry = _entry(package)
 
     def log_prob(x):
         h, total = x, x.new_zeros(x.shape[0])
-        for block in model:
-            h, ld = block(h)
-            total = total + ld
+        with entry(x):
+            for block in model:
+                h, ld = block(h)
+                total = total + ld
         return -0.5 * (h**2).sum(-1) - math.log(2 * math.pi) + total
 
     return model, log_prob
@@ -254,32 +290,99 @@ def _reference_model(path: str):
     return model, log_prob
 
 
-def bench_training_step(quick: bool, reference: str | None = None) -> None:
-    print("### Training step: 8 blocks, 2-64-64-2 LipschitzMLP (LipSwish, coeff 0.9 per layer), "
-          "batch 512, 2-D data, roulette + Neumann gradient, float32\n")
-    steps = 10 if quick else 50
-    torch.manual_seed(0)
-    configs = [("flowattn", *_our_model(False)), ("flowattn, memory_efficient", *_our_model(True))]
-    if reference:
-        configs.append(("Residual Flows reference code", *_reference_model(reference)))
+def time_steps(configs, data, steps: int, warmup: int = 3) -> dict[str, list[float]]:
+    """Seconds per training step (Adam) of each (name, model, log_prob), interleaved step by
+    step so that every configuration sees the same load on a shared machine."""
     opts = [torch.optim.Adam(m.parameters(), lr=1e-3) for _, m, _ in configs]
-    data = torch.randn(512, 2)
     times = {name: [] for name, _, _ in configs}
-    for step in range(steps + 3):
-        # interleave the models so that they see the same load on a shared machine
+    for step in range(steps + warmup):
         for (name, _, log_prob), opt in zip(configs, opts, strict=True):
             t0 = time.perf_counter()
             loss = -log_prob(data).mean()
             opt.zero_grad()
             loss.backward()
             opt.step()
-            if step >= 3:
+            if step >= warmup:
                 times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def step_table(times: dict[str, list[float]], baseline: str) -> None:
+    """Median and minimum per configuration; ratios to ``baseline``: of the medians, and the
+    median of the step-by-step ratios (the steps were interleaved)."""
+    base = times[baseline]
     rows = []
     for name, ts in times.items():
-        med = statistics.median(ts) * 1e3
-        rows.append([name, fmt(med, 3), fmt(min(ts) * 1e3, 3), fmt(med / 39.0, 3)])
-    table(["implementation", "median ms/step", "min ms/step", "median / 39 ms"], rows)
+        med = statistics.median(ts)
+        paired = statistics.median(a / b for a, b in zip(ts, base, strict=True))
+        rows.append([name, fmt(med * 1e3, 3), fmt(min(ts) * 1e3, 3),
+                     fmt(med / statistics.median(base), 3), fmt(paired, 3)])
+    table(["implementation", "median ms/step", "min ms/step", f"median / {baseline}",
+           f"median of step ratios to {baseline}"], rows)
+
+
+def bench_training_step(quick: bool, reference: str | None = None,
+                        before: str | None = None, steps: int | None = None) -> None:
+    print("### Training step: 8 blocks, 2-64-64-2 LipschitzMLP (LipSwish, coeff 0.9 per layer), "
+          "batch 512, 2-D data, roulette + Neumann gradient, float32\n")
+    steps = steps or (10 if quick else 50)
+    torch.manual_seed(0)
+    configs = [("flowattn", *_our_model(False)), ("flowattn, memory_efficient", *_our_model(True))]
+    if before:
+        load_before(before)
+        configs.append(("flowattn before", *_our_model(False, "flowattn_before")))
+    if reference:
+        configs.append(("Residual Flows reference code", *_reference_model(reference)))
+    times = time_steps(configs, torch.randn(512, 2), steps)
+    step_table(times, "Residual Flows reference code" if reference else "flowattn")
+
+
+# ------------------------------------------------------------------------------ set flow step
+def _set_model(package: str = "flowattn"):
+    flows = importlib.import_module(f"{package}.flows")
+    torch.manual_seed(0)
+    logdet = flows.LogDetOptions("roulette", n_exact_terms=2, grad="neumann",
+                                 generator=torch.Generator().manual_seed(0))
+    flow = flows.set_flow(dim=3, blocks=4, heads=1, logdet=logdet).train()
+    return flow, flow.log_prob
+
+
+def bench_set_step(quick: bool, before: str | None = None, steps: int | None = None) -> None:
+    print("### Set-flow training step: set_flow(dim=3, blocks=4, heads=1) (ActNorm, equivariant "
+          "linear, ContractiveL2MHA and LipschitzMLP residuals), 64 sets of N=32, roulette + "
+          "Neumann gradient, float32\n")
+    steps = steps or (5 if quick else 30)
+    torch.manual_seed(1)
+    data = torch.randn(64, 32, 3)
+    configs = [("flowattn", *_set_model())]
+    if before:
+        load_before(before)
+        configs.append(("flowattn before", *_set_model("flowattn_before")))
+    for _, _, log_prob in configs:
+        log_prob(data)  # ActNorm's data-dependent initialisation
+    times = time_steps(configs, data, steps, warmup=2)
+    step_table(times, "flowattn before" if before else "flowattn")
+
+
+# ------------------------------------------------------------------------------ torch.compile
+def bench_compile(quick: bool, steps: int | None = None) -> None:
+    print("### torch.compile: the residual-flow training step (as above) compiled against eager\n")
+    steps = steps or (10 if quick else 50)
+    torch.manual_seed(0)
+    eager = _our_model(False)
+    model, log_prob = _our_model(False)
+    compiled = torch.compile(log_prob)
+    data = torch.randn(512, 2)
+    t0 = time.perf_counter()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):  # compiles, then one recompilation with a dynamic number of terms
+        loss = -compiled(data).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    print(f"compilation (first 3 steps): {time.perf_counter() - t0:.1f} s\n")
+    times = time_steps([("eager", *eager), ("torch.compile", model, compiled)], data, steps)
+    step_table(times, "eager")
 
 
 SECTIONS = {
@@ -287,6 +390,8 @@ SECTIONS = {
     "memory": bench_memory,
     "inverse": bench_inverse,
     "training": bench_training_step,
+    "set": bench_set_step,
+    "compile": bench_compile,
 }
 
 
@@ -297,6 +402,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
     parser.add_argument("--reference", default=None,
                         help="path holding the Residual Flows package `resflows`, timed alongside")
+    parser.add_argument("--before", default=None,
+                        help="path holding an older flowattn checkout, timed alongside")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps of the training, set and compile sections")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -304,7 +413,11 @@ def main() -> None:
           f"device cpu, quick={args.quick}\n")
     for name in args.sections:
         if name == "training":
-            bench_training_step(args.quick, args.reference)
+            bench_training_step(args.quick, args.reference, args.before, args.steps)
+        elif name == "set":
+            bench_set_step(args.quick, args.before, args.steps)
+        elif name == "compile":
+            bench_compile(args.quick, args.steps)
         else:
             SECTIONS[name](args.quick)
 

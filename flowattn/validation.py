@@ -1,14 +1,70 @@
 """Input checks shared by every public entry point (errors are raised where data enters), and
-the padding mask read as per-element weights or per-set counts."""
+the padding mask read as per-element weights or per-set counts.
+
+Data are checked once, where they enter: the outermost call (``SetFlow.log_prob``, or a
+transform or attention module called directly) runs :func:`check_sets`, then runs its layers
+inside :func:`trusted_inputs`, where :func:`check_sets` returns at once. The checks cost a host
+synchronisation each (the finiteness and empty-set tests read a value back), so a flow of many
+layers pays for them once per call instead of once per layer.
+"""
 
 from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import Tensor
 
 from .errors import InputError, NonFiniteError
 
-__all__ = ["check_sets", "check_finite", "present_counts", "present_weights"]
+__all__ = [
+    "check_sets",
+    "check_finite",
+    "check_precision",
+    "trusted_inputs",
+    "inputs_trusted",
+    "present_counts",
+    "present_weights",
+]
+
+class _Trust(threading.local):
+    """Per thread: whether the running call is inside :func:`trusted_inputs`. A thread-local
+    attribute, not a ContextVar, so that ``torch.compile`` traces it without a graph break."""
+
+    trusted = False
+
+
+_TRUST = _Trust()
+
+
+@contextmanager
+def trusted_inputs() -> Iterator[None]:
+    """Within this context :func:`check_sets` trusts its arguments and returns the mask as given.
+
+    An entry point checks its inputs, then calls its layers inside this context: the layers'
+    own checks (each a host synchronisation) are skipped, since the data were checked where they
+    entered. Outside it, every checked call checks, so a transform or attention module called
+    directly still refuses bad input with a clear error.
+
+    Examples:
+        >>> x = torch.full((1, 2, 3), float("nan"))
+        >>> with trusted_inputs():
+        ...     check_sets(x) is None  # not checked again
+        True
+    """
+    previous = _TRUST.trusted
+    _TRUST.trusted = True
+    try:
+        yield
+    finally:
+        _TRUST.trusted = previous
+
+
+def inputs_trusted() -> bool:
+    """Whether the caller runs inside :func:`trusted_inputs` (its inputs were checked)."""
+    return _TRUST.trusted
 
 
 def check_finite(x: Tensor, name: str = "x") -> None:
@@ -35,6 +91,8 @@ def check_sets(
         dim: the expected feature width D, if the caller has one.
         name: the argument's name, used in error messages.
 
+    Inside :func:`trusted_inputs` nothing is checked and ``mask`` is returned as given.
+
     Returns:
         The mask (``None`` stays ``None``), moved to ``x``'s device.
 
@@ -42,6 +100,8 @@ def check_sets(
         ValueError: naming the wrong rank, width, dtype, non-finite values, mask shape or
             dtype, or an empty set.
     """
+    if _TRUST.trusted:
+        return mask
     if not isinstance(x, Tensor):
         raise InputError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dim() != 3:
@@ -69,6 +129,40 @@ def check_sets(
         rows = empty.nonzero().flatten().tolist()[:8]
         raise InputError(f"mask leaves set(s) {rows} empty: every set needs a present element")
     return mask
+
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def check_precision(x: Tensor, *modules: torch.nn.Module, name: str = "x") -> None:
+    """Refuse half-precision data or parameters of a flow, naming the supported way.
+
+    Flows keep their parameters and data in float32 or float64: log-determinants (slogdet,
+    power series) and iterative inverses need at least float32, and CPU kernels of ``slogdet``
+    and ``solve`` have no float16 or bfloat16 versions. Mixed precision is supported through
+    ``torch.autocast``: the branches then compute in the low precision while log-dets and
+    inverses stay in float32.
+
+    Examples:
+        >>> check_precision(torch.zeros(2, 3, 2, dtype=torch.float16))
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: x has dtype torch.float16: ...
+    """
+    dtypes = [x.dtype] + [
+        p.dtype for m in modules for p in (next(m.parameters(), None),) if p is not None
+    ]
+    low = next((d for d in dtypes if d in LOW_PRECISION), None)
+    if low is None:
+        return
+    what = f"{name} has dtype {low}" if x.dtype == low else f"the flow's parameters are {low}"
+    raise InputError(
+        f"{what}: flows keep parameters and data in float32 or float64 (log-determinants and "
+        "inverses need it). For mixed precision keep them in float32 and run the flow under "
+        "torch.autocast, e.g. `with torch.autocast('cpu', dtype=torch.bfloat16):` (CUDA: "
+        "float16 or bfloat16); the branches then compute in the low precision and the "
+        "log-determinants in float32 (docs/flows.md, 'Mixed precision')"
+    )
 
 
 def present_counts(mask: Tensor | None, batch: int, length: int, device=None) -> Tensor:

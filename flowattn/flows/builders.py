@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
-from ..validation import check_sets
+from ..validation import check_precision, check_sets, trusted_inputs
 from .base import sample_standard_normal, standard_normal_log_prob
 from .geometry import subtract_mean
 from .inverse import InverseOptions
@@ -54,6 +54,7 @@ class SetFlow(nn.Module):
 
     def _prepare(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         mask = check_sets(x, mask, dim=self.dim)
+        check_precision(x, self)
         if self.zero_com:
             x = subtract_mean(x, mask)
         return x, mask
@@ -61,13 +62,15 @@ class SetFlow(nn.Module):
     def transform_to_noise(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """z = f(x), shape (B, N, D); padded elements pass through."""
         x, mask = self._prepare(x, mask)
-        z, _ = self.transform(x, context=mask)
+        with trusted_inputs():  # checked once, here; the layers trust their caller
+            z, _ = self.transform(x, context=mask)
         return z
 
     def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """log p(x) per set, shape (B,): exact in eval mode where feasible, else an estimate."""
         x, mask = self._prepare(x, mask)
-        z, logdet = self.transform(x, context=mask)
+        with trusted_inputs():
+            z, logdet = self.transform(x, context=mask)
         return standard_normal_log_prob(z, mask, self.zero_com) + logdet
 
     def _reference_tensor(self) -> Tensor:
@@ -84,7 +87,8 @@ class SetFlow(nn.Module):
     ) -> Tensor:
         """Draw ``num_samples`` sets of ``set_size`` elements (or with the given ``mask``)."""
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
-        x, _ = self.transform.inverse(z, context=mask)
+        with trusted_inputs():
+            x, _ = self.transform.inverse(z, context=mask)
         return x
 
     def sample_and_log_prob(
@@ -96,7 +100,8 @@ class SetFlow(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Samples and their log-densities, log p(x) = log N(z) - log|det dx/dz|."""
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
-        x, logdet_inv = self.transform.inverse(z, context=mask)
+        with trusted_inputs():
+            x, logdet_inv = self.transform.inverse(z, context=mask)
         return x, standard_normal_log_prob(z, mask, self.zero_com) - logdet_inv
 
     def _base_sample(self, num_samples, set_size, mask, generator):
@@ -115,6 +120,7 @@ class SetFlow(nn.Module):
         if self.zero_com and set_size < 2 and mask is None:
             raise InputError("zero_com needs sets of at least 2 elements")
         ref = self._reference_tensor()
+        check_precision(ref, name="the flow's parameters")
         if mask is not None:
             mask = mask.to(ref.device)
         z = sample_standard_normal(
@@ -125,7 +131,7 @@ class SetFlow(nn.Module):
             ref.device,
             ref.dtype,
         )
-        return z, mask
+        return z, check_sets(z, mask, dim=self.dim, name="samples")  # e.g. empty sets
 
 
 def _default_attention(dim: int, heads: int, coeff: float, norm: str) -> nn.Module:

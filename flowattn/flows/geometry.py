@@ -16,6 +16,7 @@ of the restricted map. This module holds the pieces they share:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -24,7 +25,16 @@ from torch import Tensor
 from ..errors import InputError
 from ..validation import present_weights
 
-__all__ = ["mask_from_context", "subtract_mean", "project", "sample_probes", "vjp", "PROBES"]
+__all__ = [
+    "mask_from_context",
+    "subtract_mean",
+    "project",
+    "sample_probes",
+    "vjp",
+    "full_precision",
+    "BatchedVJPFallbackWarning",
+    "PROBES",
+]
 
 PROBES = ("rademacher", "gaussian")  # the laws of Hutchinson probes
 
@@ -81,6 +91,20 @@ def project(v: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Te
     return v * mask.unsqueeze(-1).to(v.dtype)
 
 
+def full_precision(x: Tensor) -> torch.autocast:
+    """A context in which ``torch.autocast`` is off on ``x``'s device: the exact layers, the
+    inverses and the determinants of a flow run in the working precision of their data.
+
+    Examples:
+        >>> with torch.autocast("cpu", dtype=torch.bfloat16):
+        ...     with full_precision(torch.zeros(1)):
+        ...         (torch.ones(2, 2) @ torch.ones(2, 2)).dtype
+        torch.float32
+    """
+    return torch.autocast(x.device.type, enabled=False)
+
+
+@torch.compiler.disable  # drawn eagerly: compiled and eager code see the same random stream
 def sample_probes(
     shape: Sequence[int],
     probe: str = "rademacher",
@@ -113,12 +137,50 @@ def sample_probes(
     gen_device = generator.device if generator is not None else device
     if probe == "gaussian":
         v = torch.randn(*shape, generator=generator, device=gen_device, dtype=dtype)
-    elif probe == "rademacher":
-        bits = torch.randint(0, 2, tuple(shape), generator=generator, device=gen_device)
-        v = (2 * bits - 1).to(dtype if dtype is not None else torch.get_default_dtype())
+    elif probe == "rademacher":  # 2 b - 1 for fair bits b, drawn in the probes' dtype
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        v = torch.randint(0, 2, tuple(shape), generator=generator, device=gen_device,
+                          dtype=dtype).mul_(2).sub_(1)
     else:
         raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
     return project(v.to(device), mask, zero_com)
+
+
+class BatchedVJPFallbackWarning(UserWarning):
+    """A batch of VJPs ran as a loop of single VJPs: an operator's backward has no batching rule.
+
+    The results are the same; only the speed differs (one backward pass per vector instead of
+    one for the batch). Issued once per process.
+    """
+
+
+# Messages of the errors torch raises when the backward of an operator cannot run batched
+# (``is_grads_batched=True`` runs the backward under vmap): a RuntimeError from the batching
+# fallback ("Batching rule not implemented for aten::item. We could not generate a fallback.",
+# "... the fallback path doesn't work on out= or view ops.") or a vmap restriction ("vmap: ...").
+_UNBATCHABLE = ("Batching rule not implemented", "vmap:")
+_warned_fallback = False
+
+
+def _is_unbatchable(error: RuntimeError) -> bool:
+    if isinstance(error, torch.OutOfMemoryError):  # a RuntimeError too: never hidden
+        return False
+    text = str(error)
+    return any(marker in text for marker in _UNBATCHABLE)
+
+
+def _warn_fallback(error: RuntimeError) -> None:
+    global _warned_fallback
+    if _warned_fallback:
+        return
+    _warned_fallback = True
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    warnings.warn(
+        f"batched VJPs fell back to a loop of single VJPs ({first_line}); results are "
+        "unchanged, only slower. This warning is shown once per process.",
+        BatchedVJPFallbackWarning,
+        stacklevel=3,
+    )
 
 
 def vjp(
@@ -127,7 +189,9 @@ def vjp(
     """w^T d output / dx for one vector ``w``, or for a leading batch of them (``batched``).
 
     The graph of ``output`` is kept for further products; where ``output`` does not depend on
-    ``x`` the result is zero. A batch whose backward has no batching rule runs as a loop.
+    ``x`` the result is zero. A batch whose backward has an operator without a batching rule
+    runs as a loop of single VJPs, with a :class:`BatchedVJPFallbackWarning` (once per
+    process); every other error, out-of-memory included, propagates.
     """
     if not output.requires_grad:
         return x.new_zeros(w.shape[:1] + x.shape if batched else x.shape)
@@ -136,8 +200,10 @@ def vjp(
             grads = torch.autograd.grad(output, x, w, retain_graph=True,
                                         create_graph=create_graph, allow_unused=True,
                                         is_grads_batched=True)
-        except RuntimeError:
-            # Some operators have no batching rule for their backward; fall back to a loop.
+        except RuntimeError as error:
+            if not _is_unbatchable(error):
+                raise
+            _warn_fallback(error)
             return torch.stack([vjp(output, x, wi, create_graph) for wi in w])
         return x.new_zeros(w.shape[:1] + x.shape) if grads[0] is None else grads[0]
     (grad,) = torch.autograd.grad(output, x, w, retain_graph=True, create_graph=create_graph,

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from ..errors import InputError
 from ..validation import check_sets, present_weights
 from .base import set_dims
-from .geometry import mask_from_context
+from .geometry import full_precision, mask_from_context
 
 __all__ = ["ActNorm", "EquivariantLinear", "SetLocation", "size_features"]
 
@@ -76,6 +76,16 @@ class ActNorm(Transform):
         self.log_scale = nn.Parameter(torch.zeros(dim))
         self.shift = nn.Parameter(torch.zeros(dim), requires_grad=not zero_com)
         self.register_buffer("initialized", torch.tensor(False))
+        self._seen_initialised = False  # the buffer read once as True: no more reads (syncs)
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        self._seen_initialised = False  # the loaded buffer decides again
+        super()._load_from_state_dict(*args, **kwargs)
+
+    def _needs_initialisation(self) -> bool:
+        if not self._seen_initialised:
+            self._seen_initialised = bool(self.initialized)  # one host read, until it is True
+        return not self._seen_initialised
 
     @torch.no_grad()
     def _initialise(self, x: Tensor, mask: Tensor | None) -> None:
@@ -90,6 +100,7 @@ class ActNorm(Transform):
         self.shift.copy_(-mean)
         self.log_scale.copy_(-torch.log(var.sqrt() + self.eps))
         self.initialized.fill_(True)
+        self._seen_initialised = True
 
     def _logdet(self, x: Tensor, mask: Tensor | None) -> Tensor:
         # set_dims gives n D (or (n - 1) D); every feature direction holds 1/D of them.
@@ -104,7 +115,7 @@ class ActNorm(Transform):
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         x, mask, flat = self._prepare(inputs, context)
-        if self.training and not bool(self.initialized):
+        if self.training and self._needs_initialisation():
             self._initialise(x, mask)
         y = (x + self.shift) * torch.exp(self.log_scale)
         if mask is not None:
@@ -201,21 +212,23 @@ class EquivariantLinear(Transform):
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         mask = check_sets(inputs, mask_from_context(context, inputs), self.dim, "inputs")
-        mean, w, n = self._split(inputs, mask)
-        y = (inputs - mean) @ self.deviation.matrix()
-        if self.mean is not None:
-            y = y + mean @ self.mean.matrix()
-        y = w * y + (1 - w) * inputs
-        return y, self._logdet(n)
+        with full_precision(inputs):  # an exact layer: its log-det is that of this very map
+            mean, w, n = self._split(inputs, mask)
+            y = (inputs - mean) @ self.deviation.matrix()
+            if self.mean is not None:
+                y = y + mean @ self.mean.matrix()
+            y = w * y + (1 - w) * inputs
+            return y, self._logdet(n)
 
     def inverse(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         mask = check_sets(inputs, mask_from_context(context, inputs), self.dim, "inputs")
-        mean, w, n = self._split(inputs, mask)
-        x = self.deviation.solve_right(inputs - mean)
-        if self.mean is not None:
-            x = x + self.mean.solve_right(mean)
-        x = w * x + (1 - w) * inputs
-        return x, -self._logdet(n)
+        with full_precision(inputs):
+            mean, w, n = self._split(inputs, mask)
+            x = self.deviation.solve_right(inputs - mean)
+            if self.mean is not None:
+                x = x + self.mean.solve_right(mean)
+            x = w * x + (1 - w) * inputs
+            return x, -self._logdet(n)
 
 
 def size_features(n: Tensor) -> Tensor:
@@ -316,12 +329,13 @@ class SetLocation(Transform):
     def _move(self, x: Tensor, context, direction: str) -> tuple[Tensor, Tensor]:
         mask = mask_from_context(context, x)
         mask = check_sets(x, mask, dim=self.dim)
-        centre, n, w = self._centroid(x, mask)
-        features = size_features(n)
-        flow = self.centroid_flow if direction == "forward" else self.centroid_flow.inverse
-        new_centre, logdet = flow(centre, context=features)
-        shift = (new_centre - centre).unsqueeze(1) * w
-        return x + shift, logdet
+        with full_precision(x):  # an exact layer (splines with their own log-dets)
+            centre, n, w = self._centroid(x, mask)
+            features = size_features(n)
+            flow = self.centroid_flow if direction == "forward" else self.centroid_flow.inverse
+            new_centre, logdet = flow(centre, context=features)
+            shift = (new_centre - centre).unsqueeze(1) * w
+            return x + shift, logdet
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         return self._move(inputs, context, "forward")

@@ -1,12 +1,19 @@
 """Estimators of log|det(I + J_g(x))| for residual maps on sets and sequences of shape (B, N, D).
 
 Every estimator takes ``gx = g(x)`` computed *with* its autograd graph from an ``x`` that requires
-grad, and obtains Jacobian products by vector-Jacobian products (VJPs). The Jacobian is that of the
-*restricted* map: padded elements (``mask`` False) are removed and, in zero-centre-of-mass mode,
-the map is restricted to the subspace {sum_i x_i = 0}. Concretely, with P the orthogonal
-projection onto the admissible coordinates, the estimators work with P J P; the caller passes
-``gx = P g(x)`` and every VJP result is projected by P again. Then det(I + P J P) is the
-determinant of the restricted map (P J P is zero on the complement, where I + P J P is I).
+grad, and obtains Jacobian products by vector-Jacobian products (VJPs); or, with ``vjp_fn``, the
+branch's own product w -> w^T J (e.g. :meth:`flowattn.branches.LipschitzMLP.linearise`), made of
+differentiable operations, which needs neither autograd's backward nor a double backward. The
+Jacobian is that of the *restricted* map: padded elements (``mask`` False) are removed and, in
+zero-centre-of-mass mode, the map is restricted to the subspace {sum_i x_i = 0}. Concretely,
+with P the orthogonal projection onto the admissible coordinates, the estimators work with P J P;
+the caller passes ``gx = P g(x)`` and every VJP result is projected by P again. Then
+det(I + P J P) is the determinant of the restricted map (P J P is zero on the complement, where
+I + P J P is I).
+
+Precision: products, power-series terms and determinants are accumulated in ``x``'s dtype
+(float32 or float64). Under ``torch.autocast`` the branch may compute in bfloat16 or float16;
+each product is cast back to ``x``'s dtype before it enters a sum or a determinant.
 
 References:
     Behrmann et al., "Invertible Residual Networks", ICML 2019, eq. (5)-(6) (power series and
@@ -17,6 +24,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import KW_ONLY, dataclass
@@ -124,13 +132,41 @@ class LogDetOptions:
         object.__setattr__(self, "eval_seed", int(self.eval_seed))
 
 
-def _check_pair(gx: Tensor, x: Tensor) -> None:
+def _check_pair(gx: Tensor, x: Tensor, vjp_fn: Callable[[Tensor], Tensor] | None) -> None:
     if gx.shape != x.shape or x.dim() != 3:
         raise InputError(
             f"gx and x must both have shape (B, N, D); got {tuple(gx.shape)} and {tuple(x.shape)}"
         )
-    if not x.requires_grad or gx.grad_fn is None:
-        raise InputError("x must require grad and gx must be computed from x with its graph")
+    if vjp_fn is None and (not x.requires_grad or gx.grad_fn is None):
+        raise InputError("x must require grad and gx must be computed from x with its graph "
+                         "(or pass the branch's own product as vjp_fn)")
+
+
+Product = Callable[[Tensor, bool, bool], Tensor]
+
+
+def _pointwise(structure: str) -> bool:
+    if structure not in STRUCTURES:
+        raise InputError(f"structure must be one of {STRUCTURES}, got {structure!r}")
+    return structure == "pointwise"
+
+
+def _products(gx: Tensor, x: Tensor, vjp_fn: Callable[[Tensor], Tensor] | None) -> Product:
+    """(w, create_graph, batched) -> w^T P J, in ``x``'s dtype (the accumulation precision).
+
+    Without ``vjp_fn``: autograd VJPs of ``gx``. With it: ``vjp_fn(w)``, under ``no_grad``
+    unless a differentiable product is asked for (``vjp_fn`` handles leading batch dimensions).
+    """
+    if vjp_fn is None:
+        return lambda w, create_graph, batched: vjp(gx, x, w, create_graph, batched)
+
+    def product(w: Tensor, create_graph: bool, batched: bool) -> Tensor:
+        if create_graph:
+            return vjp_fn(w).to(x.dtype)
+        with torch.no_grad():
+            return vjp_fn(w).to(x.dtype)
+
+    return product
 
 
 def exact_logdet(
@@ -141,6 +177,7 @@ def exact_logdet(
     zero_com: bool = False,
     create_graph: bool = False,
     chunk_size: int | None = 256,
+    vjp_fn: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:
     r"""Exact log|det(I + J)| per set, from Jacobian rows obtained by batched VJPs.
 
@@ -164,6 +201,8 @@ def exact_logdet(
         zero_com: restrict to the zero-centre-of-mass subspace.
         create_graph: keep the graph so that the result is differentiable (exact gradients).
         chunk_size: basis vectors per batched VJP call (``None``: all at once).
+        vjp_fn: the branch's own product w -> w^T P J (leading batch dimensions allowed), used
+            instead of autograd VJPs of ``gx``.
 
     Returns:
         Tensor (B,).
@@ -174,7 +213,8 @@ def exact_logdet(
         >>> exact_logdet(gx, x, structure="pointwise").shape
         torch.Size([2])
     """
-    _check_pair(gx, x)
+    _check_pair(gx, x, vjp_fn)
+    product = _products(gx, x, vjp_fn)
     if structure not in STRUCTURES:
         raise InputError(f"structure must be one of {STRUCTURES}, got {structure!r}")
     B, N, D = x.shape
@@ -184,7 +224,7 @@ def exact_logdet(
 
     if structure == "pointwise":
         basis = eye_d.reshape(D, 1, 1, D).expand(D, B, N, D)
-        rows = vjp(gx, x, basis, create_graph, batched=True)  # (D_out, B, N, D_in)
+        rows = product(basis, create_graph, True)  # (D_out, B, N, D_in)
         rows = project(rows, mask)
         blocks = rows.permute(1, 2, 0, 3)  # (B, N, D_out, D_in) = J_ii
         return _block_logdet(blocks, mask)
@@ -197,7 +237,7 @@ def exact_logdet(
         for start in range(0, M, step):
             idx = torch.arange(start, min(start + step, M), device=x.device)
             basis = eye_m[idx].reshape(-1, 1, N, D).expand(-1, B, N, D)
-            rows = project(vjp(gx, x, basis, create_graph, batched=True), mask)
+            rows = project(product(basis, create_graph, True), mask)
             elem = idx // D
             # row (i, d) restricted to element i's columns: J_ii[d, :]
             pieces.append(rows[torch.arange(len(idx), device=x.device), :, elem, :])
@@ -209,7 +249,7 @@ def exact_logdet(
     pieces = []
     for start in range(0, M, step):
         basis = eye_m[start : start + step].reshape(-1, 1, N, D).expand(-1, B, N, D)
-        pieces.append(project(vjp(gx, x, basis, create_graph, batched=True), mask, zero_com))
+        pieces.append(project(product(basis, create_graph, True), mask, zero_com))
     jac = torch.cat(pieces, dim=0).reshape(M, B, M).transpose(0, 1)  # (B, rows, cols)
     return torch.linalg.slogdet(jac + eye_m)[1]
 
@@ -251,59 +291,106 @@ def _block_logdet(blocks: Tensor, mask: Tensor | None) -> Tensor:
     return per_element.sum(dim=1)
 
 
+Draw = Callable[[], tuple[Tensor, Tensor]]
+
+
+@torch.compiler.disable
+def _draw_and_powers(
+    draw: Draw,
+    product: Product,
+    mask: Tensor | None,
+    zero_com: bool,
+    create_graph: bool,
+    pointwise: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The random draws of a series estimate and its K products, eagerly.
+
+    ``draw()`` gives the term weights (K,) or (B, K) and the projected probes (S, B, N, D).
+    Returns the weights, the probes v ((B, N, D) for one probe, else (S, B, N, D)) and
+    (P J^T P)^k v for k = 0..K stacked along a new first dimension, with a graph only if
+    ``create_graph``. With ``pointwise`` (g_i depends on x_i only) and D < K the powers come
+    from the Jacobian's D x D diagonal blocks, built from D products instead of K.
+
+    Run eagerly, also under ``torch.compile``: the draws then come from the same random stream
+    as without it, and the number of terms, which the roulette draws anew on every call, never
+    reaches a compiled loop (which would be recompiled for every count). Each step is one
+    product, a few large kernels; the code around, whose shapes only carry K, compiles once.
+    """
+    coeffs, probes = draw()
+    batched = probes.shape[0] > 1
+    v = probes if batched else probes[0]
+    if not create_graph:
+        v = v.detach()
+    K, D = coeffs.shape[-1], v.shape[-1]
+    if pointwise and not zero_com and D < K:
+        # A block-diagonal Jacobian: its D x D blocks J_ii from D products, then the K powers
+        # per element, w_i <- w_i J_ii, at the cost of D products instead of K.
+        basis = torch.eye(D, dtype=v.dtype, device=v.device).reshape(D, 1, 1, D)
+        rows = project(product(basis.expand(D, *v.shape[-3:]), create_graph, True), mask)
+        blocks = rows.permute(1, 2, 0, 3)  # (B, N, D_out, D_in) = J_ii
+        if not create_graph:
+            blocks = blocks.detach()
+
+        def step(w: Tensor) -> Tensor:
+            return (w.unsqueeze(-2) @ blocks).squeeze(-2)
+    else:
+
+        def step(w: Tensor) -> Tensor:
+            return project(product(w, create_graph, batched), mask, zero_com)
+
+    w, powers = v, [v]
+    for _ in range(K):
+        w = step(w)
+        if not create_graph:
+            w = w.detach()
+        powers.append(w)
+    return coeffs, v, torch.stack(powers)
+
+
 def _series_core(
-    gx: Tensor,
+    product: Product,
     x: Tensor,
-    coeffs: Tensor,
-    probes: Tensor,
+    draw: Draw,
     mask: Tensor | None,
     zero_com: bool,
     grad: str,
     create_graph: bool,
+    pointwise: bool = False,
 ) -> Tensor:
     """sum_k c_k v^T (P J P)^k v averaged over probes, with the chosen gradient.
 
-    ``coeffs`` has shape (K,) or (B, K): the weight of tr(J^k), k = 1..K. ``probes`` has shape
-    (S, B, N, D) and is already projected.
+    ``product`` is ``(w, create_graph, batched) -> w^T P J`` (see :func:`_products`); ``draw``
+    gives the weights ``coeffs`` of tr(J^k), k = 1..K, of shape (K,) or (B, K), and the probes,
+    of shape (S, B, N, D), already projected. The K terms are collected and weighted in one
+    operation each (their dot products, the sum, and the Neumann vector u), not term by term.
     """
-    S = probes.shape[0]
-    batched = S > 1
-    K = coeffs.shape[-1]
+    if grad not in GRADIENTS:
+        raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
+    backprop = grad == "backprop"
+    coeffs, v, stacked = _draw_and_powers(draw, product, mask, zero_com,
+                                          backprop and create_graph, pointwise)
+    batched = v.dim() == 4
+    B, K = x.shape[0], coeffs.shape[-1]
     c = coeffs.to(x.dtype)
     if c.dim() == 1:
-        c = c.unsqueeze(0).expand(x.shape[0], K)
-    v = probes if batched else probes[0]
-
-    def dot(a: Tensor, b: Tensor) -> Tensor:  # per set, averaged over probes
-        d = (a * b).sum(dim=(-2, -1))
-        return d.mean(dim=0) if batched else d
-
-    if grad == "backprop":
-        w, total = v, x.new_zeros(x.shape[0])
-        for k in range(K):
-            w = project(vjp(gx, x, w, create_graph, batched), mask, zero_com)
-            total = total + c[:, k] * dot(w, v)
-        return total
-    if grad != "neumann":
-        raise InputError(f"grad must be 'backprop' or 'neumann', got {grad!r}")
+        c = c.unsqueeze(0).expand(B, K)
+    d = (stacked[1:] * v).sum(dim=(-2, -1))  # (K, [S], B): v^T (J^k v), per probe
+    dots = (d.mean(dim=1) if batched else d).transpose(0, 1)  # (B, K), averaged over probes
+    if backprop:
+        return (c * dots).sum(dim=-1)
     # Neumann series (Chen et al. 2019, eq. 8): d/dθ c_k tr(J^k) = k c_k tr(J^(k-1) dJ/dθ), so the
     # gradient needs u^T dJ v with u = sum_{k=1}^K k c_k (J^T)^(k-1) v, built without a graph.
-    with torch.no_grad():
-        ck = c.detach() * torch.arange(1, K + 1, dtype=x.dtype, device=x.device)
-    w, value = v.detach(), x.new_zeros(x.shape[0])
-
-    def scale(col: Tensor, t: Tensor) -> Tensor:
-        return col.reshape(-1, 1, 1) * t
-
-    u = scale(ck[:, 0], w)
-    for k in range(K):
-        w = project(vjp(gx, x, w, False, batched), mask, zero_com).detach()
-        value = value + c[:, k].detach() * dot(w, v)
-        if k + 1 < K:
-            u = u + scale(ck[:, k + 1], w)
+    c = c.detach()
+    value = (c * dots).sum(dim=-1)
     if not create_graph:
         return value
-    surrogate = dot(project(vjp(gx, x, u, True, batched), mask, zero_com), v)
+    with torch.no_grad():
+        ck = c * torch.arange(1, K + 1, dtype=x.dtype, device=x.device)
+        weights = ck.transpose(0, 1).reshape(K, *([1] * (v.dim() - 3)), B, 1, 1)
+        u = (weights * stacked[:-1]).sum(dim=0)
+    surrogate = (project(product(u, True, batched), mask, zero_com) * v).sum(dim=(-2, -1))
+    if batched:
+        surrogate = surrogate.mean(dim=0)
     return value + surrogate - surrogate.detach()
 
 
@@ -323,6 +410,8 @@ def series_logdet(
     zero_com: bool = False,
     generator: torch.Generator | None = None,
     create_graph: bool = False,
+    vjp_fn: Callable[[Tensor], Tensor] | None = None,
+    structure: str = "full",
 ) -> Tensor:
     r"""Truncated power series with Hutchinson probes (Behrmann et al. 2019, eq. 6):
 
@@ -342,6 +431,10 @@ def series_logdet(
         zero_com: restrict to the zero-centre-of-mass subspace.
         generator: source of the probes.
         create_graph: return a differentiable estimate.
+        vjp_fn: the branch's own product w -> w^T P J, used instead of autograd VJPs.
+        structure: ``"pointwise"`` if g_i depends on x_i only: with D < ``n_terms`` the powers
+            are then taken of the D x D diagonal blocks of J, built from D products (the same
+            estimate, at the cost of D products instead of ``n_terms``); otherwise ``"full"``.
 
     Returns:
         Tensor (B,).
@@ -351,15 +444,19 @@ def series_logdet(
         >>> series_logdet(0.3 * torch.sin(x), x, n_terms=5).shape
         torch.Size([2])
     """
-    _check_pair(gx, x)
+    _check_pair(gx, x, vjp_fn)
     if n_terms < 1:
         raise InputError(f"n_terms must be >= 1, got {n_terms}")
     if n_samples < 1:
         raise InputError(f"n_samples must be >= 1, got {n_samples}")
-    probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator, x.device,
-                           x.dtype)
-    coeffs = _series_coefficients(n_terms, x.dtype, x.device)
-    return _series_core(gx, x, coeffs, probes, mask, zero_com, grad, create_graph)
+    def draw() -> tuple[Tensor, Tensor]:
+        probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator,
+                               x.device, x.dtype)
+        return _series_coefficients(n_terms, x.dtype, x.device), probes
+
+    product = _products(gx, x, vjp_fn)
+    return _series_core(product, x, draw, mask, zero_com, grad, create_graph,
+                        _pointwise(structure))
 
 
 def roulette_tail_probability(distribution: str, param: float, m: int) -> float:
@@ -416,6 +513,8 @@ def roulette_logdet(
     generator: torch.Generator | None = None,
     create_graph: bool = False,
     max_terms: int = 1000,
+    vjp_fn: Callable[[Tensor], Tensor] | None = None,
+    structure: str = "full",
 ) -> Tensor:
     r"""Unbiased Russian-roulette estimate of log det(I + J) (Chen et al. 2019, Thm. 1):
 
@@ -445,6 +544,12 @@ def roulette_logdet(
         generator: source of the lengths and the probes.
         create_graph: return a differentiable estimate.
         max_terms: cap on the total number of terms (a truncation, hit with tiny probability).
+        vjp_fn: the branch's own product w -> w^T P J, used instead of autograd VJPs.
+        structure: ``"pointwise"`` or ``"full"``, as in :func:`series_logdet` (the blocks are
+            used when D is below the drawn number of terms).
+
+    The lengths are drawn on the generator's device and read on the host (the number of terms
+    to run): with the default CPU generator that read costs no device synchronisation.
 
     Returns:
         Tensor (B,).
@@ -455,32 +560,54 @@ def roulette_logdet(
         >>> roulette_logdet(0.3 * torch.sin(x), x, generator=gen).shape
         torch.Size([2])
     """
-    _check_pair(gx, x)
+    _check_pair(gx, x, vjp_fn)
     if n_exact_terms < 0:
         raise InputError(f"n_exact_terms must be >= 0, got {n_exact_terms}")
     if lengths not in ("batch", "sample"):
         raise InputError(f"lengths must be 'batch' or 'sample', got {lengths!r}")
-    B = x.shape[0]
+    def draw() -> tuple[Tensor, Tensor]:  # the lengths first, then the probes
+        coeffs = _roulette_coefficients(distribution, param, n_exact_terms, lengths, x.shape[0],
+                                        generator, max_terms)
+        probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator,
+                               x.device, x.dtype)
+        return coeffs.to(device=x.device, dtype=x.dtype), probes
+
+    product = _products(gx, x, vjp_fn)
+    return _series_core(product, x, draw, mask, zero_com, grad, create_graph,
+                        _pointwise(structure))
+
+
+def _roulette_coefficients(
+    distribution: str,
+    param: float,
+    n_exact_terms: int,
+    lengths: str,
+    batch: int,
+    generator: torch.Generator | None,
+    max_terms: int,
+) -> Tensor:
+    """Draw the roulette lengths; the series weights, (K,) for ``"batch"``, (B, K) per set."""
     extra = sample_roulette_lengths(
-        distribution, param, (B,) if lengths == "sample" else (1,), generator
+        distribution, param, (batch,) if lengths == "sample" else (1,), generator
     )
     extra = extra.clamp(max=max(1, max_terms - n_exact_terms))
     K = n_exact_terms + int(extra.max())
-    base = _series_coefficients(K, torch.float64)
-    weights = torch.tensor(
-        [
-            1.0 / roulette_tail_probability(distribution, param, k - n_exact_terms)
-            for k in range(1, K + 1)
-        ],
-        dtype=torch.float64,
-    )
-    k = torch.arange(1, K + 1)
+    row = torch.tensor(_roulette_row(distribution, param, n_exact_terms, K), dtype=torch.float64)
+    if lengths == "batch":  # every term up to K is active
+        return row
+    k = torch.arange(1, K + 1)  # set b keeps the terms k <= n_exact + L_b
     active = (k.unsqueeze(0) <= (n_exact_terms + extra).unsqueeze(1)).to(torch.float64)
-    coeffs = (active * base * weights).expand(B, K)  # (1, K) rows broadcast for "batch"
-    coeffs = coeffs.to(device=x.device, dtype=x.dtype)
-    probes = sample_probes((n_samples, *x.shape), probe, mask, zero_com, generator, x.device,
-                           x.dtype)
-    return _series_core(gx, x, coeffs, probes, mask, zero_com, grad, create_graph)
+    return active * row
+
+
+@functools.lru_cache(maxsize=1024)
+def _roulette_row(distribution: str, param: float, n_exact_terms: int, K: int) -> tuple:
+    """The weights (-1)^(k+1) / (k P(n >= k)), k = 1..K, of the roulette estimator."""
+    return tuple(
+        ((-1.0) ** (k + 1) / k)
+        * (1.0 / roulette_tail_probability(distribution, param, k - n_exact_terms))
+        for k in range(1, K + 1)
+    )
 
 
 class _MemoryEfficientLogDet(torch.autograd.Function):

@@ -15,6 +15,9 @@ and the eigenvalues of h's Jacobian lie in [(1 - a - l) / a, (1 - a + u) / a] =
 [-q, q] with q = (u + l) / (u - l + 2) < 1. So h is a contractive branch for an ordinary
 :class:`~flowattn.flows.InvertibleResidual` (fixed-point or Anderson inverse, every log-det
 estimator), and log|det| gains (n - 1) D log a for a set of n elements in R^D.
+
+Monotone blocks run in their inputs' precision also under ``torch.autocast``: their scale a and
+Newton solves are certified for the exact branch, not a rounded one.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from nflows.transforms import Transform
 from torch import Tensor, nn
 
 from ..errors import InputError, InverseNotConverged
-from ..validation import check_sets, present_weights
-from .geometry import mask_from_context, project, subtract_mean
+from ..validation import check_sets, present_weights, trusted_inputs
+from .geometry import full_precision, mask_from_context, project, subtract_mean
 from .logdet import LogDetOptions, jacobian_logdet, residual_matrix
 from .residual import InvertibleResidual
 
@@ -118,7 +121,8 @@ class MonotoneResidual(Transform):
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """y = x + g(x) and log|det dy/dx| per set, shape (B,)."""
         mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
-        z, logdet = self.residual(inputs, context=context)
+        with trusted_inputs(), full_precision(inputs):  # see the module docstring
+            z, logdet = self.residual(inputs, context=mask)
         a, scale_logdet = self._scale_logdet(inputs, mask)
         centroid = z - subtract_mean(z, mask)
         y = centroid + a * (z - centroid)
@@ -129,7 +133,8 @@ class MonotoneResidual(Transform):
         mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
         a, scale_logdet = self._scale_logdet(inputs, mask)
         centroid = inputs - subtract_mean(inputs, mask)
-        x, logdet = self.residual.inverse(centroid + (inputs - centroid) / a, context=context)
+        with trusted_inputs():
+            x, logdet = self.residual.inverse(centroid + (inputs - centroid) / a, context=mask)
         return x, logdet - scale_logdet
 
 
@@ -214,6 +219,10 @@ class InverseMonotoneResidual(Transform):
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """z with z + g(z) = inputs, and log|det dz/dx| = -log det(I + J_g(z))."""
         mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
+        with trusted_inputs(), full_precision(inputs):  # a Newton solve
+            return self._forward(inputs, mask)
+
+    def _forward(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         z_star = self._solve(inputs, mask).detach()
         if not torch.is_grad_enabled():
             jac = self.branch.jacobian(z_star, mask)

@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from ..attention import twice_differentiable
 from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
-from ..validation import check_sets
-from .geometry import mask_from_context, project
+from ..validation import check_precision, check_sets, inputs_trusted, trusted_inputs
+from .geometry import full_precision, mask_from_context, project
 from .inverse import InverseOptions, residual_inverse
 from .logdet import (
     LogDetOptions,
@@ -70,7 +70,10 @@ class InvertibleResidual(Transform):
     evaluation mode and before every inverse (on the actual N). It may declare
     ``jacobian_structure = "pointwise"`` (block-diagonal Jacobian: exact log-det from D VJPs),
     or a closed-form ``jacobian(x, mask)`` of shape (B, N, D, N, D), which the exact path then
-    uses instead of N D VJPs.
+    uses instead of N D VJPs, or ``linearise(x, mask=None, causal=False)`` returning g(x) and
+    its product w -> w^T J (as :meth:`~flowattn.branches.LipschitzMLP.linearise`), which every
+    log-det estimator then uses instead of autograd VJPs: no double backward, and
+    ``torch.compile`` traces it.
     Training differentiates VJPs of the branch (double backward): the branch must be twice
     differentiable. The block evaluates it inside
     :func:`flowattn.attention.twice_differentiable`, so attention branches keep their fused
@@ -167,6 +170,21 @@ class InvertibleResidual(Transform):
             )
         return project(out, mask, self.zero_com)
 
+    def _linearised(self, x: Tensor, mask: Tensor | None):
+        """(P g(x), w -> w^T P J) from the branch's ``linearise``."""
+        out, branch_vjp = self.branch.linearise(x, mask=mask, causal=self.causal)
+        if out.shape != x.shape:
+            raise InputError(
+                f"branch {type(self.branch).__name__} returned shape {tuple(out.shape)} "
+                f"for input shape {tuple(x.shape)}"
+            )
+        mask_, zero_com = mask, self.zero_com
+
+        def vjp_fn(w: Tensor) -> Tensor:  # d(P g)/dx = P J_g, so w^T P J_g = (P w)^T J_g
+            return branch_vjp(project(w, mask_, zero_com))
+
+        return project(out, mask, zero_com), vjp_fn
+
     def _check_contractive(self, n: int) -> float:
         bound = branch_bound(self.branch, n, self.zero_com)
         if bound >= 1:
@@ -176,11 +194,13 @@ class InvertibleResidual(Transform):
             )
         return bound
 
-    def _exact_logdet(self, gx: Tensor, x: Tensor, mask: Tensor | None, create_graph: bool):
+    def _exact_logdet(self, gx: Tensor, x: Tensor, mask: Tensor | None, create_graph: bool,
+                      vjp_fn=None):
         jacobian_fn = getattr(self.branch, "jacobian", None)
         if callable(jacobian_fn) and not self.causal:  # the branch's closed form: one pass
-            return jacobian_logdet(jacobian_fn(x, mask), mask, self.zero_com)
-        return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph)
+            return jacobian_logdet(jacobian_fn(x, mask).to(x.dtype), mask, self.zero_com)
+        return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph,
+                            vjp_fn=vjp_fn)
 
     def _exact_feasible(self, n: int, d: int) -> bool:
         max_dim = self.logdet_options.exact_max_dim
@@ -189,20 +209,22 @@ class InvertibleResidual(Transform):
         return self.structure != "full" or n * d <= max_dim
 
     def _logdet_fn(self, x_shape, mask: Tensor | None):
-        """(gx, x, create_graph) -> log-det (B,) for the current mode."""
+        """(gx, x, create_graph, vjp_fn=None) -> log-det (B,) for the current mode."""
         _, n, d = x_shape
         zc = self.zero_com
         opt = self.logdet_options
+        structure = "pointwise" if self.structure == "pointwise" else "full"
         if not self.training:
             if self._exact_feasible(n, d):
-                return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
+                return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
             bound = self._check_contractive(n)
             terms = opt.eval_n_terms or _terms_for_bound(bound)
 
-            def eval_series(gx, x, cg):
+            def eval_series(gx, x, cg, vjp_fn=None):
                 gen = torch.Generator(device=x.device).manual_seed(opt.eval_seed)
                 return series_logdet(
-                    gx, x, terms, mask, opt.eval_n_samples, opt.probe, "backprop", zc, gen, cg
+                    gx, x, terms, mask, opt.eval_n_samples, opt.probe, "backprop", zc, gen, cg,
+                    vjp_fn=vjp_fn, structure=structure,
                 )
 
             return eval_series
@@ -210,15 +232,16 @@ class InvertibleResidual(Transform):
         if method == "auto":
             method = "exact" if self._exact_feasible(n, d) else "roulette"
         if method == "exact":
-            return lambda gx, x, cg: self._exact_logdet(gx, x, mask, cg)
+            return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
         if method == "series":
-            return lambda gx, x, cg: series_logdet(
+            return lambda gx, x, cg, vjp_fn=None: series_logdet(
                 gx, x, opt.n_terms, mask, opt.n_samples, opt.probe, opt.grad, zc,
-                opt.generator, cg,
+                opt.generator, cg, vjp_fn=vjp_fn, structure=structure,
             )
-        return lambda gx, x, cg: roulette_logdet(
+        return lambda gx, x, cg, vjp_fn=None: roulette_logdet(
             gx, x, opt.n_exact_terms, mask, opt.n_samples, opt.probe, opt.grad,
             opt.roulette, opt.roulette_param, opt.roulette_lengths, zc, opt.generator, cg,
+            vjp_fn=vjp_fn, structure=structure,
         )
 
     @staticmethod
@@ -232,16 +255,39 @@ class InvertibleResidual(Transform):
         """y = x + g(x) and log|det dy/dx| per set, shape (B,)."""
         x_in, flat = self._as_sets(inputs)
         mask = check_sets(x_in, mask_from_context(context, x_in), name="inputs")
+        if not inputs_trusted():
+            check_precision(x_in, self.branch, name="inputs")
+        with trusted_inputs():  # the branch trusts its caller
+            y, logdet = self._checked_forward(x_in, mask)
+        return (y.squeeze(1) if flat else y), logdet
+
+    def _checked_forward(self, x_in: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         if not self.training:
             self._check_contractive(x_in.shape[1])
         logdet_fn = self._logdet_fn(x_in.shape, mask)
-        params = [p for p in self.branch.parameters() if p.requires_grad]
-        need_graph = torch.is_grad_enabled() and (x_in.requires_grad or len(params) > 0)
-        y, logdet = self._forward(x_in, mask, logdet_fn, params, need_graph)
-        return (y.squeeze(1) if flat else y), logdet
+        need_graph = torch.is_grad_enabled() and (
+            x_in.requires_grad or any(p.requires_grad for p in self.branch.parameters())
+        )
+        return self._forward(x_in, mask, logdet_fn, need_graph)
 
-    def _forward(self, x_in, mask, logdet_fn, params, need_graph):
+    def _forward(self, x_in, mask, logdet_fn, need_graph):
+        if callable(getattr(self.branch, "linearise", None)) and not (
+            need_graph and self.logdet_options.memory_efficient
+        ):
+            # The branch's own products: no graph unless the result needs one, and no
+            # backward (let alone a double backward) inside the log-det; torch.compile traces it.
+            with torch.set_grad_enabled(need_graph):
+                gx, vjp_fn = self._linearised(x_in, mask)
+                logdet = logdet_fn(gx, x_in, need_graph, vjp_fn)
+            return x_in + gx, logdet
+        return self._autograd_forward(x_in, mask, logdet_fn, need_graph)
+
+    @torch.compiler.disable
+    def _autograd_forward(self, x_in, mask, logdet_fn, need_graph):
+        """The log-det from autograd VJPs of the branch, eagerly also under ``torch.compile``:
+        its gradient is a double backward, which compiled (AOT) graphs do not provide."""
         if need_graph and self.logdet_options.memory_efficient:
+            params = [p for p in self.branch.parameters() if p.requires_grad]
             return memory_efficient_logdet(lambda x: self._g(x, mask), x_in, logdet_fn, params)
         with torch.enable_grad():
             x = x_in if (need_graph and x_in.requires_grad) else x_in.detach()
@@ -258,14 +304,20 @@ class InvertibleResidual(Transform):
 
         ``x0`` is an optional warm start. Raises ``InverseNotConverged`` (a ``RuntimeError``)
         when the solver misses the tolerance within the iteration budget of ``inverse``.
-        Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted.
+        Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted, and
+        ``torch.autocast`` is off: the solve runs in the inputs' precision.
         """
-        with frozen_power_iteration():
-            return self._inverse(inputs, context, x0)
-
-    def _inverse(self, inputs: Tensor, context, x0: Tensor | None):
         y_in, flat = self._as_sets(inputs)
         mask = check_sets(y_in, mask_from_context(context, y_in), name="inputs")
+        if not inputs_trusted():
+            check_precision(y_in, self.branch, name="inputs")
+        # Under torch.autocast too the inverse solves in the inputs' precision: a branch
+        # evaluated in bfloat16 is not smooth at the solver's tolerance.
+        with frozen_power_iteration(), trusted_inputs(), full_precision(y_in):
+            x, logdet = self._inverse(y_in, mask, flat, x0)
+        return (x.squeeze(1) if flat else x), logdet
+
+    def _inverse(self, y_in: Tensor, mask: Tensor | None, flat: bool, x0: Tensor | None):
         self._check_contractive(y_in.shape[1])
         if x0 is not None and flat:
             x0 = x0.unsqueeze(1)
@@ -283,15 +335,22 @@ class InvertibleResidual(Transform):
         )
         logdet_fn = self._logdet_fn(y_in.shape, mask)
         need_graph = torch.is_grad_enabled() and x.requires_grad
+        if callable(getattr(self.branch, "linearise", None)):
+            with torch.set_grad_enabled(need_graph):
+                gx, vjp_fn = self._linearised(x, mask)
+                logdet = logdet_fn(gx, x, need_graph, vjp_fn)
+            return x, -logdet
+        return x, -self._autograd_inverse_logdet(x, mask, logdet_fn, need_graph)
+
+    @torch.compiler.disable  # a double backward, as in _autograd_forward
+    def _autograd_inverse_logdet(self, x, mask, logdet_fn, need_graph):
         with torch.enable_grad():
             # A fresh alias: the VJPs of the log-det must not pass through the implicit-gradient
             # hook that residual_inverse put on x (it only belongs to the outer backward).
             xr = x.view_as(x) if need_graph else x.detach().requires_grad_(True)
             gx = self._g(xr, mask)
             logdet = logdet_fn(gx, xr, need_graph)
-        if not need_graph:
-            x, logdet = x.detach(), logdet.detach()
-        return (x.squeeze(1) if flat else x), -logdet
+        return logdet if need_graph else logdet.detach()
 
     def extra_repr(self) -> str:
         opt = self.logdet_options

@@ -108,3 +108,46 @@ def test_lipschitz_mlp_rejects_bad_arguments():
         LipschitzMLP(2, 8)(torch.randn(1, 3, 4))
     with pytest.raises(ValueError, match="mode"):
         SpectralLinear(2, 2, mode="fast")
+
+
+def test_lipswish_slope_is_the_derivative_of_the_activation():
+    act = LipSwish().double()
+    with torch.no_grad():
+        act.rho.fill_(0.3)
+    x = torch.linspace(-8, 8, 101, dtype=torch.float64, requires_grad=True)
+    out, slope = act.forward_and_slope(x)
+    (grad,) = torch.autograd.grad(act(x).sum(), x)
+    assert torch.equal(out, act(x))
+    assert torch.allclose(slope, grad, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_mlp_linearise_gives_forward_and_the_autograd_vjp_in_float64(masked):
+    torch.manual_seed(0)
+    mlp = LipschitzMLP(3, [16, 8], coeff=0.9).double()
+    x = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
+    mask = torch.rand(4, 5) < 0.7 if masked else None
+    if masked:
+        mask[:, 0] = True
+    mlp.eval()  # one fixed normalisation for both calls
+    out, vjp = mlp.linearise(x, mask)
+    assert torch.equal(out, mlp(x, mask))
+    w = torch.randn(2, 4, 5, 3, dtype=torch.float64)  # a leading batch of vectors
+    auto = torch.stack([torch.autograd.grad(out, x, wi, retain_graph=True)[0] for wi in w])
+    assert torch.allclose(vjp(w), auto, rtol=1e-12, atol=1e-14)
+
+
+def test_mlp_linearise_product_is_differentiable_like_a_double_backward():
+    torch.manual_seed(1)
+    mlp = LipschitzMLP(2, 8, coeff=0.9).double().eval()
+    x = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
+    u, v = torch.randn(2, 3, 4, 2, dtype=torch.float64)
+    out, vjp = mlp.linearise(x)
+    wrt = [x, *mlp.parameters()]
+    mine = torch.autograd.grad((vjp(u) * v).sum(), wrt, allow_unused=True)
+    (first,) = torch.autograd.grad(mlp(x), x, u, create_graph=True)
+    double = torch.autograd.grad((first * v).sum(), wrt, allow_unused=True)
+    for a, b, t in zip(mine, double, wrt, strict=True):
+        a = torch.zeros_like(t) if a is None else a  # the last bias does not enter J
+        b = torch.zeros_like(t) if b is None else b
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-13)

@@ -319,3 +319,105 @@ def test_neumann_value_is_the_honest_estimate_of_the_same_draw():
         gen = torch.Generator().manual_seed(3)
         values.append(roulette_logdet(gx, xr, 2, grad=grad, generator=gen, create_graph=True))
     assert torch.allclose(values[0], values[1], atol=1e-13)
+
+
+class _ReadsInBackward(torch.autograd.Function):
+    """y = tanh(x) whose backward reads a value (``.item()``): no batching rule, so batched VJPs
+    cannot run; ``raise_in_backward`` replaces the backward by an error of that type."""
+
+    raise_in_backward: type[BaseException] | None = None
+    backward_calls = 0
+
+    @staticmethod
+    def forward(ctx, x):
+        y = torch.tanh(x)
+        ctx.save_for_backward(y)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        _ReadsInBackward.backward_calls += 1
+        if _ReadsInBackward.raise_in_backward is not None:
+            raise _ReadsInBackward.raise_in_backward("out of memory (simulated)")
+        (y,) = ctx.saved_tensors
+        assert grad.abs().sum().item() >= 0  # a host read: no batching rule
+        return grad * (1 - y * y)
+
+
+def _unbatchable(x):
+    return 0.5 * _ReadsInBackward.apply(x.reshape(x.shape[0], -1).flip(-1)).reshape(x.shape)
+
+
+@pytest.fixture
+def fresh_fallback_warning(monkeypatch):
+    import flowattn.flows.geometry as geometry
+
+    monkeypatch.setattr(geometry, "_warned_fallback", False)
+    monkeypatch.setattr(_ReadsInBackward, "raise_in_backward", None)
+    monkeypatch.setattr(_ReadsInBackward, "backward_calls", 0)
+
+
+def test_unbatchable_backward_falls_back_with_one_warning_and_the_exact_logdet(
+    fresh_fallback_warning,
+):
+    from flowattn.flows.geometry import BatchedVJPFallbackWarning
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 2, dtype=DT, requires_grad=True)
+    gx = _unbatchable(x)
+    with pytest.warns(BatchedVJPFallbackWarning, match="Batching rule not implemented") as rec:
+        first = exact_logdet(gx, x)
+        second = exact_logdet(gx, x)  # warned once per process, not per call
+    assert len([w for w in rec if w.category is BatchedVJPFallbackWarning]) == 1
+    jac = brute_jacobian(_unbatchable, x.detach())
+    expected = torch.linalg.slogdet(jac + torch.eye(8, dtype=DT))[1]
+    assert torch.allclose(first, expected, atol=1e-12)
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError])
+def test_batched_vjp_errors_other_than_a_missing_batching_rule_propagate(
+    fresh_fallback_warning, monkeypatch, error
+):
+    import warnings
+
+    monkeypatch.setattr(_ReadsInBackward, "raise_in_backward", error)
+    x = torch.randn(2, 3, 2, dtype=DT, requires_grad=True)
+    gx = _unbatchable(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(error, match="out of memory"):
+            exact_logdet(gx, x)
+    assert _ReadsInBackward.backward_calls == 1  # raised by the batched call, not retried
+
+
+@pytest.mark.parametrize("estimator", ["series", "roulette"])
+@pytest.mark.parametrize("grad", ["neumann", "backprop"])
+@pytest.mark.parametrize("n_samples", [1, 3])
+def test_pointwise_blocks_give_the_same_estimate_and_gradients_as_full_products(
+    estimator, grad, n_samples
+):
+    """With a block-diagonal Jacobian the powers may come from its D x D blocks (D products)
+    instead of K products: the same random draws, the same estimate and gradients."""
+    torch.manual_seed(3)
+    mlp = LipschitzMLP(2, 16, coeff=0.9).double().eval()  # one fixed map for both calls
+    x = torch.randn(5, 4, 2, dtype=DT, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1, 0]] * 5, dtype=torch.bool)
+    results = []
+    for structure in ("full", "pointwise"):
+        gx = project(mlp(x, mask), mask)
+        gen = torch.Generator().manual_seed(9)
+        if estimator == "series":
+            ld = series_logdet(gx, x, 6, mask, n_samples, grad=grad, generator=gen,
+                               create_graph=True, structure=structure)
+        else:
+            ld = roulette_logdet(gx, x, 3, mask, n_samples, grad=grad, generator=gen,
+                                 create_graph=True, structure=structure)
+        grads = torch.autograd.grad(ld.sum(), [x, *mlp.parameters()], allow_unused=True)
+        results.append((ld, grads))
+    (ld1, g1), (ld2, g2) = results
+    assert torch.allclose(ld1, ld2, rtol=1e-12, atol=1e-14)
+    for a, b in zip(g1, g2, strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-13)

@@ -1,0 +1,127 @@
+"""Inputs are checked once, where they enter a flow; a layer called directly still checks."""
+
+import collections
+import traceback
+
+import pytest
+import torch
+
+import flowattn.validation as validation
+from flowattn.attention import ContractiveL2MHA
+from flowattn.branches import LipschitzMLP
+from flowattn.errors import InputError, NonFiniteError
+from flowattn.flows import ActNorm, InvertibleResidual, LogDetOptions, set_flow
+from flowattn.validation import check_sets, trusted_inputs
+
+SERIES = LogDetOptions("series", n_terms=3)
+
+
+@pytest.fixture
+def counted_checks(monkeypatch):
+    """Count the checks that really run (check_finite is their host-synchronising part)."""
+    calls = []
+    original = validation.check_finite
+
+    def counting(x, name="x"):
+        calls.append(name)
+        return original(x, name)
+
+    monkeypatch.setattr(validation, "check_finite", counting)
+    return calls
+
+
+@pytest.mark.parametrize("interaction", ["attention", "linear"])
+def test_a_flow_checks_its_inputs_once_not_in_every_layer(counted_checks, interaction):
+    flow = set_flow(dim=2, blocks=3, heads=1, interaction=interaction, logdet=SERIES)
+    x = torch.randn(4, 5, 2)
+    flow.log_prob(x).mean().backward()
+    assert len(counted_checks) == 1
+    counted_checks.clear()
+    with torch.no_grad():
+        flow.eval().transform_to_noise(x)
+    assert len(counted_checks) == 1
+
+
+def test_a_flow_refuses_bad_inputs_at_its_entry_points():
+    flow = set_flow(dim=2, blocks=2, heads=1)
+    with pytest.raises(NonFiniteError, match="non-finite"):
+        flow.log_prob(torch.tensor([[[float("nan"), 0.0]]]))
+    with pytest.raises(NonFiniteError, match="non-finite"):
+        flow.transform_to_noise(torch.tensor([[[float("inf"), 0.0]]]))
+    with pytest.raises(InputError, match="empty"):
+        flow.sample(2, mask=torch.tensor([[True, False], [False, False]]))
+    with pytest.raises(InputError, match="width"):
+        flow.log_prob(torch.randn(2, 3, 3))
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        InvertibleResidual(LipschitzMLP(2, 8), logdet=SERIES),
+        ActNorm(2),
+        ContractiveL2MHA(2, 1),
+    ],
+    ids=["residual block", "actnorm", "attention"],
+)
+def test_a_layer_called_directly_refuses_bad_inputs(layer):
+    with pytest.raises(NonFiniteError, match="non-finite"):
+        layer(torch.tensor([[[float("nan"), 0.0]]]))
+    with pytest.raises(InputError, match="empty"):
+        layer(torch.randn(2, 3, 2), torch.zeros(2, 3, dtype=torch.bool))
+
+
+def test_the_inverse_of_a_block_called_directly_refuses_bad_inputs():
+    block = InvertibleResidual(LipschitzMLP(2, 8), logdet=SERIES).eval()
+    with pytest.raises(NonFiniteError, match="non-finite"):
+        block.inverse(torch.tensor([[[float("nan"), 0.0]]]))
+
+
+def test_checks_are_skipped_only_inside_trusted_inputs():
+    bad = torch.full((1, 2, 3), float("nan"))
+    with trusted_inputs():
+        assert check_sets(bad) is None
+        assert validation.inputs_trusted()
+    assert not validation.inputs_trusted()
+    with pytest.raises(NonFiniteError):
+        check_sets(bad)
+
+
+def test_trust_ends_when_the_entry_point_raises():
+    flow = set_flow(dim=2, blocks=1, heads=1)
+    with pytest.raises(InputError):
+        flow.log_prob(torch.randn(2, 3, 5))
+    assert not validation.inputs_trusted()
+
+
+def _host_reads(fn):
+    """The calls that read a tensor's value back to Python while ``fn`` runs, by call site."""
+    names = ("item", "__bool__", "__float__", "__int__", "tolist")
+    originals = {name: getattr(torch.Tensor, name) for name in names}
+    reads = collections.Counter()
+
+    def wrap(name):
+        def read(self, *args, **kwargs):
+            frame = traceback.extract_stack(limit=2)[0]
+            reads[f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
+            return originals[name](self, *args, **kwargs)
+
+        return read
+
+    try:
+        for name in names:
+            setattr(torch.Tensor, name, wrap(name))
+        fn()
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+    return reads
+
+
+def test_a_training_step_reads_no_tensor_back_but_the_entry_check():
+    torch.manual_seed(0)
+    flow = set_flow(dim=2, blocks=3, heads=1, interaction="linear", logdet=SERIES)
+    x = torch.randn(8, 5, 2)
+    flow.log_prob(x)  # ActNorm's data-dependent initialisation reads its flag once
+
+    reads = _host_reads(lambda: flow.log_prob(x).mean().backward())
+    assert sum(reads.values()) == 1 and all("validation.py" in k for k in reads), reads
