@@ -157,7 +157,10 @@ class NoAttention(nn.Module):
         self.dim, self.heads = dim, heads
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-        return torch.zeros_like(x)
+        # zero times the input rather than new zeros: the block's norm and residual weight
+        # stay in the graph (with zero gradient), as DistributedDataParallel expects of every
+        # parameter
+        return x * 0.0
 
     def attention_probabilities(self, x: Tensor, mask: Tensor | None = None,
                                 causal: bool = False) -> Tensor:
@@ -331,8 +334,9 @@ def orthogonality_penalty(blocks, lam_attention: float, lam_ff: float) -> Tensor
     total = None
     for block in blocks:
         terms = []
-        if lam_attention > 0:
-            terms.append(lam_attention * _gram_penalty(torch.cat(_attention_maps(block.attn))))
+        maps = _attention_maps(block.attn) if lam_attention > 0 else []
+        if maps:  # an attention-free block has no attention weights to penalise
+            terms.append(lam_attention * _gram_penalty(torch.cat(maps)))
         if lam_ff > 0:
             terms.extend(lam_ff * _gram_penalty(w) for w in _ff_maps(block.ff))
         for t in terms:
