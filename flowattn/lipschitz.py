@@ -224,7 +224,9 @@ def l2_attention_bound(
 
       with Gamma_hk = ||M_h M_k^T||_2, Gamma^G_hk = ||G_h G_k^T||_2, lambda in {1, beta} and
       kappa_2(N) = min(sqrt(N) (1 + 4c), sqrt((1 + 4c) C_N)), C_N the block-column bound of
-      :func:`l2_core_column_constant`. The derivation is in ``docs/attention.md``.
+      :func:`l2_core_column_constant`. The inf- and 2-norm values returned are the minimum of
+      these and Theorem 3.2 (both are certificates), so never looser than the paper's. The
+      derivation is in ``docs/attention.md``.
 
     ``norm="2,inf"`` is the mixed norm max_i ||x_i||_2 over the elements of a set (tight method
     only). With masking (App. G) the bound holds with N the number of keys a row sees, so ``n``
@@ -258,8 +260,17 @@ def l2_attention_bound(
     if (n < 1).any():
         raise InputError(f"sequence length must be >= 1, got {n}")
     w0 = phi_inverse((n - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
-    if method == "tight":
-        return _tight_l2_attention_bound(n, w0, w_q, w_v, w_o, norm)
+    if method == "thm3.2":
+        return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
+    tight = _tight_l2_attention_bound(n, w0, w_q, w_v, w_o, norm)
+    if norm == "2,inf":
+        return tight
+    # both are certificates, so their minimum is one: never looser than the paper's
+    return torch.minimum(tight, _theorem_3_2(n, w0, w_q, w_v, w_o, norm))
+
+
+def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str):
+    head_dim = w_q.shape[-1]
     if norm == "inf":
         q_term = (matrix_inf_norm(w_q) * matrix_inf_norm(w_q.transpose(1, 2))).amax()
         v_term = matrix_inf_norm(w_v.transpose(1, 2)).amax()
