@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
+from flowattn.attention import (
+    L2MHA,
+    ContractiveL2MHA,
+    ContractiveScaledCosineMHA,
+    DotProductMHA,
+    ScaledCosineMHA,
+)
 from flowattn.attention.dot_product import merge_heads, split_heads
 from flowattn.attention.projections import PROJECTION_LAYOUTS, PROJECTION_ROLES
 from flowattn.lipschitz import jacobian_norm, lipschitz_lower_bound
@@ -276,16 +282,76 @@ def test_contractive_denominator_receives_gradients():
     assert math.isclose(g[0, 1].item(), ((up - down) / 2e-6).item(), rel_tol=1e-5, abs_tol=1e-8)
 
 
-@pytest.mark.parametrize("p", ["inf", 2])
-def test_scaled_cosine_jacobian_never_exceeds_theorem_1(p):
-    module = make(ScaledCosineMHA, seed=11, eps=1e-2)
+@pytest.mark.parametrize("method,p", [("tight", "inf"), ("tight", 2), ("tight", "2,inf"),
+                                      ("lipsformer", "inf"), ("lipsformer", 2)])
+@pytest.mark.parametrize("eps", [1e-2, 1.0])
+def test_scaled_cosine_jacobian_never_exceeds_its_certificate(method, p, eps):
+    module = make(ScaledCosineMHA, seed=11, eps=eps)
     f = one_set_map(module)
-    bound = module.lipschitz_bound(4, p).item()
+    bound = module.lipschitz_bound(4, p, method=method).item()
     for seed in range(3):
-        for scale in (0.01, 1.0, 100.0):
-            assert jacobian_norm(f, scale * randn(4, DIM, seed=seed), p).item() <= bound
-    best, _ = lipschitz_lower_bound(f, (4, DIM), p, restarts=2, steps=40)
-    assert best <= bound
+        for scale in (0.01, 0.3, 1.0, 100.0):
+            x = scale * eps**0.5 * randn(4, DIM, seed=seed)
+            assert jacobian_norm(f, x, p).item() <= bound
+    best, _ = lipschitz_lower_bound(lambda x: f(eps**0.5 * x), (4, DIM), p, restarts=3,
+                                    steps=40)
+    assert 0 < best / eps**0.5 <= bound
+
+
+@pytest.mark.parametrize("dim,heads,tau,p,n,factor", [(3, 1, 0.5, "inf", 2, 1.9),
+                                                     (3, 1, 0.5, "2,inf", 2, 1.4),
+                                                     (3, 1, 0.5, 2, 2, 1.9),
+                                                     (4, 2, 0.25, "2,inf", 2, 1.8),
+                                                     (3, 1, 0.5, 2, 1, 1.2)])
+def test_scaled_cosine_certificate_is_within_the_stated_factor(dim, heads, tau, p, n, factor):
+    torch.manual_seed(0)
+    module = ScaledCosineMHA(dim, heads, tau=tau, eps=1.0).double()
+    bound = module.lipschitz_bound(n, p).item()
+    best, _ = lipschitz_lower_bound(one_set_map(module), (n, dim), p, restarts=4, steps=60)
+    assert best <= bound <= factor * best, (best, bound, bound / best)
+
+
+def test_scaled_cosine_certificate_does_not_grow_with_n_in_the_inf_and_mixed_norms():
+    module = make(ScaledCosineMHA, seed=30)
+    counts = torch.tensor([2, 8, 64, 4096])
+    for p in ("inf", "2,inf"):
+        bounds = module.lipschitz_bound(counts, p)
+        assert torch.equal(bounds, bounds[:1].expand(4))
+        assert module.lipschitz_bound(1, p) < bounds[0]  # one key: no attention term
+    two = module.lipschitz_bound(counts, 2)
+    torch.testing.assert_close(two, module.lipschitz_bound(2, "2,inf") * counts.double().sqrt())
+    for n in (2, 8, 64):  # and it is below LipsFormer's Theorem 1, far below from N = 8
+        for p in ("inf", 2):
+            ratio = module.lipschitz_bound(n, p, "lipsformer") / module.lipschitz_bound(n, p)
+            assert ratio > (5 if n >= 8 else 1)
+
+
+@pytest.mark.parametrize("p", ["inf", 2, "2,inf"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_contractive_scaled_cosine_is_certified_below_coeff(p, causal):
+    coeff = 0.9
+    module = make(ContractiveScaledCosineMHA, seed=31, coeff=coeff, norm=p)
+    assert module.lipschitz_bound(5).item() == pytest.approx(coeff)
+    f = one_set_map(module, causal=causal)
+    for seed in range(3):
+        for scale in (0.1, 1.0, 100.0):
+            assert jacobian_norm(f, scale * randn(5, DIM, seed=seed), p).item() <= coeff
+    best, _ = lipschitz_lower_bound(f, (5, DIM), p, restarts=3, steps=40)
+    assert 0 < best <= coeff
+    mask = torch.tensor([True, False, True, True, False, True])
+    best, _ = lipschitz_lower_bound(one_set_map(module, mask, causal), (4, DIM), p, restarts=2,
+                                    steps=30)
+    assert 0 < best <= coeff
+
+
+@pytest.mark.parametrize("p,floor", [("inf", 0.42), ("2,inf", 0.45), (2, 0.33)])
+def test_contractive_scaled_cosine_reaches_a_large_part_of_its_coefficient(p, floor):
+    coeff = 0.9
+    torch.manual_seed(0)
+    module = ContractiveScaledCosineMHA(DIM, HEADS, coeff=coeff, norm=p, tau=0.5).double()
+    best, _ = lipschitz_lower_bound(one_set_map(module), (2, DIM), p, restarts=4, steps=60)
+    assert floor * coeff <= best <= coeff, best / coeff
+
 
 
 # ----------------------------------------------------------------------------- Theorem 3.1
@@ -317,6 +383,7 @@ ALL_MODULES = [
     (L2MHA, {"tied": False}),
     (ContractiveL2MHA, {}),
     (ContractiveL2MHA, {"norm": 2}),
+    (ContractiveScaledCosineMHA, {}),
     (ScaledCosineMHA, {}),
 ]
 
@@ -389,7 +456,7 @@ def _output_from_probabilities(module, x, p):
 def _former_lm_probabilities(attn, x, causal):
     """The attention matrices as flowattn.lm.model computed them from the modules' weights
     before the modules gave them themselves (unmasked inputs), kept literally."""
-    if isinstance(attn, ContractiveL2MHA):
+    if isinstance(attn, (ContractiveL2MHA, ContractiveScaledCosineMHA)):
         attn = attn.attention
     heads = attn.heads
     scale = 1.0 / math.sqrt(attn.head_dim)
@@ -439,7 +506,10 @@ def test_attention_probabilities_are_row_stochastic_over_the_visible_keys(
     assert (p.masked_select(visible) > 0).all()
 
 
-@pytest.mark.parametrize("cls,kwargs", [m for m in ALL_MODULES if m[0] is not ContractiveL2MHA])
+CONTRACTIVE = (ContractiveL2MHA, ContractiveScaledCosineMHA)
+
+
+@pytest.mark.parametrize("cls,kwargs", [m for m in ALL_MODULES if m[0] not in CONTRACTIVE])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_attention_probabilities_are_the_matrices_forward_applies(cls, kwargs, causal, masked):
@@ -495,6 +565,7 @@ ROLES = {
     "L2MHA": ["query", "value", "output"],
     "L2MHA-untied": ["query", "key", "value", "output"],
     "ContractiveL2MHA": ["query", "value", "output"],
+    "ContractiveScaledCosineMHA": ["query", "key", "value", "output"],
     "ScaledCosineMHA": ["query", "key", "value", "output"],
 }
 
@@ -523,7 +594,8 @@ def test_projection_matrices_are_the_maps_the_module_applies(cls, kwargs):
             torch.testing.assert_close(layer(x), x @ p.matrix.t(), rtol=0, atol=1e-14)
         else:  # stored (in, out), applied in the row convention x W
             assert torch.equal(p.matrix, p.weight.t())
-    similarity = {DotProductMHA: "dot-product", ScaledCosineMHA: "scaled-cosine"}
+    similarity = {DotProductMHA: "dot-product", ScaledCosineMHA: "scaled-cosine",
+                  ContractiveScaledCosineMHA: "scaled-cosine"}
     assert module.similarity == similarity.get(cls, "l2")
 
 
