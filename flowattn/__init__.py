@@ -32,6 +32,7 @@ _NAMES = {
     "L2MHA": "attention",
     "ContractiveL2MHA": "attention",
     "ScaledCosineMHA": "attention",
+    "ContractiveScaledCosineMHA": "attention",
 }
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "L2MHA",
     "ContractiveL2MHA",
     "ScaledCosineMHA",
+    "ContractiveScaledCosineMHA",
     "__version__",
 ]
 

@@ -16,6 +16,7 @@ d vec(f(X)) / d vec(X) with row-major vec. ``p = "inf"`` is the max-row-sum norm
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -32,22 +33,35 @@ __all__ = [
     "power_iteration",
     "PowerIteration",
     "l2_attention_bound",
+    "l2_core_column_constant",
     "layernorm_lipschitz_bound",
     "centernorm_lipschitz_bound",
     "jacobian",
     "jacobian_norm",
+    "mixed_operator_norm",
     "lipschitz_lower_bound",
 ]
 
 _INF_NAMES = ("inf", float("inf"), math.inf)
+MIXED_NAMES = ("2,inf",)
+CERTIFICATES = ("tight", "thm3.2")
 
 
-def _norm_name(p) -> str:
+def _norm_name(p, mixed: bool = False) -> str:
+    """Canonical name of a norm: ``"inf"``, ``"2"`` or, where ``mixed`` is allowed, ``"2,inf"``.
+
+    ``"2,inf"`` is the mixed norm of a set X in R^{N x D}, max_i ||x_i||_2: the largest Euclidean
+    norm of an element. Only the certificates of tied L2 attention are derived for it, so other
+    callers refuse it.
+    """
+    if mixed and p in MIXED_NAMES:
+        return "2,inf"
     if p in _INF_NAMES:
         return "inf"
     if p in (2, "2", 2.0):
         return "2"
-    raise InputError(f"norm must be 'inf' or 2, got {p!r}")
+    expected = "'inf', 2 or '2,inf'" if mixed else "'inf' or 2"
+    raise InputError(f"norm must be {expected}, got {p!r}")
 
 
 # ----------------------------------------------------------------------------- Lambert W
@@ -182,35 +196,62 @@ def l2_attention_bound(
     w_v: Tensor,
     w_o: Tensor,
     norm: str | int = "inf",
+    method: str = "tight",
 ) -> Tensor:
-    """Certified Lipschitz bound of tied L2 multi-head attention (Kim et al. 2021, Thm 3.2).
+    """Certified Lipschitz bound of tied L2 multi-head attention F for sets of ``n`` elements.
 
-    With H heads of width d = D / H, per-head W^{Q,h}, W^{V,h} in R^{D x d}, W^O in R^{D x D}:
+    With H heads of width d = D / H, per-head W^{Q,h}, W^{V,h} in R^{D x d} and W^O in R^{D x D}
+    (row convention, F(X) = [heads] W^O):
+
+    * ``method="thm3.2"``: Theorem 3.2 of Kim et al. (2021), a product of per-matrix norms::
 
         Lip_inf <= (4 phi^{-1}(N-1) + 1/sqrt(d)) ||W^O^T||_inf
                    max_h ||W^{Q,h}||_inf ||W^{Q,h}^T||_inf  max_h ||W^{V,h}^T||_inf
         Lip_2   <= sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1)
                    sqrt(sum_h ||W^{Q,h}||_2^2 ||W^{V,h}||_2^2) ||W^O||_2
 
-    With masking (App. G) the bound holds with N the number of unmasked inputs of a row, so
-    ``n`` may be a tensor of per-row counts; the result then has its shape.
+    * ``method="tight"`` (default): each head factors as f_h(X) = g(X W^{Q,h} / d^{1/4}) d^{1/4}
+      M_h with a parameter-free core g(Z) = softmax(-dist^2(Z)) Z and the product
+      M_h = W^{Q,h T} W^{V,h} W^{O,h} / sqrt(d) (W^{O,h}: the rows of W^O that head h feeds).
+      The bound uses norms of M_h and of G_h = W^{Q,h} M_h instead of products of norms, with
+      c = phi^{-1}(N-1), beta_h = ||W^{Q,h}||_2, omega_h >= ||W^{Q,h}||_{2->1}::
+
+        Lip_inf   <= max_r sum_h ( ||G_h e_r||_1 + 4 c omega_h ||M_h e_r||_2 )
+        Lip_2,inf <= min(sqrt(1^T Gamma^G 1), sqrt(H) ||[G_h]_h||_2)
+                     + 4 c min(sqrt(beta^T Gamma beta), ||[M_h]_h||_2 ||beta||_2)
+        Lip_2     <= min( kappa_2(N) min_lambda ||[lambda_h M_h]_h||_2 ||[W^{Q,h}/lambda_h]_h||_2,
+                          sqrt(N) Lip_2,inf bound )
+
+      with Gamma_hk = ||M_h M_k^T||_2, Gamma^G_hk = ||G_h G_k^T||_2, lambda in {1, beta} and
+      kappa_2(N) = min(sqrt(N) (1 + 4c), sqrt((1 + 4c) C_N)), C_N the block-column bound of
+      :func:`l2_core_column_constant`. The inf- and 2-norm values returned are the minimum of
+      these and Theorem 3.2 (both are certificates), so never looser than the paper's. The
+      derivation is in ``docs/attention.md``.
+
+    ``norm="2,inf"`` is the mixed norm max_i ||x_i||_2 over the elements of a set (tight method
+    only). With masking (App. G) the bound holds with N the number of keys a row sees, so ``n``
+    may be a tensor of per-row counts; the result then has its shape. Differentiable in the
+    weights.
 
     Arguments:
         n: sequence length(s) N >= 1.
         w_q: (H, D, d) query (= key) weights, row convention x^T W.
         w_v: (H, D, d) value weights.
         w_o: (D, D) output weights, applied as [heads] W^O.
-        norm: "inf" or 2.
+        norm: "inf", 2 or "2,inf".
+        method: "tight" or "thm3.2".
 
     Examples:
         >>> eye = torch.eye(1, dtype=torch.float64)
         >>> b = l2_attention_bound(2, eye[None], eye[None], eye)
-        >>> round(float(b), 6)  # 4 W0(1/e) + 1
+        >>> round(float(b), 6)  # 4 W0(1/e) + 1, for either method at identity weights
         2.113858
     """
-    norm = _norm_name(norm)
+    if method not in CERTIFICATES:
+        raise InputError(f"method must be one of {CERTIFICATES}, got {method!r}")
+    norm = _norm_name(norm, mixed=method == "tight")
     heads, dim, head_dim = w_q.shape
-    if w_v.shape != w_q.shape or w_o.shape != (dim, dim):
+    if w_v.shape != w_q.shape or w_o.shape != (dim, dim) or heads * head_dim != dim:
         raise InputError(
             f"inconsistent weight shapes: w_q {tuple(w_q.shape)}, w_v {tuple(w_v.shape)}, "
             f"w_o {tuple(w_o.shape)}"
@@ -219,6 +260,17 @@ def l2_attention_bound(
     if (n < 1).any():
         raise InputError(f"sequence length must be >= 1, got {n}")
     w0 = phi_inverse((n - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
+    if method == "thm3.2":
+        return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
+    tight = _tight_l2_attention_bound(n, w0, w_q, w_v, w_o, norm)
+    if norm == "2,inf":
+        return tight
+    # both are certificates, so their minimum is one: never looser than the paper's
+    return torch.minimum(tight, _theorem_3_2(n, w0, w_q, w_v, w_o, norm))
+
+
+def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str):
+    head_dim = w_q.shape[-1]
     if norm == "inf":
         q_term = (matrix_inf_norm(w_q) * matrix_inf_norm(w_q.transpose(1, 2))).amax()
         v_term = matrix_inf_norm(w_v.transpose(1, 2)).amax()
@@ -227,6 +279,99 @@ def l2_attention_bound(
     qv = torch.sqrt((spectral_norm_exact(w_q) ** 2 * spectral_norm_exact(w_v) ** 2).sum())
     sqrt_n = torch.sqrt(n.to(w_q.dtype))
     return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral_norm_exact(w_o)
+
+
+def l2_core_column_constant(n: int | Tensor) -> Tensor:
+    """C_N >= max_k sum_i ||J_ik||_2, the block-column sums of the Jacobian of the L2 core.
+
+    The core is g(Z)_i = sum_j P_ij z_j with P_ij = softmax_j(-||z_i - z_j||^2) on N points of
+    R^d. Block (k, k) is P_kk I + 2 Cov_k, of norm <= 1 + 2c (c = phi^{-1}(N-1), Lemma F.2 of
+    Kim et al. 2021); a block (i, k), i != k, is P_ik (I - 2 a b^T) with b = z_k - z_i,
+    a = z_k - E_i[z], so P_ik <= 1/(1 + e^{u^2}) (u = ||b||; row i gives weight 1 to itself) and
+    ||a|| <= u + sqrt(c). Hence C_N = 1 + 2c + (N-1) kappa(c) with
+
+        kappa(c) = sup_u (1 + 2u^2 + 2 sqrt(c) u) / (1 + e^{u^2}),
+
+    evaluated on a grid of step 1e-3 over [0, 6] with monotone brackets (the numerator
+    increases and the denominator's inverse decreases in u, so each cell is bounded by its
+    ends) plus 1e-9 for the tail u > 6: an upper bound, not an estimate.
+
+    Examples:
+        >>> float(l2_core_column_constant(1))  # one element: the core is the identity
+        1.0
+    """
+    n = torch.as_tensor(n)
+    values = {int(k): _core_column_constant(int(k)) for k in torch.unique(n).tolist()}
+    out = torch.empty(n.shape, dtype=torch.float64)
+    flat = out.view(-1)
+    for i, k in enumerate(n.reshape(-1).tolist()):
+        flat[i] = values[int(k)]
+    return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _core_column_constant(n: int) -> float:
+    if n < 1:
+        raise InputError(f"sequence length must be >= 1, got {n}")
+    c = float(phi_inverse(n - 1))
+    if n == 1:
+        return 1.0
+    u = torch.arange(0, 6001, dtype=torch.float64) * 1e-3
+    numerator = 1 + 2 * u**2 + 2 * math.sqrt(c) * u
+    inv_denominator = 1 / (1 + torch.exp(u**2))
+    kappa = float((inv_denominator[:-1] * numerator[1:]).max()) + 1e-9
+    return 1 + 2 * c + (n - 1) * kappa
+
+
+def _pairwise_spectral(a: Tensor, b: Tensor | None = None) -> Tensor:
+    """(H, p, q) -> (H, H): ||A_h B_k^T||_2 for every pair of heads (B = A when not given)."""
+    b = a if b is None else b
+    return spectral_norm_exact(a.unsqueeze(1) @ b.unsqueeze(0).transpose(-1, -2))
+
+
+def _tight_l2_attention_bound(
+    n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str
+) -> Tensor:
+    heads, dim, head_dim = w_q.shape
+    m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
+    beta = spectral_norm_exact(w_q)  # (H,)
+    if norm == "inf":
+        g = w_q @ m  # (H, D, D): G_h = W^{Q,h} M_h = A_h W^{V,h} W^{O,h}
+        omega = torch.minimum(dim**0.5 * beta, w_q.norm(dim=2).sum(dim=1))
+        linear = g.abs().sum(dim=1).sum(dim=0)  # (D,): sum_h ||G_h e_r||_1
+        rank_one = (omega.unsqueeze(-1) * m.norm(dim=1)).sum(dim=0)  # sum_h omega_h ||M_h e_r||
+        return (linear + 4 * c.unsqueeze(-1) * rank_one).amax(dim=-1)
+    mixed = _mixed_norm_bound(c, w_q, m, beta)
+    if norm == "2,inf":
+        return mixed
+    m_cat = m.reshape(dim, dim)  # [M_1; ...; M_H]
+    w_cat = w_q.permute(1, 0, 2).reshape(dim, dim)  # W^Q = [W^{Q,1}, ..., W^{Q,H}]
+    weights = torch.minimum(
+        spectral_norm_exact(m_cat) * spectral_norm_exact(w_cat),
+        spectral_norm_exact((beta[:, None, None] * m).reshape(dim, dim))
+        * spectral_norm_exact((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
+    )
+    row = 1 + 4 * c
+    column = l2_core_column_constant(n).to(device=c.device, dtype=c.dtype)
+    sqrt_n = torch.sqrt(n.to(c.dtype))
+    kappa = torch.minimum(sqrt_n * row, torch.sqrt(row * column))
+    return torch.minimum(kappa * weights, sqrt_n * mixed)
+
+
+def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor:
+    """The "2,inf" bound: linear part from G_h = W^{Q,h} M_h, rank-one part from M_h."""
+    heads, dim, _ = w_q.shape
+    # G_h G_k^T = Q_h (R_h M_h M_k^T R_k^T) Q_k^T with W^{Q,h} = Q_h R_h (orthonormal Q_h): the
+    # d x d middle factor has the same spectral norm, at a fraction of the cost.
+    rm = torch.linalg.qr(w_q).R @ m  # (H, d, D)
+    linear = torch.minimum(
+        _pairwise_spectral(rm).sum().sqrt(), heads**0.5 * spectral_norm_exact(rm.reshape(dim, dim))
+    )
+    gamma = _pairwise_spectral(m)
+    rank_one = torch.minimum(
+        (beta @ gamma @ beta).sqrt(), spectral_norm_exact(m.reshape(dim, dim)) * beta.norm()
+    )
+    return linear + 4 * c * rank_one
 
 
 def layernorm_lipschitz_bound(
@@ -285,11 +430,62 @@ def jacobian(f: Callable[[Tensor], Tensor], x: Tensor, create_graph: bool = Fals
 
 
 def jacobian_norm(f: Callable[[Tensor], Tensor], x: Tensor, p="inf", create_graph=False) -> Tensor:
-    """||J_f(X)||_p for p in {2, "inf"}: the local Lipschitz constant of f at X."""
+    """||J_f(X)||_p for p in {2, "inf", "2,inf"}: the local Lipschitz constant of f at X.
+
+    "2,inf" is the operator norm for the mixed norm max_i ||x_i||_2 of sets X in R^{N x D}
+    (see :func:`mixed_operator_norm`; f must map (N, D) to (N', D')): an ascent that returns a
+    value at most the exact local norm (exact when the output elements are scalars), so still a
+    lower bound on the Lipschitz constant.
+    """
+    name = _norm_name(p, mixed=True)
     jac = jacobian(f, x, create_graph=create_graph)
-    if _norm_name(p) == "inf":
+    if name == "inf":
         return matrix_inf_norm(jac)
-    return spectral_norm_exact(jac)
+    if name == "2":
+        return spectral_norm_exact(jac)
+    if x.dim() != 2:
+        raise InputError(f"the 2,inf norm is for sets (N, D), got shape {tuple(x.shape)}")
+    with torch.no_grad():
+        out_shape = f(x.detach()).shape
+    if len(out_shape) != 2:
+        raise InputError(f"the 2,inf norm is for maps to sets (N', D'), got {tuple(out_shape)}")
+    return mixed_operator_norm(jac.reshape(*out_shape, *x.shape))  # (N', D', N, D)
+
+
+def mixed_operator_norm(blocks: Tensor, starts: int = 4, iterations: int = 100) -> Tensor:
+    """max_i sup{ ||sum_k J_ik d_k||_2 : ||d_k||_2 <= 1 } for a block matrix (N', D', N, D).
+
+    This is the operator norm of J for the norm max_i ||x_i||_2 on both sides. For each block
+    row it maximises, over unit u, sum_k ||J_ik^T u||_2 (the dual form) by the monotone ascent
+    d_k <- J_ik^T u / ||J_ik^T u||, u <- sum_k J_ik d_k / ||.||, from the top left singular vector
+    of the block row and ``starts - 1`` fixed random directions. The value returned is reached
+    by a unit u, so it never exceeds the exact norm; it is exact when D' = 1. Differentiable in
+    ``blocks`` (with the maximising u held fixed).
+    """
+    n_out, d_out, n_in, d_in = blocks.shape
+    rows = blocks.reshape(n_out, d_out, n_in * d_in)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        top = torch.linalg.svd(rows, full_matrices=False).U[:, :, :1].transpose(1, 2)
+        random = torch.randn(n_out, starts - 1, d_out, generator=generator, dtype=rows.dtype)
+        u = torch.cat([top, random.to(rows.device)], dim=1)  # (N', S, D')
+        tiny = torch.finfo(rows.dtype).tiny
+        u = u / u.norm(dim=-1, keepdim=True).clamp_min(tiny)
+        previous = None
+        for step in range(iterations):
+            d = torch.einsum("isa,iakb->iskb", u, blocks)  # J_ik^T u, (N', S, N, D)
+            if step % 10 == 0:  # the values increase monotonically: stop once they settle
+                current = d.norm(dim=-1).sum(dim=-1)
+                if previous is not None and (current - previous).abs().max() <= 1e-10 * (
+                    current.abs().max() + tiny
+                ):
+                    break
+                previous = current
+            d = d / d.norm(dim=-1, keepdim=True).clamp_min(tiny)
+            u = torch.einsum("iakb,iskb->isa", blocks, d)
+            u = u / u.norm(dim=-1, keepdim=True).clamp_min(tiny)
+    values = torch.einsum("isa,iakb->iskb", u, blocks).norm(dim=-1).sum(dim=-1)  # (N', S)
+    return values.amax()
 
 
 def lipschitz_lower_bound(

@@ -10,10 +10,13 @@ from flowattn.lipschitz import (
     centernorm_lipschitz_bound,
     jacobian,
     jacobian_norm,
+    l2_attention_bound,
+    l2_core_column_constant,
     lambertw0,
     layernorm_lipschitz_bound,
     lipschitz_lower_bound,
     matrix_inf_norm,
+    mixed_operator_norm,
     phi_inverse,
     power_iteration,
     spectral_norm_exact,
@@ -151,3 +154,100 @@ def test_bad_norm_names_are_rejected():
         centernorm_lipschitz_bound(None, 4, norm=1)
     with pytest.raises(ValueError, match="D >= 2"):
         centernorm_lipschitz_bound(None, 1)
+
+
+# ----------------------------------------------------------------------------- L2 attention
+
+
+def _core_jacobian(z):
+    """Jacobian blocks (N, d, N, d) of the L2 core g(Z)_i = sum_j softmax_j(-|z_i - z_j|^2) z_j."""
+
+    def core(z):
+        p = torch.softmax(-(z[:, None] - z[None]).pow(2).sum(-1), dim=-1)
+        return p @ z
+
+    return torch.autograd.functional.jacobian(core, z)
+
+
+def test_core_column_constant_bounds_the_column_sums_of_the_core_jacobian():
+    # the block-column sums max_k sum_i ||J_ik||_2 at random and clustered configurations
+    g = torch.Generator().manual_seed(4)
+    for n in (2, 3, 6, 12):
+        bound = l2_core_column_constant(n).item()
+        worst = 0.0
+        for d in (1, 3, 8):
+            for scale in (0.1, 0.7, 1.5, 4.0):
+                for _ in range(3):
+                    z = scale * torch.randn(n, d, generator=g, dtype=torch.float64)
+                    z[n // 2:] = z[0] + 0.05 * z[n // 2:]  # a cluster around one element
+                    jac = _core_jacobian(z)
+                    blocks = torch.linalg.matrix_norm(jac.permute(0, 2, 1, 3), 2)  # (i, k)
+                    worst = max(worst, blocks.sum(dim=0).max().item())
+        assert worst <= bound
+
+
+def test_core_column_constant_values():
+    assert l2_core_column_constant(1).item() == 1.0
+    values = l2_core_column_constant(torch.tensor([1, 2, 8, 64]))
+    assert (values[1:] > values[:-1]).all()
+    # C_N = 1 + 2c + (N - 1) kappa(c), kappa = sup_u (1 + 2u^2 + 2 sqrt(c) u) / (1 + e^{u^2})
+    c = phi_inverse(7).item()
+    u = torch.linspace(0, 6, 600001, dtype=torch.float64)
+    kappa = ((1 + 2 * u**2 + 2 * math.sqrt(c) * u) / (1 + torch.exp(u**2))).max().item()
+    exact = 1 + 2 * c + 7 * kappa
+    assert exact <= values[2].item() <= exact * (1 + 1e-3)
+
+
+def test_tight_certificate_equals_theorem_3_2_at_identity_weights():
+    eye = torch.eye(1, dtype=torch.float64)
+    for n in (1, 2, 10, 100):
+        tight = l2_attention_bound(n, eye[None], eye[None], eye, "inf")
+        paper = l2_attention_bound(n, eye[None], eye[None], eye, "inf", method="thm3.2")
+        assert math.isclose(tight.item(), paper.item(), rel_tol=1e-12)
+        assert math.isclose(tight.item(), 1 + 4 * phi_inverse(n - 1).item(), rel_tol=1e-12)
+    # one element: the map is x -> x A W^V W^O, and the 2-norm certificate is its norm
+    for norm in (2, "2,inf"):
+        assert l2_attention_bound(1, eye[None], eye[None], eye, norm).item() == 1.0
+
+
+def test_tight_certificate_is_invariant_to_head_internal_rotations():
+    # W^{Q,h} -> W^{Q,h} R_h (R_h orthogonal) leaves A_h = W^{Q,h} W^{Q,h T} / sqrt(d), the
+    # distances and so the module unchanged: its certificate must not move either
+    g = torch.Generator().manual_seed(5)
+    heads, dim, d = 2, 6, 3
+    w_q, w_v = (torch.randn(heads, dim, d, generator=g, dtype=torch.float64) for _ in range(2))
+    w_o = torch.randn(dim, dim, generator=g, dtype=torch.float64)
+    rotation = torch.linalg.qr(torch.randn(heads, d, d, generator=g, dtype=torch.float64)).Q
+    for norm in ("inf", 2, "2,inf"):
+        before = l2_attention_bound(7, w_q, w_v, w_o, norm)
+        after = l2_attention_bound(7, w_q @ rotation, w_v, w_o, norm)
+        torch.testing.assert_close(before, after, rtol=1e-10, atol=0)
+
+
+def test_mixed_operator_norm_is_exact_for_scalar_outputs_and_matches_brute_force():
+    g = torch.Generator().manual_seed(6)
+    blocks = torch.randn(3, 1, 4, 2, generator=g, dtype=torch.float64)
+    exact = blocks[:, 0].norm(dim=-1).sum(dim=-1).max()
+    torch.testing.assert_close(mixed_operator_norm(blocks), exact)
+    blocks = torch.randn(2, 2, 3, 2, generator=g, dtype=torch.float64)
+    angle = torch.linspace(0, 2 * math.pi, 20001, dtype=torch.float64)
+    unit = torch.stack([angle.cos(), angle.sin()], dim=1)
+    brute = torch.einsum("ta,iakb->itkb", unit, blocks).norm(dim=-1).sum(dim=-1).max()
+    value = mixed_operator_norm(blocks)
+    assert brute * (1 - 1e-9) <= value <= brute * (1 + 1e-6)  # the grid is a lower bound
+
+
+def test_jacobian_norm_in_the_mixed_norm_of_a_linear_map():
+    g = torch.Generator().manual_seed(7)
+    m = torch.randn(6, 6, generator=g, dtype=torch.float64)
+
+    def f(x):
+        return (m @ x.reshape(-1)).reshape(3, 2)
+
+    x = torch.randn(3, 2, generator=g, dtype=torch.float64)
+    value = jacobian_norm(f, x, "2,inf").item()
+    assert value == pytest.approx(mixed_operator_norm(m.reshape(3, 2, 3, 2)).item())
+    blocks = torch.linalg.matrix_norm(m.reshape(3, 2, 3, 2).permute(0, 2, 1, 3), 2)
+    assert value <= blocks.sum(dim=1).max().item() + 1e-12  # at most the block-row sums
+    with pytest.raises(ValueError, match="sets"):
+        jacobian_norm(lambda v: v, torch.zeros(4, dtype=torch.float64), "2,inf")

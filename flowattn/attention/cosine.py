@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -11,10 +13,12 @@ from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
 from .l2 import square_weight
-from .masking import attention_mask, masked_softmax, zero_padded
+from .masking import attention_mask, keys_per_row, masked_softmax, zero_padded
 from .projections import Projection
 
-__all__ = ["ScaledCosineMHA"]
+__all__ = ["ScaledCosineMHA", "ContractiveScaledCosineMHA"]
+
+COSINE_CERTIFICATES = ("tight", "lipsformer")
 
 
 class ScaledCosineMHA(nn.Module):
@@ -26,12 +30,15 @@ class ScaledCosineMHA(nn.Module):
         \hat V,
 
     per head, then [heads] W^O. Normalising queries, keys and values makes the map Lipschitz for
-    any bounded weights; :meth:`lipschitz_bound` gives Theorem 1 of the paper per head
-    (width d), combined over heads as max_h (inf-norm) or sqrt(sum_h) (2-norm) and multiplied by
-    the norm of W^O. The theorem writes ||W^K||_inf and ||W^Q||_inf without fixing the
-    transposition convention; we take the larger of ||W||_inf and ||W^T||_inf, so the
-    certificate holds under either reading. The bound grows like N^2 / sqrt(epsilon): it is a
-    certificate, not a useful normaliser.
+    any bounded weights. :meth:`lipschitz_bound` gives by default a certificate that does not
+    grow with N in the inf- and mixed norms (``method="tight"``, derived in
+    ``docs/attention.md``): per head
+    nu eps^{-1/2} sqrt(||W^{V,h}||^2 + tau^2 (||W^{Q,h}||^2 + ||W^{K,h}||^2)) in operator norms
+    suited to each norm, combined with W^O. ``method="lipsformer"`` gives Theorem 1 of the paper
+    per head (width d), combined over heads as max_h (inf-norm) or sqrt(sum_h) (2-norm) and
+    multiplied by the norm of W^O. The theorem writes ||W^K||_inf and ||W^Q||_inf without fixing
+    the transposition convention; we take the larger of ||W||_inf and ||W^T||_inf, so the
+    certificate holds under either reading. It grows like N^2 / sqrt(epsilon).
 
     Dropout: ``dropout`` acts on the attention weights in training mode and, as for
     :class:`~flowattn.attention.L2MHA`, voids the certificate while active.
@@ -121,15 +128,27 @@ class ScaledCosineMHA(nn.Module):
         """(D, D) -> (H, D, d): the column block of each head."""
         return w.reshape(self.dim, self.heads, self.head_dim).permute(1, 0, 2)
 
-    def lipschitz_bound(self, n: int | Tensor, norm: str | int = "inf") -> Tensor:
-        """Theorem 1 of Qi et al. (2023) for sets of ``n`` elements, combined over heads."""
+    def lipschitz_bound(
+        self, n: int | Tensor, norm: str | int = "inf", method: str = "tight"
+    ) -> Tensor:
+        """Certified bound on Lip_p of the module for sets of ``n`` elements.
+
+        ``method="tight"`` (default): for "inf" and "2,inf" (max_i ||x_i||_2) it does not depend
+        on n; the 2-norm one is sqrt(n) times the "2,inf" one. ``method="lipsformer"``: Theorem 1
+        of Qi et al. (2023), combined over heads ("inf" and 2 only). ``n`` may be a tensor of
+        counts; the result has its shape.
+        """
         if self.training and self.dropout > 0:
             raise InputError(
                 "attention dropout is active (training mode, dropout > 0): the certificate does "
                 "not hold; call .eval() or use dropout=0"
             )
-        norm = _norm_name(norm)
+        if method not in COSINE_CERTIFICATES:
+            raise InputError(f"method must be one of {COSINE_CERTIFICATES}, got {method!r}")
+        norm = _norm_name(norm, mixed=method == "tight")
         wq, wk, wv = (self.head_weights(w) for w in (self.w_q, self.w_k, self.w_v))
+        if method == "tight":
+            return self._tight_bound(n, norm, wq, wk, wv)
         n = torch.as_tensor(n, dtype=wq.dtype, device=wq.device).unsqueeze(-1)  # per head last
         scale = self.nu * self.eps**-0.5
         if norm == "inf":
@@ -150,3 +169,129 @@ class ScaledCosineMHA(nn.Module):
             + 2 * n * scale * spectral_norm_exact(wv)
         )
         return per_head.pow(2).sum(-1).sqrt() * spectral_norm_exact(self.w_o)
+
+    def _tight_bound(self, n, norm: str, wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
+        n = torch.as_tensor(n, device=wq.device)
+        if (n < 1).any():
+            raise InputError(f"sequence length must be >= 1, got {n}")
+        # a row with a single key has P = 1: the logits, and tau, play no part
+        tau = self.tau * (n > 1).to(wq.dtype).unsqueeze(-1)  # (..., 1), heads last
+        scale = self.nu * self.eps**-0.5
+        o = self.w_o.reshape(self.heads, self.head_dim, self.dim)  # W^{O,h}: rows of head h
+        if norm == "inf":
+
+            def omega(w: Tensor) -> Tensor:  # >= ||W||_{2->1} per head
+                return torch.minimum(self.dim**0.5 * spectral_norm_exact(w), w.norm(dim=2).sum(1))
+
+            per_head = (omega(wv) ** 2 + tau**2 * (omega(wq) ** 2 + omega(wk) ** 2)).sqrt()
+            # (..., H) x (H, D) -> max over output coordinates r of sum_h
+            return scale * (per_head @ o.norm(dim=1)).amax(dim=-1)
+        per_head = (
+            spectral_norm_exact(wv) ** 2
+            + tau**2 * (spectral_norm_exact(wq) ** 2 + spectral_norm_exact(wk) ** 2)
+        ).sqrt()  # (..., H)
+        gamma = spectral_norm_exact(o.unsqueeze(1) @ o.unsqueeze(0).transpose(-1, -2))
+        bound = scale * torch.minimum(
+            ((per_head @ gamma) * per_head).sum(-1).sqrt(),
+            spectral_norm_exact(self.w_o) * per_head.norm(dim=-1),
+        )
+        return bound * torch.sqrt(n.to(bound.dtype)) if norm == "2" else bound
+
+
+class ContractiveScaledCosineMHA(nn.Module):
+    r"""Contractive scaled cosine attention: f(X) = c F(X) / bound_p(F) (F: scaled cosine MHA).
+
+    F is divided by its tight certificate (``docs/attention.md``), with gradients through the
+    denominator. In the inf- and mixed norms ("inf", "2,inf") the certificate does not depend
+    on the number of elements (except that a row seeing a single key has no attention term), so
+    each block row is divided by the bound for its own key count; in the 2-norm each set is
+    divided by the bound for its number of present elements (a factor sqrt(n)). Either way
+    Lip_p(f) <= c < 1, so x + f(x) is invertible.
+
+    The certificate is nu eps^{-1/2} times weight norms: eps^{-1/2} is the slope of the
+    normalisation x / sqrt(||x||^2 + eps) at 0, which inputs near the origin do reach, so a
+    larger ``eps`` than :class:`ScaledCosineMHA`'s default (1 here) gives a more useful
+    contraction. Output dropout is classic dropout (a contraction), as in
+    :class:`~flowattn.attention.ContractiveL2MHA`.
+
+    Arguments:
+        dim: model width D.
+        heads: number of heads H.
+        coeff: the contraction coefficient c, in (0, 1).
+        norm: "inf", 2 or "2,inf", the norm in which f is certified.
+        tau: the temperature of the cosine logits.
+        eps: smoothing epsilon of the normalisation.
+        output_dropout: classic dropout probability on the output.
+
+    Attributes:
+        attention: the :class:`ScaledCosineMHA` F.
+        similarity: ``"scaled-cosine"``.
+
+    Examples:
+        >>> f = ContractiveScaledCosineMHA(dim=8, heads=2, coeff=0.9)
+        >>> f(torch.randn(2, 5, 8)).shape
+        torch.Size([2, 5, 8])
+        >>> round(float(f.lipschitz_bound(5)), 6)
+        0.9
+    """
+
+    similarity = "scaled-cosine"
+
+    def __init__(
+        self,
+        dim: int,
+        heads: int,
+        coeff: float = 0.9,
+        norm: str | int = "inf",
+        tau: float = 10.0,
+        eps: float = 1.0,
+        output_dropout: float = 0.0,
+    ):
+        super().__init__()
+        if not 0.0 < coeff < 1.0:
+            raise InputError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
+        if not 0.0 <= output_dropout < 1.0:
+            raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
+        self.coeff, self.norm = coeff, _norm_name(norm, mixed=True)
+        self.output_dropout = output_dropout
+        self.attention = ScaledCosineMHA(dim, heads, tau=tau, eps=eps)
+        self.dim, self.heads = dim, heads
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        y = self.attention(x, mask, causal)  # validates the input
+        batch, length = x.shape[:2]
+        if self.norm == "2":
+            n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
+            denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
+        else:  # per block row: only rows that see a single key have a smaller bound
+            n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
+            denominator = self.attention.lipschitz_bound(n, self.norm).unsqueeze(-1)
+        y = self.coeff * y / denominator
+        p = self.output_dropout
+        if p == 0.0:
+            return y
+        if self.training:
+            return y * (torch.rand_like(y) >= p).to(y.dtype)
+        return y * (1.0 - p)
+
+    def attention_probabilities(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        """The attention matrices P (B, H, N, N) of its :class:`ScaledCosineMHA`."""
+        return self.attention.attention_probabilities(x, mask, causal)
+
+    def projections(self) -> list[Projection]:
+        """The projections of its :class:`ScaledCosineMHA`, named from f."""
+        return [replace(p, name=f"attention.{p.name}") for p in self.attention.projections()]
+
+    def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
+        """Certified Lipschitz constant of f for sets of ``n`` elements: ``coeff`` in its own
+        norm; in another, coeff * bound_other(n) / bound_own(1) (f = S F with S diagonal)."""
+        norm = self.norm if norm is None else _norm_name(norm, mixed=True)
+        w = self.attention.w_q
+        coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
+        if norm == self.norm:
+            return coeff.expand(torch.as_tensor(n).shape)
+        own = self.attention.lipschitz_bound(1, self.norm)
+        return coeff * self.attention.lipschitz_bound(n, norm) / own

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import math
+import warnings
+from contextlib import nullcontext
 from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils import parametrizations, parametrize
 
 from ..errors import InputError
-from ..lipschitz import _norm_name, l2_attention_bound
+from ..lipschitz import CERTIFICATES, _norm_name, l2_attention_bound
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
 from .masking import attention_mask, keys_per_row, masked_mean, masked_softmax, zero_padded
@@ -18,12 +21,36 @@ from .projections import Projection
 
 __all__ = ["L2MHA", "ContractiveL2MHA"]
 
+PARAMETRIZATIONS = ("raw", "orthogonal")
+
 
 def square_weight(dim: int) -> nn.Parameter:
     """A (D, D) parameter with Glorot-uniform initialisation."""
     w = torch.empty(dim, dim)
     nn.init.xavier_uniform_(w)
     return nn.Parameter(w)
+
+
+class HeadScales(nn.Module):
+    """Column scaling of a (D, D) matrix by one positive factor s_h = exp(log_scale_h) per head.
+
+    Chained after :func:`torch.nn.utils.parametrizations.orthogonal` it gives
+    W^Q = U diag(s_1 I_d, ..., s_H I_d) with U orthogonal: head h's query map is s_h times an
+    isometry, ||W^{Q,h}||_2 = s_h exactly, and its singular values are all equal.
+    """
+
+    def __init__(self, heads: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.log_scale = nn.Parameter(torch.zeros(heads))
+
+    def forward(self, u: Tensor) -> Tensor:
+        return u * torch.exp(self.log_scale).repeat_interleave(self.head_dim).to(u.dtype)
+
+
+def _cached(module: nn.Module):
+    """Evaluate the parametrised weights of ``module`` once inside the block."""
+    return parametrize.cached() if parametrize.is_parametrized(module) else nullcontext()
 
 
 def _first_present(k: Tensor, mask: Tensor | None) -> Tensor:
@@ -47,9 +74,21 @@ class L2MHA(nn.Module):
         \qquad d = D / H.
 
     With ``tied=True`` (W^{K,h} = W^{Q,h}) each head outputs P^h X A_h W^{V,h} with
-    A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d} and F(X) = [heads] W^O: this map is Lipschitz, with the
-    certified bound of Theorem 3.2 returned by :meth:`lipschitz_bound`. ``tied=False`` gives the
+    A_h = W^{Q,h} W^{Q,h\top} / \sqrt{d} and F(X) = [heads] W^O: this map is Lipschitz, with a
+    certified bound returned by :meth:`lipschitz_bound` (by default the tight certificate of
+    :func:`~flowattn.lipschitz.l2_attention_bound`, which bounds norms of the per-head products
+    W^{Q,h\top} W^{V,h} W^{O,h}; Theorem 3.2 with ``method="thm3.2"``). ``tied=False`` gives the
     untied variant of §5.3 (separate W^K, values X W^V), which is *not* Lipschitz (Lemma F.1).
+
+    Parametrisations: ``"raw"`` (default) stores W^Q, W^V, W^O as plain (D, D) parameters
+    ``w_q``, ``w_v``, ``w_o``. ``"orthogonal"`` (tied only) makes W^Q = U diag(s_h I_d) with U
+    orthogonal (:func:`torch.nn.utils.parametrizations.orthogonal`) and one learnt scale s_h > 0
+    per head (:class:`HeadScales`): each head's query map is then s_h times an isometry, which is
+    where the tight certificate is nearly attained. ``w_v`` and ``w_o`` stay free.
+
+    State dicts written before the tight certificate existed (module version < 2) load into a
+    raw module built without an explicit ``certificate``; it then switches to ``"thm3.2"`` with a
+    warning, so a saved model (e.g. a field normalised by its bound) computes what it computed.
 
     Two computations of the same function:
 
@@ -75,9 +114,13 @@ class L2MHA(nn.Module):
         tied: tie W^K = W^Q (the Lipschitz form).
         dropout: attention-weight dropout probability (training only).
         fused: use the fused kernel path.
+        certificate: the default ``method`` of :meth:`lipschitz_bound`: ``"tight"`` (when not
+            given) or ``"thm3.2"``.
+        parametrization: ``"raw"`` or ``"orthogonal"`` (see above).
 
     Attributes:
         similarity: ``"l2"``, the kind of logits (shared by every attention module).
+        certificate: the certificate :meth:`lipschitz_bound` returns by default.
 
     Examples:
         >>> attn = L2MHA(dim=16, heads=4)
@@ -88,6 +131,7 @@ class L2MHA(nn.Module):
     """
 
     similarity = "l2"
+    _version = 2  # 2: the tight certificate is the default (state dicts carry this number)
 
     def __init__(
         self,
@@ -96,18 +140,51 @@ class L2MHA(nn.Module):
         tied: bool = True,
         dropout: float = 0.0,
         fused: bool = True,
+        certificate: str | None = None,
+        parametrization: str = "raw",
     ):
         super().__init__()
         if dim % heads != 0:
             raise InputError(f"heads={heads} must divide dim={dim}")
         if not 0.0 <= dropout < 1.0:
             raise InputError(f"dropout must lie in [0, 1), got {dropout}")
+        if certificate is not None and certificate not in CERTIFICATES:
+            raise InputError(f"certificate must be one of {CERTIFICATES}, got {certificate!r}")
+        if parametrization not in PARAMETRIZATIONS:
+            raise InputError(
+                f"parametrization must be one of {PARAMETRIZATIONS}, got {parametrization!r}"
+            )
+        if parametrization == "orthogonal" and not tied:
+            raise InputError("parametrization='orthogonal' is for tied L2 attention only")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.tied, self.dropout, self.fused = tied, dropout, fused
+        self.certificate = certificate or "tight"
+        self._certificate_given = certificate is not None
+        self.parametrization = parametrization
         self.w_q = square_weight(dim)
         self.w_k = None if tied else square_weight(dim)
         self.w_v = square_weight(dim)
         self.w_o = square_weight(dim)
+        if parametrization == "orthogonal":
+            with torch.no_grad():
+                nn.init.orthogonal_(self.w_q)
+            parametrizations.orthogonal(self, "w_q")
+            parametrize.register_parametrization(self, "w_q", HeadScales(heads, self.head_dim))
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
+        version = local_metadata.get("version")
+        legacy = version is None or version < 2
+        if legacy and self.parametrization == "raw" and not self._certificate_given:
+            if self.certificate != "thm3.2":
+                warnings.warn(
+                    f"{type(self).__name__} state dict {prefix or '(root)'} predates the tight "
+                    "certificate (module version < 2): using certificate='thm3.2', the bound "
+                    "it was saved with, so the model computes what it computed; build the "
+                    "module with certificate='tight' to use the tighter one",
+                    stacklevel=2,
+                )
+            self.certificate = "thm3.2"
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args, **kwargs)
 
     # Per-head weights in the paper's row convention: W^{.,h} in R^{D x d}.
     def head_weights(self, w: Tensor) -> Tensor:
@@ -193,19 +270,28 @@ class L2MHA(nn.Module):
         return masked_softmax(logits, mask, causal)
 
     def projections(self) -> list[Projection]:
-        """The raw (D, D) matrices W^Q, W^K (untied only), W^V and W^O, applied as x W."""
+        """The raw (D, D) matrices W^Q, W^K (untied only), W^V and W^O, applied as x W.
+
+        With ``parametrization="orthogonal"`` W^Q is an orthogonal matrix times per-head scales,
+        not a plain parameter, and is not listed (initialising or penalising it as a free matrix
+        would not mean anything)."""
         roles = (("w_q", "query"), ("w_k", "key"), ("w_v", "value"), ("w_o", "output"))
         return [
             Projection(name, role, getattr(self, name), "raw")
             for name, role in roles
-            if getattr(self, name) is not None
+            if getattr(self, name) is not None and name in self._parameters
         ]
 
-    def lipschitz_bound(self, n: int | Tensor, norm: str | int = "inf") -> Tensor:
-        """Certified bound on Lip_p(F) for sets of ``n`` elements (Kim et al. 2021, Thm 3.2).
+    def lipschitz_bound(
+        self, n: int | Tensor, norm: str | int = "inf", method: str | None = None
+    ) -> Tensor:
+        """Certified bound on Lip_p(F) for sets of ``n`` elements.
 
-        ``n`` may be a tensor of per-row counts (the number of keys each query sees under a
-        mask, App. G); the result then has its shape. Differentiable in the weights.
+        ``method``: ``"tight"`` (products of the weights, ``docs/attention.md``) or
+        ``"thm3.2"`` (Kim et al. 2021, Thm 3.2); by default the module's ``certificate``.
+        ``norm``: "inf", 2, or "2,inf" (max_i ||x_i||_2; tight method only). ``n`` may be a
+        tensor of per-row counts (the number of keys each query sees under a mask, App. G); the
+        result then has its shape. Differentiable in the weights.
         """
         if not self.tied:
             raise InputError(
@@ -218,32 +304,44 @@ class L2MHA(nn.Module):
                 "rows void the certificate; call .eval() or use dropout=0"
             )
         wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
-        return l2_attention_bound(n, wq, wv, self.w_o, norm)
+        return l2_attention_bound(n, wq, wv, self.w_o, norm, method or self.certificate)
 
 
 class ContractiveL2MHA(nn.Module):
     r"""Contractive L2 self-attention: f(X) = c F(X) / Lip_p-bound(F) (Kim et al. 2021, §4, §5.3).
 
-    F is tied :class:`L2MHA`; the bound of Theorem 3.2 is evaluated for the actual number of
-    elements and gradients flow through the denominator (the paper found stopping them slightly
-    worse). With ``norm="inf"`` (the default, the tighter bound) each output row i is divided by
-    the bound for the n_i keys it sees (present elements; those up to i if causal): the
-    inf-norm of the Jacobian is the largest block-row sum, and App. G bounds block row i with
-    N = n_i. With ``norm=2`` each set is divided by the bound for its number of present elements.
-    Either way Lip_p(f) <= c < 1 for every input, so x + f(x) is invertible.
+    F is tied :class:`L2MHA`; its certified bound (by default the tight certificate of
+    :func:`~flowattn.lipschitz.l2_attention_bound`; Theorem 3.2 with ``certificate="thm3.2"``)
+    is evaluated for the actual number of elements and gradients flow through the denominator
+    (the paper found stopping them slightly worse). With ``norm="inf"`` (the default) or
+    ``norm="2,inf"`` (max_i ||x_i||_2) each output row i is divided by the bound for the n_i
+    keys it sees (present elements; those up to i if causal): in both norms the operator norm
+    of the Jacobian is the largest over block rows, and App. G bounds block row i with
+    N = n_i. With ``norm=2`` each set is divided by the bound for its number of present
+    elements. Either way Lip_p(f) <= c < 1 for every input, so x + f(x) is invertible: the
+    fixed-point inverse converges (Banach, in the norm p) and the log-det power series
+    converges (the spectral radius is at most any induced norm of the Jacobian).
 
     Dropout: attention-weight dropout is refused (it voids the bound). ``output_dropout`` is
     classic dropout on f's output: a binary mask in training (a diagonal 0/1 matrix, norm <= 1)
     and multiplication by 1 - p at evaluation, both contractions, so the certificate holds in
     both modes (Kim et al. 2021, §4).
 
+    Checkpoints: the default parametrisation keeps the state-dict keys ``attention.w_q``,
+    ``attention.w_v``, ``attention.w_o``; a state dict saved before the tight certificate
+    existed switches the module (when built without an explicit ``certificate``) to
+    ``"thm3.2"``, the normaliser it was trained with, with a warning (see :class:`L2MHA`).
+
     Arguments:
         dim: model width D.
         heads: number of heads H.
         coeff: the contraction coefficient c, in (0, 1).
-        norm: "inf" or 2, the norm in which f is certified.
+        norm: "inf", 2 or "2,inf", the norm in which f is certified.
         output_dropout: classic dropout probability on the output.
         fused: use the fused kernel path of :class:`L2MHA`.
+        certificate: ``"tight"`` (when not given) or ``"thm3.2"``, the bound F is divided by.
+        parametrization: ``"raw"`` (default) or ``"orthogonal"`` (orthogonal query map with
+            per-head scales, where the tight certificate is nearly attained; see :class:`L2MHA`).
 
     Attributes:
         attention: the tied :class:`L2MHA` F.
@@ -266,6 +364,8 @@ class ContractiveL2MHA(nn.Module):
         output_dropout: float = 0.0,
         fused: bool = True,
         dropout: float = 0.0,
+        certificate: str | None = None,
+        parametrization: str = "raw",
     ):
         super().__init__()
         if not 0.0 < coeff < 1.0:
@@ -277,20 +377,37 @@ class ContractiveL2MHA(nn.Module):
             )
         if not 0.0 <= output_dropout < 1.0:
             raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
-        self.coeff, self.norm, self.output_dropout = coeff, _norm_name(norm), output_dropout
-        self.attention = L2MHA(dim, heads, tied=True, dropout=0.0, fused=fused)
+        norm = _norm_name(norm, mixed=True)
+        if norm == "2,inf" and certificate == "thm3.2":
+            raise InputError("Theorem 3.2 has no '2,inf' bound: use certificate='tight'")
+        self.coeff, self.norm, self.output_dropout = coeff, norm, output_dropout
+        self.attention = L2MHA(
+            dim,
+            heads,
+            tied=True,
+            dropout=0.0,
+            fused=fused,
+            certificate=certificate,
+            parametrization=parametrization,
+        )
         self.dim, self.heads = dim, heads
+
+    @property
+    def certificate(self) -> str:
+        """The bound F is divided by: ``"tight"`` or ``"thm3.2"`` (held by :attr:`attention`)."""
+        return self.attention.certificate
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
-        y = self.attention(x, mask, causal)  # validates the input
-        batch, length = x.shape[:2]
-        if self.norm == "inf":
-            n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
-            denominator = self.attention.lipschitz_bound(n, "inf").unsqueeze(-1)
-        else:
-            n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
-            denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
+        with _cached(self.attention):  # the parametrised W^Q once for F and its bound
+            y = self.attention(x, mask, causal)  # validates the input
+            batch, length = x.shape[:2]
+            if self.norm == "2":
+                n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
+                denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
+            else:  # inf and 2,inf: block row i by the bound for its own n_i (App. G)
+                n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
+                denominator = self.attention.lipschitz_bound(n, self.norm).unsqueeze(-1)
         y = self.coeff * y / denominator
         return self._classic_dropout(y)
 
@@ -316,11 +433,11 @@ class ContractiveL2MHA(nn.Module):
     def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
         """Certified Lipschitz constant of f for sets of ``n`` elements.
 
-        In the module's own norm this is ``coeff``. In the other norm, f = S F with S diagonal,
+        In the module's own norm this is ``coeff``. In another norm, f = S F with S diagonal,
         ||S||_p <= coeff / bound_own(1) (the bound grows with N), so
         Lip_other(f) <= coeff * bound_other(n) / bound_own(1): valid, though loose.
         """
-        norm = self.norm if norm is None else _norm_name(norm)
+        norm = self.norm if norm is None else _norm_name(norm, mixed=True)
         w = self.attention.w_q
         coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
         if norm == self.norm:

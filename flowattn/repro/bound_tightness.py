@@ -75,7 +75,7 @@ def identity_l2_attention(dim: int = 1, heads: int = 1, dtype=torch.float64) -> 
 
     Examples:
         >>> attn = identity_l2_attention()
-        >>> round(attn.lipschitz_bound(2).item(), 6)  # 4 W0(1/e) + 1
+        >>> round(attn.lipschitz_bound(2, method="thm3.2").item(), 6)  # 4 W0(1/e) + 1
         2.113858
     """
     attn = L2MHA(dim, heads, tied=True).to(dtype)
@@ -177,7 +177,7 @@ def maximise_row_jacobian_norm(
 def printed_bound(attn: L2MHA, n: int) -> float:
     """Thm 3.2 as printed, with W0(N/e) for phi^{-1}(N-1): valid, slightly looser."""
     with torch.no_grad():
-        exact = float(attn.lipschitz_bound(n, "inf"))
+        exact = float(attn.lipschitz_bound(n, "inf", method="thm3.2"))
     inv_d = attn.head_dim**-0.5
     w_exact = float(lambertw0(torch.tensor((n - 1) / math.e, dtype=torch.float64)))
     w_printed = float(lambertw0(torch.tensor(n / math.e, dtype=torch.float64)))
@@ -212,7 +212,7 @@ def run_bound_tightness(
         order = torch.argsort(best, descending=True)
         top = [float(best[k]) for k in order[: config.top]]
         with torch.no_grad():
-            upper = float(attn.lipschitz_bound(n, "inf"))
+            upper = float(attn.lipschitz_bound(n, "inf", method="thm3.2"))
         row = {
             "n": n,
             "upper_bound": upper,

@@ -105,7 +105,7 @@ def run_dp_divergence(
     generator = torch.Generator().manual_seed(config.seed)
     modules = {k: make_attention(k, config.dim, config.heads, generator) for k in ("dp", "l2")}
     with torch.no_grad():
-        l2_bound = float(modules["l2"].lipschitz_bound(config.n, "inf"))
+        l2_bound = float(modules["l2"].lipschitz_bound(config.n, "inf", method="thm3.2"))
     rows, traces, restarts = [], {}, []
     for r in range(config.restarts):
         c = 10 * torch.rand((), generator=generator, dtype=torch.float64)
