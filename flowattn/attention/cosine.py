@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
 from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
+from .kernels import attend
 from .l2 import square_weight
 from .masking import attention_mask, masked_softmax, zero_padded
 from .projections import Projection
@@ -84,7 +84,7 @@ class ScaledCosineMHA(nn.Module):
         """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
         mask = check_sets(x, mask, self.dim)
         q, k, v = (self._normalised_heads(x, w) for w in (self.w_q, self.w_k, self.w_v))
-        heads = F.scaled_dot_product_attention(
+        heads = attend(
             q,
             k,
             v,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import math
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
 from ..validation import check_sets
+from .kernels import attend
 from .masking import attention_mask, masked_softmax, zero_padded
 from .projections import Projection
 
@@ -36,7 +36,9 @@ class DotProductMHA(nn.Module):
     It is **not** Lipschitz (Kim et al. 2021, Thm 3.1): with x_i = 0 the Jacobian block
     d f_i / d x_i grows with the variance of the other inputs. It is the baseline every
     Lipschitz variant is compared with. Computed by
-    :func:`torch.nn.functional.scaled_dot_product_attention` (fused kernels where available).
+    :func:`~flowattn.attention.kernels.attend`: the fused kernels of
+    :func:`torch.nn.functional.scaled_dot_product_attention` where available, differentiable to
+    any order.
 
     Arguments:
         dim: model width D.
@@ -69,7 +71,7 @@ class DotProductMHA(nn.Module):
         """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
         mask = check_sets(x, mask, self.dim)
         q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
-        heads = F.scaled_dot_product_attention(
+        heads = attend(
             q,
             k,
             v,

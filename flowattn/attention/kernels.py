@@ -1,29 +1,169 @@
-"""Choice of attention kernel: fused for speed, or one that can be differentiated twice."""
+"""The attention kernel every module calls: fused for speed, differentiable any number of times.
+
+:func:`attend` computes softmax(scale Q K^T) V (with a boolean or causal mask) like
+:func:`torch.nn.functional.scaled_dot_product_attention`, and takes the same arguments. PyTorch's
+fused kernels have no double backward and no forward-mode derivative, so on its own SDPA breaks
+Jacobian penalties, ``jacobian(..., create_graph=True)`` followed by a backward,
+``torch.func.jacrev`` / ``hessian`` and the log-det and divergence estimators of the flows.
+:func:`attend` keeps the fused kernel where it is safe and nothing is lost:
+
+* no gradient is being recorded: the fused kernel, nothing else;
+* gradients are recorded: the fused kernel inside a :class:`torch.autograd.Function` whose
+  first-order backward is the fused kernel's own backward, and whose backward *with*
+  ``create_graph=True`` (a derivative that will be differentiated again) is the attention
+  vector-Jacobian product written with differentiable operations, so it can be differentiated
+  again, to any order;
+* under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``, ``hessian``),
+  inside a forward-mode AD level (``torch.autograd.forward_ad``), or with attention dropout
+  active: the composite formula itself, built from differentiable, batchable operations (the
+  fused CPU kernel does no dropout either).
+
+The three give the same function; the tests hold the composite forward and backward to the
+fused ones in float64, and the second derivatives to finite differences (``gradgradcheck``).
+"""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+import math
 
-from torch.nn.attention import SDPBackend, sdpa_kernel
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.autograd import forward_ad
 
-__all__ = ["twice_differentiable"]
+__all__ = ["attend", "composite_attention"]
 
 
-def twice_differentiable() -> AbstractContextManager:
-    """Context in which every attention module can be differentiated twice.
+def _keep_graph() -> bool:
+    """Whether the backward pass running now was asked to keep its graph (``retain_graph``)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
 
-    The fused CPU kernels of :func:`torch.nn.functional.scaled_dot_product_attention` have no
-    double backward. Anything that differentiates a derivative -- the Jacobian-norm optimisation
-    of :func:`flowattn.lipschitz.lipschitz_lower_bound`, training through Hutchinson log-det
-    estimators or CNF divergences -- runs the attention under this context, which selects
-    PyTorch's composite ("math") backend: the same function, built from differentiable ops.
+
+def _transformed() -> bool:
+    """A ``torch.func`` transform or a forward-mode AD level is active."""
+    return torch._C._are_functorch_transforms_active() or forward_ad._current_level >= 0
+
+
+def _probabilities(
+    q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool, scale: float
+) -> Tensor:
+    logits = (q @ k.transpose(-2, -1)) * scale
+    if is_causal:
+        length, keys = q.shape[-2], k.shape[-2]
+        causal = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
+        attn_mask = causal if attn_mask is None else attn_mask & causal
+    if attn_mask is not None:
+        logits = logits.masked_fill(~attn_mask, -math.inf)
+    return torch.softmax(logits, dim=-1)
+
+
+def composite_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """softmax(scale Q K^T) V from differentiable operations: the reference for :func:`attend`.
+
+    ``attn_mask`` is boolean, True where a query may attend to a key; ``dropout_p`` drops
+    attention weights (inverted dropout). Arguments as in
+    :func:`torch.nn.functional.scaled_dot_product_attention`.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    p = _probabilities(q, k, attn_mask, is_causal, scale)
+    if dropout_p > 0.0:
+        p = F.dropout(p, dropout_p)
+    return p @ v
+
+
+def _attention_vjp(q, k, v, grad, attn_mask, is_causal, scale, needs):
+    """(dL/dq, dL/dk, dL/dv) of softmax(scale q k^T) v from dL/d(out), by differentiable
+    operations (recomputing the attention matrix), so that it can be differentiated again."""
+    p = _probabilities(q, k, attn_mask, is_causal, scale)
+    dq = dk = dv = None
+    if needs[2]:
+        dv = (p.transpose(-2, -1) @ grad).sum_to_size(v.shape)
+    if needs[0] or needs[1]:
+        dp = grad @ v.transpose(-2, -1)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale  # softmax backward
+        if needs[0]:
+            dq = (ds @ k).sum_to_size(q.shape)
+        if needs[1]:
+            dk = (ds.transpose(-2, -1) @ q).sum_to_size(k.shape)
+    return dq, dk, dv
+
+
+class _FusedAttention(torch.autograd.Function):
+    """Fused SDPA forward; fused first-order backward; differentiable backward when the
+    backward itself is recorded (``create_graph=True``)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale):
+        # The fused kernel's own graph, on detached copies: its backward is the fused one.
+        leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
+        with torch.enable_grad():
+            out = F.scaled_dot_product_attention(
+                *leaves, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+            )
+        ctx.fused = (out, leaves)
+        ctx.save_for_backward(q, k, v)
+        ctx.attn_mask, ctx.is_causal = attn_mask, is_causal
+        ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        return out.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        needs = ctx.needs_input_grad[:3]
+        keep = _keep_graph()
+        if ctx.fused is None:
+            raise RuntimeError(
+                "Trying to backward through the attention a second time: pass "
+                "retain_graph=True to the first backward"
+            )
+        if torch.is_grad_enabled() or _transformed():  # the backward is being differentiated
+            q, k, v = ctx.saved_tensors
+            grads = _attention_vjp(q, k, v, grad, ctx.attn_mask, ctx.is_causal, ctx.scale, needs)
+        else:
+            out, leaves = ctx.fused
+            wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
+            found = iter(torch.autograd.grad(out, wanted, grad, retain_graph=keep))
+            grads = tuple(next(found) if need else None for need in needs)
+        if not keep:
+            ctx.fused = None  # frees the kernel's saved tensors now, as SDPA itself would
+        return (*grads, None, None, None)
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+) -> Tensor:
+    """softmax(scale Q K^T) V: the fused kernel, differentiable to any order.
+
+    Arguments and result as in :func:`torch.nn.functional.scaled_dot_product_attention`
+    (``attn_mask`` boolean, True where a query may attend to a key; ``scale`` defaults to
+    1/sqrt(d)). The first-order forward and backward are those of the fused kernel; see the
+    module's description for what runs when a derivative is differentiated.
 
     Examples:
-        >>> from flowattn.attention import L2MHA
-        >>> attn = L2MHA(8, 2)
-        >>> x = torch.randn(1, 3, 8, requires_grad=True)
-        >>> with twice_differentiable():
-        ...     (g,) = torch.autograd.grad(attn(x).sum(), x, create_graph=True)
-        ...     g.sum().backward()
+        >>> q = torch.randn(1, 2, 3, 4, dtype=torch.float64, requires_grad=True)
+        >>> (g,) = torch.autograd.grad(attend(q, q, q).sum(), q, create_graph=True)
+        >>> (h,) = torch.autograd.grad(g.pow(2).sum(), q)  # a second derivative
+        >>> h.shape
+        torch.Size([1, 2, 3, 4])
     """
-    return sdpa_kernel([SDPBackend.MATH])
+    if dropout_p > 0.0 or _transformed():
+        return composite_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FusedAttention.apply(q, k, v, attn_mask, is_causal, scale)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale
+    )

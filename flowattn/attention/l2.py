@@ -13,6 +13,7 @@ from ..errors import InputError
 from ..lipschitz import _norm_name, l2_attention_bound
 from ..validation import check_sets
 from .dot_product import merge_heads, split_heads
+from .kernels import attend
 from .masking import attention_mask, keys_per_row, masked_mean, masked_softmax, zero_padded
 from .projections import Projection
 
@@ -140,7 +141,7 @@ class L2MHA(nn.Module):
         q_aug = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
         k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)
         allowed = None if mask is None else attention_mask(mask, causal, x.shape[1], x.device)
-        heads = F.scaled_dot_product_attention(
+        heads = attend(
             q_aug,
             k_aug,
             v,

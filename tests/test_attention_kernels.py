@@ -1,0 +1,204 @@
+"""flowattn.attention.kernels: the fused kernel, differentiable to any order without a setting."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.autograd import forward_ad
+
+from flowattn.attention import (
+    L2MHA,
+    ContractiveL2MHA,
+    DotProductMHA,
+    ScaledCosineMHA,
+    cosine,
+    dot_product,
+    l2,
+)
+from flowattn.attention.kernels import attend, composite_attention
+
+DIM, HEADS = 4, 2
+MODULES = [
+    (DotProductMHA, {}),
+    (L2MHA, {}),
+    (L2MHA, {"tied": False}),
+    (ContractiveL2MHA, {}),
+    (ScaledCosineMHA, {}),
+]
+NAMES = ["dp", "l2", "l2-untied", "contractive", "cosine"]
+CASES = pytest.mark.parametrize("causal,masked", [(False, False), (True, False), (False, True),
+                                                  (True, True)])
+
+
+def make(cls, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return cls(DIM, HEADS, **kwargs).double()
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def padding(masked):
+    return torch.tensor([[True, True, False], [True, True, True]]) if masked else None
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """Replace the kernel every module calls: ``kernel(fn)`` (the modules look it up by name)."""
+
+    def use(fn):
+        for namespace in (dot_product, l2, cosine):
+            monkeypatch.setattr(namespace, "attend", fn)
+
+    return use
+
+
+def penalty_gradients(module, x, mask, causal, how):
+    """Gradients, in x and every parameter, of a Jacobian penalty ||J||^2 (or ||J^T w||^2)."""
+    xg = x.clone().requires_grad_()
+    weights = randn(*x.shape, seed=9)
+    if how == "grad":
+        (g,) = torch.autograd.grad((module(xg, mask, causal) * weights).sum(), xg,
+                                   create_graph=True)
+        penalty = g.pow(2).sum()
+    else:
+        jac = torch.autograd.functional.jacobian(lambda z: module(z, mask, causal), xg,
+                                                 create_graph=True)
+        penalty = jac.pow(2).sum()
+    return torch.autograd.grad(penalty, [xg, *module.parameters()], materialize_grads=True)
+
+
+# ----------------------------------------------------------------------------- second derivatives
+
+
+@pytest.mark.parametrize("cls,kwargs", MODULES, ids=NAMES)
+@CASES
+def test_every_module_passes_gradcheck_and_gradgradcheck_without_a_context(
+    cls, kwargs, causal, masked
+):
+    module = make(cls, **kwargs)
+    x = randn(2, 3, DIM, seed=1).requires_grad_()
+    mask = padding(masked)
+
+    def f(z):
+        return module(z, mask, causal)
+
+    assert torch.autograd.gradcheck(f, (x,))
+    assert torch.autograd.gradgradcheck(f, (x,))
+
+
+@pytest.mark.parametrize("cls,kwargs", MODULES, ids=NAMES)
+@pytest.mark.parametrize("how", ["grad", "jacobian"])
+@CASES
+def test_second_derivatives_equal_those_of_the_composite_path(
+    cls, kwargs, how, causal, masked, kernel
+):
+    module = make(cls, seed=2, **kwargs)
+    x, mask = randn(2, 3, DIM, seed=2) * 2, padding(masked)
+    fused = penalty_gradients(module, x, mask, causal, how)
+    kernel(composite_attention)  # PyTorch's kernels out of the way: the plain formula
+    reference = penalty_gradients(module, x, mask, causal, how)
+    for a, b in zip(fused, reference, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    if cls is L2MHA:  # and the literal formulas of the reference path
+        module.fused = False
+        literal = penalty_gradients(module, x, mask, causal, how)
+        for a, b in zip(fused, literal, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated")  # inside torch.func
+@pytest.mark.parametrize("cls,kwargs", MODULES, ids=NAMES)
+@pytest.mark.parametrize("causal", [False, True])
+def test_func_jacrev_and_hessian_agree_with_finite_differences(cls, kwargs, causal):
+    module = make(cls, seed=3, **kwargs)
+    x = randn(1, 3, DIM, seed=3)
+    weights = randn(1, 3, DIM, seed=4)
+
+    def f(z):
+        return module(z, None, causal)
+
+    def s(z):
+        return (f(z) * weights).sum()
+
+    def gradient(z):  # first order, through the fused kernel
+        z = z.clone().requires_grad_()
+        return torch.autograd.grad(s(z), z)[0]
+
+    jac = torch.func.jacrev(f)(x).reshape(x.numel(), x.numel())
+    hess = torch.func.hessian(s)(x).reshape(x.numel(), x.numel())
+    h = 1e-6
+    for i in range(x.numel()):
+        e = torch.zeros(x.numel(), dtype=x.dtype)
+        e[i] = h
+        e = e.reshape(x.shape)
+        fd_jac = ((f(x + e) - f(x - e)) / (2 * h)).flatten()
+        fd_hess = ((gradient(x + e) - gradient(x - e)) / (2 * h)).flatten()
+        torch.testing.assert_close(jac[:, i], fd_jac, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(hess[:, i], fd_hess, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(hess, hess.t(), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("cls,kwargs", MODULES, ids=NAMES)
+def test_forward_mode_derivatives_agree_with_finite_differences(cls, kwargs):
+    module = make(cls, seed=5, **kwargs)
+    x, tangent, mask = randn(2, 3, DIM, seed=5), randn(2, 3, DIM, seed=6), padding(True)
+    with forward_ad.dual_level():
+        jvp = forward_ad.unpack_dual(module(forward_ad.make_dual(x, tangent), mask)).tangent
+    h = 1e-6
+    fd = (module(x + h * tangent, mask) - module(x - h * tangent, mask)) / (2 * h)
+    torch.testing.assert_close(jvp, fd, rtol=1e-6, atol=1e-8)
+
+
+def test_attention_dropout_in_training_is_twice_differentiable():
+    module = make(L2MHA, seed=7, dropout=0.3).train()
+    x = randn(2, 5, DIM, seed=7).requires_grad_()
+    (g,) = torch.autograd.grad(module(x).sum(), x, create_graph=True)
+    (gg,) = torch.autograd.grad(g.pow(2).sum(), x)
+    assert torch.isfinite(gg).all() and gg.abs().sum() > 0
+
+
+# ----------------------------------------------------------------------------- first order
+
+
+@pytest.mark.parametrize("cls,kwargs", MODULES, ids=NAMES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@CASES
+def test_first_order_is_the_fused_kernel_bit_for_bit(cls, kwargs, dtype, causal, masked, kernel):
+    module = make(cls, seed=8, **kwargs).to(dtype)
+    x, mask = randn(2, 3, DIM, seed=8).to(dtype), padding(masked)
+    results = []
+    for fn in (attend, F.scaled_dot_product_attention):
+        kernel(fn)
+        module.zero_grad()
+        xg = x.clone().requires_grad_()
+        y = module(xg, mask, causal)
+        (y * randn(2, 3, DIM, seed=9).to(dtype)).sum().backward()
+        results.append([y, xg.grad, *(p.grad for p in module.parameters())])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_kernel_graph_is_freed_after_backward_and_kept_when_asked():
+    q, k, v = (randn(1, 2, 5, 3, seed=s).requires_grad_() for s in range(3))
+    kept = attend(q, k, v)
+    first = torch.autograd.grad(kept.sum(), (q, k, v), retain_graph=True)
+    assert kept.grad_fn.fused is not None  # the node of the fused kernel, with its buffers
+    second = torch.autograd.grad(kept.sum(), (q, k, v))
+    for a, b in zip(first, second, strict=True):
+        assert torch.equal(a, b)
+    assert kept.grad_fn.fused is None  # released as SDPA's own buffers would be
+    freed = attend(q, k, v)
+    freed.sum().backward()
+    assert freed.grad_fn.fused is None
+    with pytest.raises(RuntimeError, match="second time"):
+        freed.sum().backward()
+
+
+def test_without_gradients_the_kernel_is_pytorchs_own():
+    q = randn(1, 2, 5, 3).requires_grad_()
+    with torch.no_grad():
+        y = attend(q, q, q)
+    assert y.grad_fn is None
+    torch.testing.assert_close(attend(q.detach(), q.detach(), q.detach()), y, rtol=0, atol=0)
+    torch.testing.assert_close(composite_attention(q, q, q), y, rtol=0, atol=1e-14)
