@@ -202,3 +202,28 @@ def test_without_gradients_the_kernel_is_pytorchs_own():
     assert y.grad_fn is None
     torch.testing.assert_close(attend(q.detach(), q.detach(), q.detach()), y, rtol=0, atol=0)
     torch.testing.assert_close(composite_attention(q, q, q), y, rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize("cls,kwargs", MODULES, ids=NAMES)
+@pytest.mark.parametrize("scale", [100.0, 1e4])
+def test_gradients_stay_accurate_where_the_logits_are_large(cls, kwargs, scale, kernel):
+    # The fused backward's error grows with the logits (direct SDPA, float32 against float64:
+    # 2e-3 for dot-product attention at scale 100, 5e2 at 1e4, 6e13 for L2); above its bound
+    # attend uses the composite VJP, whose float32 error is that of the float32 forward itself.
+    def gradients(fn, dtype=torch.float32):
+        kernel(fn)
+        module = make(cls, seed=10, **kwargs).float().to(dtype)  # the same weights
+        x = (randn(2, 16, DIM, seed=10) * scale).float().to(dtype).requires_grad_()
+        (module(x) * randn(2, 16, DIM, seed=11).to(dtype)).sum().backward()
+        return [x.grad, *(p.grad for p in module.parameters())]
+
+    exact = gradients(composite_attention, torch.float64)
+
+    def error(fn):
+        grads = gradients(fn)
+        return max(((a.double() - b).norm() / b.norm()).item()
+                   for a, b in zip(grads, exact, strict=True) if b.norm() > 0)
+
+    assert error(attend) <= 1.5 * error(composite_attention) + 1e-6
+    if scale == 1e4 and cls is not ScaledCosineMHA:  # (cosine logits are at most tau)
+        assert error(F.scaled_dot_product_attention) > 1.0

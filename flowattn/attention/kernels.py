@@ -12,7 +12,9 @@ Jacobian penalties, ``jacobian(..., create_graph=True)`` followed by a backward,
   first-order backward is the fused kernel's own backward, and whose backward *with*
   ``create_graph=True`` (a derivative that will be differentiated again) is the attention
   vector-Jacobian product written with differentiable operations, so it can be differentiated
-  again, to any order;
+  again, to any order. That composite backward also serves where the logits are so large that
+  the fused backward would be inaccurate (see :func:`_fused_backward_is_accurate`): its error
+  grows with the logits, the composite one's does not;
 * under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``, ``hessian``),
   inside a forward-mode AD level (``torch.autograd.forward_ad``), or with attention dropout
   active: the composite formula itself, built from differentiable, batchable operations (the
@@ -97,6 +99,24 @@ def _attention_vjp(q, k, v, grad, attn_mask, is_causal, scale, needs):
     return dq, dk, dv
 
 
+def _fused_backward_is_accurate(q: Tensor, k: Tensor, scale: float) -> bool:
+    """Whether the logits scale q.k are small enough for the fused backward.
+
+    The fused backward rebuilds the attention matrix from the log-sum-exp of each row saved by
+    the forward pass, whose rounding error grows with the logits: the gradient's relative
+    error is about max|logit| times the kernel's machine epsilon (float32 for float32, bfloat16
+    and float16 inputs). Beyond a bound of 2^-13 / epsilon on the logits (1024 in float32:
+    errors up to about 1e-4), the composite vector-Jacobian product, exact to rounding at any
+    scale, is used instead. The bound sum_c max_i |q_ic| max_j |k_jc| is computed per set and
+    head; NaN also selects the composite path.
+    """
+    q_max = q.detach().abs().amax(dim=-2)
+    k_max = k.detach().abs().amax(dim=-2)
+    bound = scale * (q_max * k_max).sum(-1).amax()
+    eps = torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32).eps
+    return bool(bound <= 2.0**-13 / eps)
+
+
 class _FusedAttention(torch.autograd.Function):
     """Fused SDPA forward; fused first-order backward; differentiable backward when the
     backward itself is recorded (``create_graph=True``)."""
@@ -124,8 +144,12 @@ class _FusedAttention(torch.autograd.Function):
                 "Trying to backward through the attention a second time: pass "
                 "retain_graph=True to the first backward"
             )
-        if torch.is_grad_enabled() or _transformed():  # the backward is being differentiated
-            q, k, v = ctx.saved_tensors
+        q, k, v = ctx.saved_tensors
+        if (
+            torch.is_grad_enabled()  # the backward is being differentiated
+            or _transformed()
+            or not _fused_backward_is_accurate(q, k, ctx.scale)
+        ):
             grads = _attention_vjp(q, k, v, grad, ctx.attn_mask, ctx.is_causal, ctx.scale, needs)
         else:
             out, leaves = ctx.fused
