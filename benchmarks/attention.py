@@ -16,6 +16,7 @@ SDPA backend, the only twice-differentiable kernel before ``attend``.
     python benchmarks/attention.py --threads 1     # one intra-op thread
     python benchmarks/attention.py --quick         # a fast smoke run
     python benchmarks/attention.py --second-order  # grad of grad: attend vs the math backend
+    python benchmarks/attention.py --shape 4 32 32 4  # one shape of your own (B, N, D, H)
 """
 
 from __future__ import annotations
@@ -130,6 +131,8 @@ def main() -> None:
     parser.add_argument("--min-run-time", type=float, default=1.0)
     parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="one short round, small shapes")
+    parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "N", "D", "H"),
+                        help="time this shape instead of the default ones")
     parser.add_argument("--second-order", action="store_true",
                         help="time a gradient of a gradient (Jacobian penalty) instead")
     args = parser.parse_args()
@@ -137,6 +140,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     shapes = [(4, 32, 32, 4)] if args.quick else SHAPES
+    if args.shape:
+        shapes = [tuple(args.shape)]
     rounds, min_run_time = (1, 0.05) if args.quick else (args.rounds, args.min_run_time)
     device_name = (
         torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()

@@ -14,7 +14,7 @@ Jacobian penalties, ``jacobian(..., create_graph=True)`` followed by a backward,
   vector-Jacobian product written with differentiable operations, so it can be differentiated
   again, to any order. That composite backward also serves where the logits are so large that
   the fused backward would be inaccurate (see :func:`_fused_backward_is_accurate`): its error
-  grows with the logits, the composite one's does not;
+  grows with the rows' log-sum-exp, the composite one's does not;
 * under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``, ``hessian``),
   inside a forward-mode AD level (``torch.autograd.forward_ad``), or with attention dropout
   active: the composite formula itself, built from differentiable, batchable operations (the
@@ -99,22 +99,22 @@ def _attention_vjp(q, k, v, grad, attn_mask, is_causal, scale, needs):
     return dq, dk, dv
 
 
-def _fused_backward_is_accurate(q: Tensor, k: Tensor, scale: float) -> bool:
-    """Whether the logits scale q.k are small enough for the fused backward.
+def _fused_backward_is_accurate(out: Tensor) -> bool:
+    """Whether the fused backward of the kernel that produced ``out`` is accurate.
 
-    The fused backward rebuilds the attention matrix from the log-sum-exp of each row saved by
-    the forward pass, whose rounding error grows with the logits: the gradient's relative
-    error is about max|logit| times the kernel's machine epsilon (float32 for float32, bfloat16
-    and float16 inputs). Beyond a bound of 2^-13 / epsilon on the logits (1024 in float32:
-    errors up to about 1e-4), the composite vector-Jacobian product, exact to rounding at any
-    scale, is used instead. The bound sum_c max_i |q_ic| max_j |k_jc| is computed per set and
-    head; NaN also selects the composite path.
+    PyTorch's fused backward rebuilds the attention matrix as exp(logit - lse) from the
+    log-sum-exp lse of each row that its forward pass saved, and lse is rounded to the
+    kernel's precision: the gradient's relative error is about max|lse| times the kernel's
+    machine epsilon (float32 for float32, bfloat16 and float16 inputs). Above
+    max|lse| = 2^-13 / epsilon (1024 in float32: errors up to about 1e-4) the composite
+    vector-Jacobian product, exact to rounding at any scale, is used instead; NaN selects it
+    too. A kernel that saves no log-sum-exp (PyTorch's composite one) is accurate already.
     """
-    q_max = q.detach().abs().amax(dim=-2)
-    k_max = k.detach().abs().amax(dim=-2)
-    bound = scale * (q_max * k_max).sum(-1).amax()
-    eps = torch.finfo(torch.float64 if q.dtype == torch.float64 else torch.float32).eps
-    return bool(bound <= 2.0**-13 / eps)
+    lse = getattr(out.grad_fn, "_saved_logsumexp", None)
+    if not isinstance(lse, Tensor):
+        return True
+    eps = torch.finfo(torch.float64 if lse.dtype == torch.float64 else torch.float32).eps
+    return bool(lse.abs().amax() <= 2.0**-13 / eps)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -144,15 +144,15 @@ class _FusedAttention(torch.autograd.Function):
                 "Trying to backward through the attention a second time: pass "
                 "retain_graph=True to the first backward"
             )
-        q, k, v = ctx.saved_tensors
+        out, leaves = ctx.fused
         if (
             torch.is_grad_enabled()  # the backward is being differentiated
             or _transformed()
-            or not _fused_backward_is_accurate(q, k, ctx.scale)
+            or not _fused_backward_is_accurate(out)
         ):
+            q, k, v = ctx.saved_tensors
             grads = _attention_vjp(q, k, v, grad, ctx.attn_mask, ctx.is_causal, ctx.scale, needs)
         else:
-            out, leaves = ctx.fused
             wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
             found = iter(torch.autograd.grad(out, wanted, grad, retain_graph=keep))
             grads = tuple(next(found) if need else None for need in needs)
