@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.autograd import forward_ad
+from torch.nn.attention import SDPBackend
 
 __all__ = ["attend", "composite_attention"]
 
@@ -99,8 +100,9 @@ def _attention_vjp(q, k, v, grad, attn_mask, is_causal, scale, needs):
     return dq, dk, dv
 
 
-def _fused_backward_is_accurate(out: Tensor) -> bool:
-    """Whether the fused backward of the kernel that produced ``out`` is accurate.
+def _fused_backward_is_accurate(lse: Tensor | None) -> bool:
+    """Whether the fused backward of a kernel that saved the row log-sum-exps ``lse`` is
+    accurate.
 
     PyTorch's fused backward rebuilds the attention matrix as exp(logit - lse) from the
     log-sum-exp lse of each row that its forward pass saved, and lse is rounded to the
@@ -110,20 +112,53 @@ def _fused_backward_is_accurate(out: Tensor) -> bool:
     vector-Jacobian product, exact to rounding at any scale, is used instead; NaN selects it
     too. A kernel that saves no log-sum-exp (PyTorch's composite one) is accurate already.
     """
-    lse = getattr(out.grad_fn, "_saved_logsumexp", None)
-    if not isinstance(lse, Tensor):
+    if lse is None:
         return True
-    eps = torch.finfo(torch.float64 if lse.dtype == torch.float64 else torch.float32).eps
-    return bool(lse.abs().amax() <= 2.0**-13 / eps)
+    low, high = torch.aminmax(lse)
+    limit = _LSE_LIMIT_FLOAT64 if lse.dtype == torch.float64 else _LSE_LIMIT
+    return -limit <= low.item() and high.item() <= limit  # (False for NaN)
+
+
+_LSE_LIMIT = 2.0**-13 / torch.finfo(torch.float32).eps
+_LSE_LIMIT_FLOAT64 = 2.0**-13 / torch.finfo(torch.float64).eps
+
+
+_FLASH = int(SDPBackend.FLASH_ATTENTION)
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal: bool, scale) -> bool:
+    """SDPA would run these inputs on its fused CPU kernel (flash attention for CPU)."""
+    return q.device.type == "cpu" and int(
+        torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
+    ) == _FLASH
 
 
 class _FusedAttention(torch.autograd.Function):
     """Fused SDPA forward; fused first-order backward; differentiable backward when the
-    backward itself is recorded (``create_graph=True``)."""
+    backward itself is recorded (``create_graph=True``) or the fused one would be inaccurate.
+
+    On the CPU the fused kernel's forward and backward operators are called directly, as SDPA
+    calls them (the boolean mask made additive as SDPA makes it), so first-order results are
+    SDPA's bit for bit. Any other kernel runs inside the forward with its own graph, on
+    detached copies of q, k, v, and its backward is that graph's.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, is_causal, scale):
-        # The fused kernel's own graph, on detached copies: its backward is the fused one.
+        ctx.attn_mask, ctx.is_causal, ctx.scale_arg = attn_mask, is_causal, scale
+        ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+        ctx.fused = None
+        if _cpu_flash(q, k, v, attn_mask, is_causal, scale):
+            additive = None
+            if attn_mask is not None:
+                additive = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
+                additive = additive.masked_fill(~attn_mask, -math.inf)
+            out, lse = _FLASH_CPU(q, k, v, 0.0, is_causal, attn_mask=additive, scale=scale)
+            ctx.additive = additive
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
         leaves = [t.detach().requires_grad_(t.requires_grad) for t in (q, k, v)]
         with torch.enable_grad():
             out = F.scaled_dot_product_attention(
@@ -131,33 +166,37 @@ class _FusedAttention(torch.autograd.Function):
             )
         ctx.fused = (out, leaves)
         ctx.save_for_backward(q, k, v)
-        ctx.attn_mask, ctx.is_causal = attn_mask, is_causal
-        ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         return out.detach()
 
     @staticmethod
     def backward(ctx, grad):
         needs = ctx.needs_input_grad[:3]
-        keep = _keep_graph()
-        if ctx.fused is None:
-            raise RuntimeError(
-                "Trying to backward through the attention a second time: pass "
-                "retain_graph=True to the first backward"
-            )
-        out, leaves = ctx.fused
+        q, k, v, *saved = ctx.saved_tensors  # (raises if a backward already freed them)
+        if ctx.fused is None:  # the CPU kernel, called directly
+            out, lse = saved
+        else:
+            out, leaves = ctx.fused
+            lse = getattr(out.grad_fn, "_saved_logsumexp", None)
         if (
             torch.is_grad_enabled()  # the backward is being differentiated
             or _transformed()
-            or not _fused_backward_is_accurate(out)
+            or not _fused_backward_is_accurate(lse if isinstance(lse, Tensor) else None)
         ):
-            q, k, v = ctx.saved_tensors
             grads = _attention_vjp(q, k, v, grad, ctx.attn_mask, ctx.is_causal, ctx.scale, needs)
+        elif ctx.fused is None:
+            grads = _FLASH_CPU_BACKWARD(
+                grad, q, k, v, out, lse, 0.0, ctx.is_causal, attn_mask=ctx.additive,
+                scale=ctx.scale_arg,
+            )
+            if not all(needs):
+                grads = tuple(g if need else None for g, need in zip(grads, needs, strict=True))
         else:
+            keep = _keep_graph()
             wanted = [t for t, need in zip(leaves, needs, strict=True) if need]
             found = iter(torch.autograd.grad(out, wanted, grad, retain_graph=keep))
             grads = tuple(next(found) if need else None for need in needs)
-        if not keep:
-            ctx.fused = None  # frees the kernel's saved tensors now, as SDPA itself would
+            if not keep:
+                ctx.fused = None  # frees the kernel's saved tensors, as SDPA itself would
         return (*grads, None, None, None)
 
 

@@ -63,39 +63,48 @@ def _temperature_cap(head_dim: int) -> float:
 
 def _centred_and_scaled(
     q: Tensor, k: Tensor, centre: Tensor, mask: Tensor | None, tied: bool
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Queries and keys (B, H, N, d) centred on ``centre`` and brought into the range where
     squared distances are finite, with the factor that restores the logits.
 
-    Returns (q', k', r, s): q' = (q - centre)/s and k' = (k - centre)/s, with s >= 1 a power of two
-    per set and head, 1 unless some centred coordinate exceeds :func:`square_safe_limit` (then
-    ||k'||^2 and q'.k' would overflow), and r = min(s^2, cap) with ``cap`` from
-    :func:`_temperature_cap`. -r ||q'_i - k'_j||^2 equals the true -||q_i - k_j||^2 whenever
-    s^2 <= cap (every power of two scaling is exact); beyond, the true logits are beyond the
-    dtype's range and their softmax is saturated -- one-hot on the nearest key at every
-    difference the dtype resolves -- which r = cap reproduces. Padded elements' q' and k' are
-    set to 0: their rows are discarded and no present query sees them, so their values must
-    not enter s. s is infinite or NaN where the centring itself overflowed (check it: the
-    kernel may hide the NaN).
+    Returns (q', k', r, s). Where every centred coordinate lies within
+    :func:`square_safe_limit` (all ordinary inputs: one reduction decides), q' = q - centre,
+    k' = k - centre and r = s = None: the plain computation. Otherwise q' = (q - centre)/s and
+    k' = (k - centre)/s, with s >= 1 a power of two per set and head (1 for the sets within the
+    limit), and r = min(s^2, cap) with ``cap`` from :func:`_temperature_cap`.
+    -r ||q'_i - k'_j||^2 equals the true -||q_i - k_j||^2 whenever s^2 <= cap (every power of
+    two scaling is exact); beyond, the true logits are beyond the dtype's range and their
+    softmax is saturated -- one-hot on the nearest key at every difference the dtype
+    resolves -- which r = cap reproduces. Padded elements' q' and k' are set to 0: their rows
+    are discarded and no present query sees them, so their values must not enter s. s is
+    infinite or NaN where the centring itself overflowed (check it: the kernel may hide NaN).
     """
     q = q - centre
     if mask is not None:
         q = torch.where(mask[:, None, :, None], q, 0.0)
-    k = q if tied else k - centre
-    magnitude = q.detach().abs().amax(dim=(-2, -1), keepdim=True)
-    if not tied:
+    if tied:
+        k = q
+    else:
+        k = k - centre
         if mask is not None:
             k = torch.where(mask[:, None, :, None], k, 0.0)
-        magnitude = torch.maximum(magnitude, k.detach().abs().amax(dim=(-2, -1), keepdim=True))
     head_dim = q.shape[-1]
     cap = _temperature_cap(head_dim)
     # float16's range (6.5e4) is too small for the argument above: it keeps s = 1, the plain
     # computation, and where that overflows the module raises NonFiniteError.
     dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
-    s = downscale(magnitude, square_safe_limit(dtype, head_dim + 1, spare=cap))
-    r = torch.clamp(s * s, max=cap)
+    limit = square_safe_limit(dtype, head_dim + 1, spare=cap)
+    largest = q.detach().abs().amax()
+    if not tied:
+        largest = torch.maximum(largest, k.detach().abs().amax())
+    if bool(largest <= limit):  # (False for NaN)
+        return q, k, None, None
+    magnitude = q.detach().abs().amax(dim=(-2, -1), keepdim=True)
+    if not tied:
+        magnitude = torch.maximum(magnitude, k.detach().abs().amax(dim=(-2, -1), keepdim=True))
+    s = downscale(magnitude, limit)
     q = q / s
-    return q, (q if tied else k / s), r, s
+    return q, (q if tied else k / s), torch.clamp(s * s, max=cap), s
 
 
 class L2MHA(nn.Module):
@@ -204,7 +213,9 @@ class L2MHA(nn.Module):
         w_o = F.pad(self.w_o.reshape(h, d, self.dim), (0, 0, 0, 1)).reshape(h * (d + 1), -1)
         centre = _first_present(k, mask) if causal else masked_mean(k, mask, dim=2)
         q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
-        q_aug = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1) * r
+        q_aug = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
+        if r is not None:
+            q_aug = q_aug * r
         k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)
         allowed = None if mask is None else attention_mask(mask, causal, x.shape[1], x.device)
         heads = attend(
@@ -256,7 +267,9 @@ class L2MHA(nn.Module):
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
         q, k, r, scale = _centred_and_scaled(q, k, masked_mean(k, mask, dim=2), mask, self.tied)
         sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
-        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim)) * r
+        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
+        if r is not None:
+            logits = logits * r
         p = masked_softmax(logits, mask, causal)
         return check_output(p, x, "L2MHA", _OVERFLOW_HINT[True], scale)
 
