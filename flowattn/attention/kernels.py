@@ -7,12 +7,14 @@ Jacobian penalties, ``jacobian(..., create_graph=True)`` followed by a backward,
 ``torch.func.jacrev`` / ``hessian`` and the log-det and divergence estimators of the flows.
 :func:`attend` keeps the fused kernel where it is safe and nothing is lost:
 
-* no gradient is being recorded: the fused kernel, nothing else;
+* no gradient is being recorded, or SDPA would run its composite ("math") kernel anyway
+  (which is differentiable to any order): SDPA itself, nothing else;
 * gradients are recorded: the fused kernel inside a :class:`torch.autograd.Function` whose
   first-order backward is the fused kernel's own backward, and whose backward *with*
-  ``create_graph=True`` (a derivative that will be differentiated again) is the attention
-  vector-Jacobian product written with differentiable operations, so it can be differentiated
-  again, to any order. That composite backward also serves where the logits are so large that
+  ``create_graph=True`` (a derivative that will be differentiated again) recomputes the
+  composite formula and differentiates it with PyTorch's own backward formulas, so it can be
+  differentiated again, to any order. That composite backward also serves where the logits
+  are so large that
   the fused backward would be inaccurate (see :func:`_fused_backward_is_accurate`): its error
   grows with the rows' log-sum-exp, the composite one's does not;
 * under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ``jacfwd``, ``hessian``),
@@ -84,20 +86,16 @@ def composite_attention(
 
 
 def _attention_vjp(q, k, v, grad, attn_mask, is_causal, scale, needs):
-    """(dL/dq, dL/dk, dL/dv) of softmax(scale q k^T) v from dL/d(out), by differentiable
-    operations (recomputing the attention matrix), so that it can be differentiated again."""
-    p = _probabilities(q, k, attn_mask, is_causal, scale)
-    dq = dk = dv = None
-    if needs[2]:
-        dv = (p.transpose(-2, -1) @ grad).sum_to_size(v.shape)
-    if needs[0] or needs[1]:
-        dp = grad @ v.transpose(-2, -1)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * scale  # softmax backward
-        if needs[0]:
-            dq = (ds @ k).sum_to_size(q.shape)
-        if needs[1]:
-            dk = (ds.transpose(-2, -1) @ q).sum_to_size(k.shape)
-    return dq, dk, dv
+    """(dL/dq, dL/dk, dL/dv) of softmax(scale q k^T) v from dL/d(out): the composite formula
+    recomputed and differentiated by autograd, with ``create_graph`` when the backward running
+    now is itself being recorded -- PyTorch's own backward formulas, differentiable again."""
+    create = torch.is_grad_enabled()
+    with torch.enable_grad():
+        roles = [t.view_as(t) for t in (q, k, v)]  # one tensor per role, even if q is k
+        out = composite_attention(*roles, attn_mask, 0.0, is_causal, scale)
+    wanted = [t for t, need in zip(roles, needs, strict=True) if need]
+    found = iter(torch.autograd.grad(out, wanted, grad, create_graph=create))
+    return tuple(next(found) if need else None for need in needs)
 
 
 def _fused_backward_is_accurate(lse: Tensor | None) -> bool:
@@ -123,16 +121,9 @@ _LSE_LIMIT = 2.0**-13 / torch.finfo(torch.float32).eps
 _LSE_LIMIT_FLOAT64 = 2.0**-13 / torch.finfo(torch.float64).eps
 
 
-_FLASH = int(SDPBackend.FLASH_ATTENTION)
+_MATH, _FLASH = int(SDPBackend.MATH), int(SDPBackend.FLASH_ATTENTION)
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-
-
-def _cpu_flash(q: Tensor, k: Tensor, v: Tensor, attn_mask, is_causal: bool, scale) -> bool:
-    """SDPA would run these inputs on its fused CPU kernel (flash attention for CPU)."""
-    return q.device.type == "cpu" and int(
-        torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=scale)
-    ) == _FLASH
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -146,11 +137,12 @@ class _FusedAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, attn_mask, is_causal, scale):
+    def forward(ctx, q, k, v, attn_mask, is_causal, scale, direct):
+        # direct: SDPA would pick its fused CPU kernel, whose operators are called here
         ctx.attn_mask, ctx.is_causal, ctx.scale_arg = attn_mask, is_causal, scale
         ctx.scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
         ctx.fused = None
-        if _cpu_flash(q, k, v, attn_mask, is_causal, scale):
+        if direct:
             additive = None
             if attn_mask is not None:
                 additive = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
@@ -197,7 +189,7 @@ class _FusedAttention(torch.autograd.Function):
             grads = tuple(next(found) if need else None for need in needs)
             if not keep:
                 ctx.fused = None  # frees the kernel's saved tensors, as SDPA itself would
-        return (*grads, None, None, None)
+        return (*grads, None, None, None, None)
 
 
 def attend(
@@ -226,7 +218,10 @@ def attend(
     if dropout_p > 0.0 or _transformed():
         return composite_attention(q, k, v, attn_mask, dropout_p, is_causal, scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FusedAttention.apply(q, k, v, attn_mask, is_causal, scale)
+        kernel = int(torch._fused_sdp_choice(q, k, v, attn_mask, 0.0, is_causal, scale=scale))
+        if kernel != _MATH:  # a fused kernel: no double backward of its own
+            direct = kernel == _FLASH and q.device.type == "cpu"
+            return _FusedAttention.apply(q, k, v, attn_mask, is_causal, scale, direct)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale
     )
