@@ -23,6 +23,7 @@ __all__ = [
     "check_sets",
     "check_finite",
     "check_precision",
+    "check_output",
     "trusted_inputs",
     "inputs_trusted",
     "present_counts",
@@ -67,13 +68,42 @@ def inputs_trusted() -> bool:
     return _TRUST.trusted
 
 
-def check_finite(x: Tensor, name: str = "x") -> None:
-    """Raise a ``ValueError`` if ``x`` holds NaN or Inf values."""
+def _all_finite(*tensors: Tensor) -> bool:
     # One reduction answers for the common case: a NaN or Inf makes the sum non-finite. Only
-    # then (or on an overflowing sum) are the values checked one by one.
-    if not torch.isfinite(x.sum()) and not torch.isfinite(x).all():
+    # then are the values checked one by one, so a sum that overflows on huge finite values
+    # (1e38 in float32, 7e4 in float16) is not taken for a NaN or Inf.
+    tensors = tuple(t.detach() for t in tensors)
+    total = sum(t.sum() for t in tensors)
+    return bool(torch.isfinite(total)) or all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def check_finite(x: Tensor, name: str = "x") -> None:
+    """Raise a ``ValueError`` (:class:`~flowattn.errors.NonFiniteError`) if ``x`` holds NaN or
+    Inf values. Finite values are accepted however large."""
+    if not _all_finite(x):
         bad = (~torch.isfinite(x)).sum().item()
         raise NonFiniteError(f"{name} contains {bad} non-finite value(s) (NaN or Inf)")
+
+
+def check_output(
+    y: Tensor, x: Tensor, name: str, cause: str = "", intermediate: Tensor | None = None
+) -> Tensor:
+    """``y``, computed by ``name`` from the finite input ``x``, if it is finite (and so is
+    ``intermediate``, a value whose overflow the rest of the computation could hide).
+
+    Otherwise the computation overflowed (the inputs are checked where they enter), and a
+    :class:`~flowattn.errors.NonFiniteError` says so, with the input's magnitude, the dtype and
+    ``cause``, the likely place, instead of letting NaN or Inf travel on silently.
+    """
+    if _all_finite(y) if intermediate is None else _all_finite(y, intermediate):
+        return y
+    largest = x.detach().abs().amax().item()
+    where = f" ({cause})" if cause else ""
+    raise NonFiniteError(
+        f"{name} overflowed: its output holds NaN or Inf although its input is finite, with "
+        f"values up to {largest:.3g} in {str(x.dtype).removeprefix('torch.')}{where}; scale "
+        "the input down or compute in float64"
+    )
 
 
 def check_sets(

@@ -9,14 +9,14 @@ its attention matrices, ``attention_probabilities(x, mask=None, causal=False)`` 
 projection weight matrices with their roles, ``projections()`` (a list of :class:`Projection`),
 and the kind of its logits, ``similarity``.
 
-The fused CPU attention kernels cannot be differentiated twice: code that differentiates a
-derivative through these modules (Hutchinson log-det training, CNF divergences, Jacobian-norm
-optimisation) runs them inside ``with twice_differentiable():``.
+Every module computes its attention with :func:`~flowattn.attention.kernels.attend`: PyTorch's
+fused kernels where they can serve, and derivatives of every order without any setting --
+double backward, ``torch.autograd.functional.jacobian(..., create_graph=True)``,
+``torch.func.jacrev`` and ``hessian`` (see :mod:`flowattn.attention.kernels`).
 """
 
 from .cosine import ContractiveScaledCosineMHA, ScaledCosineMHA
 from .dot_product import DotProductMHA
-from .kernels import twice_differentiable
 from .l2 import L2MHA, ContractiveL2MHA
 from .projections import Projection
 
@@ -27,5 +27,4 @@ __all__ = [
     "ScaledCosineMHA",
     "ContractiveScaledCosineMHA",
     "Projection",
-    "twice_differentiable",
 ]

@@ -5,15 +5,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
 from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
-from ..validation import check_sets
+from ..validation import check_output, check_sets
 from .dot_product import merge_heads, split_heads
+from .kernels import attend
 from .l2 import square_weight
-from .masking import attention_mask, keys_per_row, masked_softmax, zero_padded
+from .masking import attention_mask, downscale, keys_per_row, masked_softmax, zero_padded
 from .projections import Projection
 
 __all__ = ["ScaledCosineMHA", "ContractiveScaledCosineMHA"]
@@ -84,14 +84,19 @@ class ScaledCosineMHA(nn.Module):
         self.w_v, self.w_o = square_weight(dim), square_weight(dim)
 
     def _normalised_heads(self, x: Tensor, w: Tensor) -> Tensor:
+        # h / sqrt(||h||^2 + eps), with h and eps first divided by the power of two s >= 1 that
+        # brings h's largest coordinate to at most 1. Exact (s is a power of two), and neither
+        # ||h||^2 nor the derivative's (||h||^2 + eps)^(-3/2) over- or underflows at any scale.
         h = split_heads(x @ w, self.heads)
-        return h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + self.eps)
+        s = downscale(h.abs().amax(-1, keepdim=True), 1.0)
+        h = h / s
+        return h * torch.rsqrt(h.pow(2).sum(-1, keepdim=True) + self.eps / s / s)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
         mask = check_sets(x, mask, self.dim)
         q, k, v = (self._normalised_heads(x, w) for w in (self.w_q, self.w_k, self.w_v))
-        heads = F.scaled_dot_product_attention(
+        heads = attend(
             q,
             k,
             v,
@@ -100,7 +105,8 @@ class ScaledCosineMHA(nn.Module):
             is_causal=causal and mask is None,
             scale=self.tau,
         )
-        return zero_padded(self.nu * merge_heads(heads) @ self.w_o, mask)
+        y = zero_padded(self.nu * merge_heads(heads) @ self.w_o, mask)
+        return check_output(y, x, "ScaledCosineMHA", "x W overflows")
 
     def attention_probabilities(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
@@ -117,7 +123,8 @@ class ScaledCosineMHA(nn.Module):
         mask = check_sets(x, mask, self.dim)
         q, k = self._normalised_heads(x, self.w_q), self._normalised_heads(x, self.w_k)
         logits = self.tau * q @ k.transpose(-1, -2)
-        return masked_softmax(logits, mask, causal)
+        return check_output(masked_softmax(logits, mask, causal), x, "ScaledCosineMHA",
+                            "x W overflows")
 
     def projections(self) -> list[Projection]:
         """The raw (D, D) matrices W^Q, W^K, W^V and W^O, applied as x W."""

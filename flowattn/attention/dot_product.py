@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import math
 
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..validation import check_sets
+from ..validation import check_output, check_sets
+from .kernels import attend
 from .masking import attention_mask, masked_softmax, zero_padded
 from .projections import Projection
 
 __all__ = ["DotProductMHA", "split_heads", "merge_heads"]
+
+
+_OVERFLOW_CAUSE = "its logits q.k/sqrt(d) grow with the square of the input's scale"
 
 
 def split_heads(x: Tensor, heads: int) -> Tensor:
@@ -35,8 +38,12 @@ class DotProductMHA(nn.Module):
 
     It is **not** Lipschitz (Kim et al. 2021, Thm 3.1): with x_i = 0 the Jacobian block
     d f_i / d x_i grows with the variance of the other inputs. It is the baseline every
-    Lipschitz variant is compared with. Computed by
-    :func:`torch.nn.functional.scaled_dot_product_attention` (fused kernels where available).
+    Lipschitz variant is compared with. Its logits grow with the square of the input's scale:
+    where they overflow (float32 inputs near 1e19) it raises
+    :class:`~flowattn.errors.NonFiniteError` rather than return NaN. Computed by
+    :func:`~flowattn.attention.kernels.attend`: the fused kernels of
+    :func:`torch.nn.functional.scaled_dot_product_attention` where available, differentiable to
+    any order.
 
     Arguments:
         dim: model width D.
@@ -69,7 +76,7 @@ class DotProductMHA(nn.Module):
         """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
         mask = check_sets(x, mask, self.dim)
         q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
-        heads = F.scaled_dot_product_attention(
+        heads = attend(
             q,
             k,
             v,
@@ -77,7 +84,8 @@ class DotProductMHA(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=causal and mask is None,
         )
-        return zero_padded(self.out(merge_heads(heads)), mask)
+        return check_output(zero_padded(self.out(merge_heads(heads)), mask), x, "DotProductMHA",
+                            _OVERFLOW_CAUSE)
 
     def attention_probabilities(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
@@ -94,7 +102,8 @@ class DotProductMHA(nn.Module):
         mask = check_sets(x, mask, self.dim)
         q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
         logits = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(self.head_dim))
-        return masked_softmax(logits, mask, causal)
+        return check_output(masked_softmax(logits, mask, causal), x, "DotProductMHA",
+                            _OVERFLOW_CAUSE)
 
     def projections(self) -> list[Projection]:
         """The fused query-key-value map ``qkv.weight`` (3D, D) and the output map

@@ -14,9 +14,18 @@ from torch.nn.utils import parametrizations, parametrize
 
 from ..errors import InputError
 from ..lipschitz import CERTIFICATES, _norm_name, l2_attention_bound
-from ..validation import check_sets
+from ..validation import check_output, check_sets
 from .dot_product import merge_heads, split_heads
-from .masking import attention_mask, keys_per_row, masked_mean, masked_softmax, zero_padded
+from .kernels import attend
+from .masking import (
+    attention_mask,
+    downscale,
+    keys_per_row,
+    masked_mean,
+    masked_softmax,
+    square_safe_limit,
+    zero_padded,
+)
 from .projections import Projection
 
 __all__ = ["L2MHA", "ContractiveL2MHA"]
@@ -66,6 +75,65 @@ def _first_present(k: Tensor, mask: Tensor | None) -> Tensor:
     return k.gather(2, index)
 
 
+_OVERFLOW_HINT = {
+    True: "x W, the values x A W^V (x W^V untied) or the mean key overflow",
+    False: "the literal squared distances of the reference path (fused=False) overflow; the "
+    "fused path scales them down",
+}
+
+
+def _temperature_cap(head_dim: int) -> float:
+    """The largest factor r (a power of two, at most 2 sqrt(d)) by which the scaled-down logits
+    of :func:`_centred_and_scaled` may be multiplied back without overflowing."""
+    return 2.0 ** math.floor(math.log2(2.0 * math.sqrt(head_dim)))
+
+
+def _centred_and_scaled(
+    q: Tensor, k: Tensor, centre: Tensor, mask: Tensor | None, tied: bool
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """Queries and keys (B, H, N, d) centred on ``centre`` and brought into the range where
+    squared distances are finite, with the factor that restores the logits.
+
+    Returns (q', k', r, s). Where every centred coordinate lies within
+    :func:`square_safe_limit` (all ordinary inputs: one reduction decides), q' = q - centre,
+    k' = k - centre and r = s = None: the plain computation. Otherwise q' = (q - centre)/s and
+    k' = (k - centre)/s, with s >= 1 a power of two per set and head (1 for the sets within the
+    limit), and r = min(s^2, cap) with ``cap`` from :func:`_temperature_cap`.
+    -r ||q'_i - k'_j||^2 equals the true -||q_i - k_j||^2 whenever s^2 <= cap (every power of
+    two scaling is exact); beyond, the true logits are beyond the dtype's range and their
+    softmax is saturated -- one-hot on the nearest key at every difference the dtype
+    resolves -- which r = cap reproduces. Padded elements' q' and k' are set to 0: their rows
+    are discarded and no present query sees them, so their values must not enter s. s is
+    infinite or NaN where the centring itself overflowed (check it: the kernel may hide NaN).
+    """
+    q = q - centre
+    if mask is not None:
+        q = torch.where(mask[:, None, :, None], q, 0.0)
+    if tied:
+        k = q
+    else:
+        k = k - centre
+        if mask is not None:
+            k = torch.where(mask[:, None, :, None], k, 0.0)
+    head_dim = q.shape[-1]
+    cap = _temperature_cap(head_dim)
+    # float16's range (6.5e4) is too small for the argument above: it keeps s = 1, the plain
+    # computation, and where that overflows the module raises NonFiniteError.
+    dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
+    limit = square_safe_limit(dtype, head_dim + 1, spare=cap)
+    largest = q.detach().abs().amax()
+    if not tied:
+        largest = torch.maximum(largest, k.detach().abs().amax())
+    if bool(largest <= limit):  # (False for NaN)
+        return q, k, None, None
+    magnitude = q.detach().abs().amax(dim=(-2, -1), keepdim=True)
+    if not tied:
+        magnitude = torch.maximum(magnitude, k.detach().abs().amax(dim=(-2, -1), keepdim=True))
+    s = downscale(magnitude, limit)
+    q = q / s
+    return q, (q if tied else k / s), torch.clamp(s * s, max=cap), s
+
+
 class L2MHA(nn.Module):
     r"""L2 multi-head self-attention (Kim et al. 2021, eq. (8) and F(X) of §3.2).
 
@@ -99,10 +167,16 @@ class L2MHA(nn.Module):
       dot product with one extra coordinate. q and k are first centred on the mean key of each
       set and head (on the first element's key under a causal mask, which every row sees);
       distances are unchanged, ||k_j||^2 stays small and float32 and bfloat16 avoid
-      cancellation. Tied values use X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/sqrt(d),
-      a d x d product instead of D x D.
+      cancellation. Where a set's centred coordinates are so large that squared norms would
+      overflow (beyond about 1e17 in float32), they are divided by a power of two first and
+      the logits' scale is restored up to the dtype's range; beyond it the softmax is
+      saturated, which a capped scale reproduces. Outputs and gradients stay correct until x W
+      or the values themselves overflow (tested to 1e30 in float32); there
+      :class:`~flowattn.errors.NonFiniteError` is raised instead of returning NaN. Tied values
+      use X A_h W^{V,h} = q_h (W^{Q,h\top} W^{V,h})/sqrt(d), a d x d product instead of D x D.
     * ``fused=False``: the literal formulas (explicit distance matrix, softmax, A_h). Slow; it is
-      the reference the fused path is tested against.
+      the reference the fused path is tested against. Its squared distances overflow first
+      (float32 inputs near 1e19): it then raises :class:`~flowattn.errors.NonFiniteError`.
 
     Dropout: ``dropout`` acts on the attention weights in training mode. Inverted dropout scales
     kept weights by 1/(1-p), so a row of P no longer sums to one and the certificate does not
@@ -197,12 +271,14 @@ class L2MHA(nn.Module):
         q = split_heads(x @ self.w_q, self.heads)
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
         dropout = self.dropout if self.training else 0.0
+        scale = None
         if self.fused:
-            return zero_padded(self._fused(q, k, x, mask, causal, dropout), mask)
-        heads = self._reference(q, k, x, mask, causal, dropout)
-        return zero_padded(merge_heads(heads) @ self.w_o, mask)
+            y, scale = self._fused(q, k, x, mask, causal, dropout)
+        else:
+            y = merge_heads(self._reference(q, k, x, mask, causal, dropout)) @ self.w_o
+        return check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[self.fused], scale)
 
-    def _fused(self, q, k, x, mask, causal, dropout) -> Tensor:
+    def _fused(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor]:
         # SDPA's fused CPU kernel wants equal query and value widths (d + 1 here). Rather than
         # padding activations, the value and output weights get a zero column / row per head.
         h, d = self.heads, self.head_dim
@@ -213,11 +289,13 @@ class L2MHA(nn.Module):
             v = x.unsqueeze(1) @ F.pad(self.head_weights(self.w_v), (0, 1))
         w_o = F.pad(self.w_o.reshape(h, d, self.dim), (0, 0, 0, 1)).reshape(h * (d + 1), -1)
         centre = _first_present(k, mask) if causal else masked_mean(k, mask, dim=2)
-        q, k = q - centre, k - centre
+        q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
         q_aug = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
+        if r is not None:
+            q_aug = q_aug * r
         k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)
         allowed = None if mask is None else attention_mask(mask, causal, x.shape[1], x.device)
-        heads = F.scaled_dot_product_attention(
+        heads = attend(
             q_aug,
             k_aug,
             v,
@@ -226,7 +304,7 @@ class L2MHA(nn.Module):
             is_causal=causal and mask is None,
             scale=2.0 / math.sqrt(d),
         )
-        return merge_heads(heads) @ w_o
+        return merge_heads(heads) @ w_o, scale
 
     def _reference(self, q, k, x, mask, causal, dropout) -> Tensor:
         # eq. (14) of App. E taken literally: ||q_i||^2 - 2 q_i.k_j + ||k_j||^2
@@ -251,7 +329,8 @@ class L2MHA(nn.Module):
         dropout).
 
         Queries and keys are centred on the mean key of each set and head (present elements),
-        which leaves every distance unchanged and keeps the rounding small; the distances are
+        which leaves every distance unchanged and keeps the rounding small, and scaled down
+        where their squared norms would overflow, as in :meth:`forward`; the distances are
         then taken literally, ||q_i||^2 - 2 q_i.k_j + ||k_j||^2.
 
         Examples:
@@ -263,11 +342,13 @@ class L2MHA(nn.Module):
         mask = check_sets(x, mask, self.dim)
         q = split_heads(x @ self.w_q, self.heads)
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
-        centre = masked_mean(k, mask, dim=2)
-        q, k = q - centre, k - centre
+        q, k, r, scale = _centred_and_scaled(q, k, masked_mean(k, mask, dim=2), mask, self.tied)
         sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
         logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
-        return masked_softmax(logits, mask, causal)
+        if r is not None:
+            logits = logits * r
+        p = masked_softmax(logits, mask, causal)
+        return check_output(p, x, "L2MHA", _OVERFLOW_HINT[True], scale)
 
     def projections(self) -> list[Projection]:
         """The raw (D, D) matrices W^Q, W^K (untied only), W^V and W^O, applied as x W.

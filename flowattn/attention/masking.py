@@ -7,7 +7,15 @@ import math
 import torch
 from torch import Tensor
 
-__all__ = ["attention_mask", "keys_per_row", "zero_padded", "masked_mean", "masked_softmax"]
+__all__ = [
+    "attention_mask",
+    "keys_per_row",
+    "zero_padded",
+    "masked_mean",
+    "masked_softmax",
+    "square_safe_limit",
+    "downscale",
+]
 
 
 def attention_mask(mask: Tensor | None, causal: bool, length: int, device) -> Tensor | None:
@@ -71,3 +79,24 @@ def masked_mean(x: Tensor, mask: Tensor | None, dim: int) -> Tensor:
     shape[0], shape[dim] = mask.shape[0], mask.shape[1]
     w = mask.reshape(shape).to(x.dtype)
     return (x * w).sum(dim=dim, keepdim=True) / w.sum(dim=dim, keepdim=True)
+
+
+def square_safe_limit(dtype: torch.dtype, width: int, spare: float = 1.0) -> float:
+    """The largest power of two t such that ``width`` squares of values up to t, times
+    ``spare``, sum to at most 1/64 of the largest finite number of ``dtype``.
+
+    float32 and bfloat16 with width 16: 2^58; float64: 2^506.
+    """
+    max_exponent = math.frexp(torch.finfo(dtype).max)[1]  # max < 2^max_exponent
+    return 2.0 ** ((max_exponent - 6 - math.ceil(math.log2(width * spare))) // 2)
+
+
+def downscale(magnitude: Tensor, limit: float) -> Tensor:
+    """A power of two s >= 1 per entry with magnitude / s <= limit: 1 unless ``magnitude``
+    exceeds ``limit``. Dividing by it is exact (no rounding) and needs no gradient.
+
+    Examples:
+        >>> downscale(torch.tensor([0.0, 3.0, 5.0, 40.0]), 4.0).tolist()
+        [1.0, 1.0, 2.0, 16.0]
+    """
+    return torch.exp2(torch.ceil(torch.log2(magnitude.detach() / limit)).clamp(min=0))

@@ -9,7 +9,6 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
-from ..attention import twice_differentiable
 from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
 from ..validation import check_precision, check_sets, inputs_trusted, trusted_inputs
@@ -75,9 +74,7 @@ class InvertibleResidual(Transform):
     log-det estimator then uses instead of autograd VJPs: no double backward, and
     ``torch.compile`` traces it.
     Training differentiates VJPs of the branch (double backward): the branch must be twice
-    differentiable. The block evaluates it inside
-    :func:`flowattn.attention.twice_differentiable`, so attention branches keep their fused
-    path (the fused CPU kernels alone have no double backward).
+    differentiable, as every :mod:`flowattn.attention` module is.
 
     Log-determinant (``logdet``, a :class:`~flowattn.flows.LogDetOptions`):
         ``"exact"`` -- full Jacobian by batched VJPs, or the block-triangular path for causal /
@@ -156,13 +153,7 @@ class InvertibleResidual(Transform):
         return "causal" if self.causal else "full"
 
     def _g(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        if torch.is_grad_enabled():
-            # log-det gradients differentiate VJPs of the branch: a second derivative, which
-            # fused attention kernels do not provide.
-            with twice_differentiable():
-                out = self.branch(x, mask=mask, causal=self.causal)
-        else:
-            out = self.branch(x, mask=mask, causal=self.causal)
+        out = self.branch(x, mask=mask, causal=self.causal)
         if out.shape != x.shape:
             raise InputError(
                 f"branch {type(self.branch).__name__} returned shape {tuple(out.shape)} "

@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..attention import twice_differentiable
 from ..data import SetData, load_dataset
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..flows.base import set_dims
@@ -67,7 +66,7 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
         index = torch.arange(start, min(start + batch_size, count))
         x, mask = _batch(data, index, device)
         # no graph: a continuous flow would otherwise keep every solver step of the batch
-        with twice_differentiable(), torch.no_grad():
+        with torch.no_grad():
             log_prob = flow.log_prob(x, mask)
         total_nll -= log_prob.double().sum()
         total_dims += set_dims(x, mask, flow.zero_com).double().sum()
@@ -114,8 +113,7 @@ class SetsTask:
         """Data-dependent initialisation (ActNorm) on a batch every process shares."""
         size = min(len(self.train_data), self.config.train.batch_size)
         x, mask = _batch(self.train_data, torch.arange(size), self.dist.device)
-        with twice_differentiable():
-            self.flow.log_prob(x, mask)
+        self.flow.log_prob(x, mask)
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         index = torch.randint(len(self.train_data), (self.config.train.batch_size,),
@@ -124,8 +122,7 @@ class SetsTask:
 
     def loss(self, module: nn.Module, batch):
         x, mask = batch
-        with twice_differentiable():
-            log_prob = module(x, mask)
+        log_prob = module(x, mask)
         loss = -log_prob.mean() / set_dims(x, mask, self.train_data.zero_com).mean()
         return loss, loss, x.shape[0]
 

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from ...attention import L2MHA, DotProductMHA, twice_differentiable
+from ...attention import L2MHA, DotProductMHA
 from ...errors import InputError
 from ...lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ...validation import check_sets
@@ -65,13 +65,10 @@ class _StackedAttentionField(nn.Module):
         mask = check_sets(z, mask, self.dim, name="z")
         gains, shifts = self.gains_and_shifts(t, z)
         h = self.lift(z)
-        # The divergence of a CNF is differentiated once more during training; the fused
-        # attention kernels have no double backward.
-        with twice_differentiable():
-            for i, attend in enumerate(self.attention):
-                h = attend(h, mask=mask, causal=self.causal) * gains[i] + shifts[i]
-                if i < self.layers - 1:
-                    h = torch.tanh(h)
+        for i, attend in enumerate(self.attention):
+            h = attend(h, mask=mask, causal=self.causal) * gains[i] + shifts[i]
+            if i < self.layers - 1:
+                h = torch.tanh(h)
         # padded elements get zero velocity; zero_com removes the centre of mass
         return project(self.project(h), mask, self.zero_com)
 
