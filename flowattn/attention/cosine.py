@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
 from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_output, check_sets
+from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
 from .kernels import attend
 from .l2 import square_weight
-from .masking import attention_mask, downscale, keys_per_row, masked_softmax, zero_padded
+from .masking import attention_mask, downscale, masked_softmax, zero_padded
 from .projections import Projection
 
 __all__ = ["ScaledCosineMHA", "ContractiveScaledCosineMHA"]
@@ -205,7 +204,7 @@ class ScaledCosineMHA(nn.Module):
         return bound * torch.sqrt(n.to(bound.dtype)) if norm == "2" else bound
 
 
-class ContractiveScaledCosineMHA(nn.Module):
+class ContractiveScaledCosineMHA(ContractiveAttention):
     r"""Contractive scaled cosine attention: f(X) = c F(X) / bound_p(F) (F: scaled cosine MHA).
 
     F is divided by its tight certificate (``docs/attention.md``), with gradients through the
@@ -263,42 +262,3 @@ class ContractiveScaledCosineMHA(nn.Module):
         self.output_dropout = output_dropout
         self.attention = ScaledCosineMHA(dim, heads, tau=tau, eps=eps)
         self.dim, self.heads = dim, heads
-
-    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
-        """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
-        y = self.attention(x, mask, causal)  # validates the input
-        batch, length = x.shape[:2]
-        if self.norm == "2":
-            n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
-            denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
-        else:  # per block row: only rows that see a single key have a smaller bound
-            n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
-            denominator = self.attention.lipschitz_bound(n, self.norm).unsqueeze(-1)
-        y = self.coeff * y / denominator
-        p = self.output_dropout
-        if p == 0.0:
-            return y
-        if self.training:
-            return y * (torch.rand_like(y) >= p).to(y.dtype)
-        return y * (1.0 - p)
-
-    def attention_probabilities(
-        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
-    ) -> Tensor:
-        """The attention matrices P (B, H, N, N) of its :class:`ScaledCosineMHA`."""
-        return self.attention.attention_probabilities(x, mask, causal)
-
-    def projections(self) -> list[Projection]:
-        """The projections of its :class:`ScaledCosineMHA`, named from f."""
-        return [replace(p, name=f"attention.{p.name}") for p in self.attention.projections()]
-
-    def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
-        """Certified Lipschitz constant of f for sets of ``n`` elements: ``coeff`` in its own
-        norm; in another, coeff * bound_other(n) / bound_own(1) (f = S F with S diagonal)."""
-        norm = self.norm if norm is None else _norm_name(norm, mixed=True)
-        w = self.attention.w_q
-        coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
-        if norm == self.norm:
-            return coeff.expand(torch.as_tensor(n).shape)
-        own = self.attention.lipschitz_bound(1, self.norm)
-        return coeff * self.attention.lipschitz_bound(n, norm) / own

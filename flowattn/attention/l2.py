@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import warnings
 from contextlib import nullcontext
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -15,12 +14,12 @@ from torch.nn.utils import parametrizations, parametrize
 from ..errors import InputError
 from ..lipschitz import CERTIFICATES, _norm_name, l2_attention_bound
 from ..validation import check_output, check_sets
+from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
 from .kernels import attend
 from .masking import (
     attention_mask,
     downscale,
-    keys_per_row,
     masked_mean,
     masked_softmax,
     square_safe_limit,
@@ -388,7 +387,7 @@ class L2MHA(nn.Module):
         return l2_attention_bound(n, wq, wv, self.w_o, norm, method or self.certificate)
 
 
-class ContractiveL2MHA(nn.Module):
+class ContractiveL2MHA(ContractiveAttention):
     r"""Contractive L2 self-attention: f(X) = c F(X) / Lip_p-bound(F) (Kim et al. 2021, §4, §5.3).
 
     F is tied :class:`L2MHA`; its certified bound (by default the tight certificate of
@@ -481,48 +480,5 @@ class ContractiveL2MHA(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
         with _cached(self.attention):  # the parametrised W^Q once for F and its bound
-            y = self.attention(x, mask, causal)  # validates the input
-            batch, length = x.shape[:2]
-            if self.norm == "2":
-                n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
-                denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
-            else:  # inf and 2,inf: block row i by the bound for its own n_i (App. G)
-                n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
-                denominator = self.attention.lipschitz_bound(n, self.norm).unsqueeze(-1)
-        y = self.coeff * y / denominator
+            y = self._divided(x, mask, causal)
         return self._classic_dropout(y)
-
-    def attention_probabilities(
-        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
-    ) -> Tensor:
-        """The attention matrices P (B, H, N, N) of f on ``x`` (B, N, D): those of its
-        :class:`L2MHA` (f scales F's output rows, not its attention weights)."""
-        return self.attention.attention_probabilities(x, mask, causal)
-
-    def projections(self) -> list[Projection]:
-        """The projections of its :class:`L2MHA`, named from f (``"attention.w_q"``, ...)."""
-        return [replace(p, name=f"attention.{p.name}") for p in self.attention.projections()]
-
-    def _classic_dropout(self, y: Tensor) -> Tensor:
-        p = self.output_dropout
-        if p == 0.0:
-            return y
-        if self.training:
-            return y * (torch.rand_like(y) >= p).to(y.dtype)
-        return y * (1.0 - p)
-
-    def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
-        """Certified Lipschitz constant of f for sets of ``n`` elements.
-
-        In the module's own norm this is ``coeff``. In another norm, f = S F with S diagonal,
-        ||S||_p <= coeff / bound_own(1) (the bound grows with N), so
-        Lip_other(f) <= coeff * bound_other(n) / bound_own(1): valid, though loose.
-        """
-        norm = self.norm if norm is None else _norm_name(norm, mixed=True)
-        w = self.attention.w_q
-        coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
-        if norm == self.norm:
-            return coeff.expand(torch.as_tensor(n).shape)
-        return coeff * self.attention.lipschitz_bound(n, norm) / self.attention.lipschitz_bound(
-            1, self.norm
-        )

@@ -1,0 +1,80 @@
+"""What every contractive attention module shares: f = coeff * F / bound(F), row by row.
+
+``ContractiveL2MHA`` and ``ContractiveScaledCosineMHA`` divide an attention module F (held as
+``self.attention``) by its certified Lipschitz bound in the norm ``self.norm``, apply classic
+output dropout, and hand F's attention matrices and projections through.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+from torch import Tensor, nn
+
+from ..lipschitz import _norm_name
+from .masking import keys_per_row
+from .projections import Projection
+
+__all__ = ["ContractiveAttention"]
+
+
+class ContractiveAttention(nn.Module):
+    """Base of the contractive attention modules; a subclass sets ``attention`` (F), ``coeff``,
+    ``norm`` (normalised by ``_norm_name(..., mixed=True)``) and ``output_dropout``."""
+
+    attention: nn.Module
+    coeff: float
+    norm: str
+    output_dropout: float
+
+    def _divided(self, x: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """coeff * F(x) / bound: in the 2-norm the bound of each set; in the inf- and mixed
+        norms that of each block row i for its own number of keys n_i (Kim et al., App. G)."""
+        y = self.attention(x, mask, causal)  # validates the input
+        batch, length = x.shape[:2]
+        if self.norm == "2":
+            n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
+            denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
+        else:
+            n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
+            denominator = self.attention.lipschitz_bound(n, self.norm).unsqueeze(-1)
+        return self.coeff * y / denominator
+
+    def _classic_dropout(self, y: Tensor) -> Tensor:
+        p = self.output_dropout
+        if p == 0.0:
+            return y
+        if self.training:
+            return y * (torch.rand_like(y) >= p).to(y.dtype)
+        return y * (1.0 - p)
+
+    def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
+        """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        return self._classic_dropout(self._divided(x, mask, causal))
+
+    def attention_probabilities(
+        self, x: Tensor, mask: Tensor | None = None, causal: bool = False
+    ) -> Tensor:
+        """The attention matrices P (B, H, N, N) of f on ``x`` (B, N, D): those of F (f scales
+        F's output rows, not its attention weights)."""
+        return self.attention.attention_probabilities(x, mask, causal)
+
+    def projections(self) -> list[Projection]:
+        """The projections of F, named from f (``"attention.w_q"``, ...)."""
+        return [replace(p, name=f"attention.{p.name}") for p in self.attention.projections()]
+
+    def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
+        """Certified Lipschitz constant of f for sets of ``n`` elements.
+
+        In the module's own norm this is ``coeff``. In another norm, f = S F with S diagonal,
+        ||S||_p <= coeff / bound_own(1) (the bound grows with N), so
+        Lip_other(f) <= coeff * bound_other(n) / bound_own(1): valid, though loose.
+        """
+        norm = self.norm if norm is None else _norm_name(norm, mixed=True)
+        w = self.attention.w_q
+        coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
+        if norm == self.norm:
+            return coeff.expand(torch.as_tensor(n).shape)
+        own = self.attention.lipschitz_bound(1, self.norm)
+        return coeff * self.attention.lipschitz_bound(n, norm) / own
