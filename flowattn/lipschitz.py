@@ -34,6 +34,7 @@ __all__ = [
     "PowerIteration",
     "l2_attention_bound",
     "l2_core_column_constant",
+    "logit_margin_constant",
     "layernorm_lipschitz_bound",
     "centernorm_lipschitz_bound",
     "jacobian",
@@ -197,6 +198,7 @@ def l2_attention_bound(
     w_o: Tensor,
     norm: str | int = "inf",
     method: str = "tight",
+    margin: Tensor | float | None = None,
 ) -> Tensor:
     """Certified Lipschitz bound of tied L2 multi-head attention F for sets of ``n`` elements.
 
@@ -233,6 +235,12 @@ def l2_attention_bound(
     may be a tensor of per-row counts; the result then has its shape. Differentiable in the
     weights.
 
+    ``margin`` (tight method only) certifies attention whose logits carry a constant offset
+    beyond the distance term: l_ij = -||z_i - z_j||^2 + b_h(i, j) with
+    b_h(i, j) - b_h(i, i) <= B_h for every row (a self-offset beta_h, a bounded relative-position
+    bias). ``margin`` holds B_h, one value per head (H,) or one for all; the bounds then use
+    c_h = W_0((N - 1) e^{B_h} / e) in place of c (see :func:`logit_margin_constant`).
+
     Arguments:
         n: sequence length(s) N >= 1.
         w_q: (H, D, d) query (= key) weights, row convention x^T W.
@@ -240,6 +248,8 @@ def l2_attention_bound(
         w_o: (D, D) output weights, applied as [heads] W^O.
         norm: "inf", 2 or "2,inf".
         method: "tight" or "thm3.2".
+        margin: B_h, the most by which a row's other logits may exceed its own beyond the
+            distance term (tight method only); None for plain L2 attention (B = 0).
 
     Examples:
         >>> eye = torch.eye(1, dtype=torch.float64)
@@ -259,10 +269,20 @@ def l2_attention_bound(
     n = torch.as_tensor(n, device=w_q.device)
     if (n < 1).any():
         raise InputError(f"sequence length must be >= 1, got {n}")
+    if margin is not None:
+        if method != "tight":
+            raise InputError(
+                "Theorem 3.2 assumes the self-logit is the row's largest (no offset or position "
+                "bias): use method='tight' with a logit margin"
+            )
+        margin = torch.as_tensor(margin, dtype=w_q.dtype, device=w_q.device).expand(heads)
+        c = logit_margin_constant(n.unsqueeze(-1), margin)  # (..., H)
+        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, float(margin.detach().max()))
     w0 = phi_inverse((n - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
     if method == "thm3.2":
         return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
-    tight = _tight_l2_attention_bound(n, w0, w_q, w_v, w_o, norm)
+    c = w0.unsqueeze(-1).expand(*w0.shape, heads)
+    tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm)
     if norm == "2,inf":
         return tight
     # both are certificates, so their minimum is one: never looser than the paper's
@@ -281,7 +301,32 @@ def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, n
     return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral_norm_exact(w_o)
 
 
-def l2_core_column_constant(n: int | Tensor) -> Tensor:
+def logit_margin_constant(n: int | Tensor, margin: Tensor | float = 0.0) -> Tensor:
+    """c = W_0((N - 1) e^B / e): Kim et al.'s Lemma F.2 when other logits may exceed the self-logit
+    by B beyond the distance term.
+
+    Row i of the core has weights P_ij = w_j e^{-u_j^2} / sum_k w_k e^{-u_k^2} with u_i = 0 and
+    w_j / w_i <= e^B (a self-offset or a bounded position bias). With a_j = (w_j / w_i) e^{-u_j^2}
+    the second moment sum_j P_ij u_j^2 = sum_{j != i} a_j u_j^2 / (1 + sum a_j) grows with every
+    u_j at fixed a_j, and u_j^2 = log((w_j / w_i) / a_j) <= log(e^B / a_j); so it is at most its
+    value with every ratio equal to e^B, which is the lemma with N - 1 replaced by (N - 1) e^B:
+    sum_j P_ij u_j^2 <= phi^{-1}((N - 1) e^B). B = 0 is the lemma itself. Differentiable in B.
+
+    Examples:
+        >>> bool(torch.isclose(logit_margin_constant(8, 0.0), phi_inverse(7)))
+        True
+        >>> round(float(logit_margin_constant(8, 2.0) - logit_margin_constant(8, 0.0)), 2)
+        1.2
+    """
+    n = torch.as_tensor(n)
+    given = torch.is_tensor(margin) and margin.is_floating_point()
+    margin = torch.as_tensor(margin)
+    dtype = margin.dtype if given else torch.float64
+    scaled = (n - 1).to(torch.float64) * torch.exp(margin.to(torch.float64))
+    return phi_inverse(scaled).to(dtype)
+
+
+def l2_core_column_constant(n: int | Tensor, margin: float = 0.0) -> Tensor:
     """C_N >= max_k sum_i ||J_ik||_2, the block-column sums of the Jacobian of the L2 core.
 
     The core is g(Z)_i = sum_j P_ij z_j with P_ij = softmax_j(-||z_i - z_j||^2) on N points of
@@ -296,12 +341,16 @@ def l2_core_column_constant(n: int | Tensor) -> Tensor:
     increases and the denominator's inverse decreases in u, so each cell is bounded by its
     ends) plus 1e-9 for the tail u > 6: an upper bound, not an estimate.
 
+    With a logit ``margin`` B (see :func:`logit_margin_constant`) c is W_0((N - 1) e^B / e),
+    P_ik <= 1/(1 + e^{u^2 - B}) and the grid extends to sqrt(B) + 6.
+
     Examples:
         >>> float(l2_core_column_constant(1))  # one element: the core is the identity
         1.0
     """
     n = torch.as_tensor(n)
-    values = {int(k): _core_column_constant(int(k)) for k in torch.unique(n).tolist()}
+    margin = float(margin)
+    values = {int(k): _core_column_constant(int(k), margin) for k in torch.unique(n).tolist()}
     out = torch.empty(n.shape, dtype=torch.float64)
     flat = out.view(-1)
     for i, k in enumerate(n.reshape(-1).tolist()):
@@ -310,15 +359,16 @@ def l2_core_column_constant(n: int | Tensor) -> Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _core_column_constant(n: int) -> float:
+def _core_column_constant(n: int, margin: float = 0.0) -> float:
     if n < 1:
         raise InputError(f"sequence length must be >= 1, got {n}")
-    c = float(phi_inverse(n - 1))
+    c = float(logit_margin_constant(n, margin))
     if n == 1:
         return 1.0
-    u = torch.arange(0, 6001, dtype=torch.float64) * 1e-3
+    top = 6.0 + math.sqrt(max(margin, 0.0))
+    u = torch.arange(0, round(top * 1000) + 1, dtype=torch.float64) * 1e-3
     numerator = 1 + 2 * u**2 + 2 * math.sqrt(c) * u
-    inv_denominator = 1 / (1 + torch.exp(u**2))
+    inv_denominator = 1 / (1 + torch.exp(u**2 - margin))
     kappa = float((inv_denominator[:-1] * numerator[1:]).max()) + 1e-9
     return 1 + 2 * c + (n - 1) * kappa
 
@@ -330,8 +380,9 @@ def _pairwise_spectral(a: Tensor, b: Tensor | None = None) -> Tensor:
 
 
 def _tight_l2_attention_bound(
-    n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str
+    n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str, margin: float = 0.0
 ) -> Tensor:
+    """The tight certificate with c (..., H), Lemma F.2's constant of each head."""
     heads, dim, head_dim = w_q.shape
     m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
     beta = spectral_norm_exact(w_q)  # (H,)
@@ -339,8 +390,8 @@ def _tight_l2_attention_bound(
         g = w_q @ m  # (H, D, D): G_h = W^{Q,h} M_h = A_h W^{V,h} W^{O,h}
         omega = torch.minimum(dim**0.5 * beta, w_q.norm(dim=2).sum(dim=1))
         linear = g.abs().sum(dim=1).sum(dim=0)  # (D,): sum_h ||G_h e_r||_1
-        rank_one = (omega.unsqueeze(-1) * m.norm(dim=1)).sum(dim=0)  # sum_h omega_h ||M_h e_r||
-        return (linear + 4 * c.unsqueeze(-1) * rank_one).amax(dim=-1)
+        rank_one = omega.unsqueeze(-1) * m.norm(dim=1)  # (H, D): omega_h ||M_h e_r||
+        return (linear + 4 * c @ rank_one).amax(dim=-1)
     mixed = _mixed_norm_bound(c, w_q, m, beta)
     if norm == "2,inf":
         return mixed
@@ -351,15 +402,17 @@ def _tight_l2_attention_bound(
         spectral_norm_exact((beta[:, None, None] * m).reshape(dim, dim))
         * spectral_norm_exact((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
     )
+    c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
-    column = l2_core_column_constant(n).to(device=c.device, dtype=c.dtype)
+    column = l2_core_column_constant(n, margin).to(device=c.device, dtype=c.dtype)
     sqrt_n = torch.sqrt(n.to(c.dtype))
     kappa = torch.minimum(sqrt_n * row, torch.sqrt(row * column))
     return torch.minimum(kappa * weights, sqrt_n * mixed)
 
 
 def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor:
-    """The "2,inf" bound: linear part from G_h = W^{Q,h} M_h, rank-one part from M_h."""
+    """The "2,inf" bound: linear part from G_h = W^{Q,h} M_h, rank-one part from M_h; c (..., H)
+    (head h's rank-one term has norm at most 4 c_h beta_h)."""
     heads, dim, _ = w_q.shape
     # G_h G_k^T = Q_h (R_h M_h M_k^T R_k^T) Q_k^T with W^{Q,h} = Q_h R_h (orthonormal Q_h): the
     # d x d middle factor has the same spectral norm, at a fraction of the cost.
@@ -368,10 +421,12 @@ def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor
         _pairwise_spectral(rm).sum().sqrt(), heads**0.5 * spectral_norm_exact(rm.reshape(dim, dim))
     )
     gamma = _pairwise_spectral(m)
+    cb = c * beta  # (..., H)
     rank_one = torch.minimum(
-        (beta @ gamma @ beta).sqrt(), spectral_norm_exact(m.reshape(dim, dim)) * beta.norm()
+        ((cb @ gamma) * cb).sum(dim=-1).sqrt(),
+        spectral_norm_exact(m.reshape(dim, dim)) * cb.norm(dim=-1),
     )
-    return linear + 4 * c * rank_one
+    return linear + 4 * rank_one
 
 
 def layernorm_lipschitz_bound(

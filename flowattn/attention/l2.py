@@ -25,6 +25,7 @@ from .masking import (
     square_safe_limit,
     zero_padded,
 )
+from .offsets import LogitOffsets
 from .projections import Projection
 
 __all__ = ["L2MHA", "ContractiveL2MHA"]
@@ -177,6 +178,15 @@ class L2MHA(nn.Module):
       the reference the fused path is tested against. Its squared distances overflow first
       (float32 inputs near 1e19): it then raises :class:`~flowattn.errors.NonFiniteError`.
 
+    Logit offsets (``self_offset``, ``position_bias``; :class:`LogitOffsets`): with tied weights
+    the self-logit is the row maximum and no token can weight another above itself. A learnt
+    self-offset beta_h <= ``self_offset`` lowers the diagonal logit, and a learnt bias of the
+    relative position i - j below ``position_bias`` (sequences only: it depends on the order)
+    raises or lowers the others; the certificate stays valid with Lemma F.2's constant taken at
+    the margin B_h = beta_h + max_k b_h(k) (:func:`~flowattn.lipschitz.logit_margin_constant`).
+    With offsets the logits are written out (centred as in the fused path) instead of going
+    through the fused kernel.
+
     Dropout: ``dropout`` acts on the attention weights in training mode. Inverted dropout scales
     kept weights by 1/(1-p), so a row of P no longer sums to one and the certificate does not
     hold while it is active: :meth:`lipschitz_bound` refuses to answer in that state.
@@ -190,10 +200,14 @@ class L2MHA(nn.Module):
         certificate: the default ``method`` of :meth:`lipschitz_bound`: ``"tight"`` (when not
             given) or ``"thm3.2"``.
         parametrization: ``"raw"`` or ``"orthogonal"`` (see above).
+        self_offset: cap of the learnt self-offsets beta_h (0: none).
+        position_bias: cap B of the learnt relative-position bias (0: none).
+        max_distance: relative offsets |i - j| beyond this share one bias.
 
     Attributes:
         similarity: ``"l2"``, the kind of logits (shared by every attention module).
         certificate: the certificate :meth:`lipschitz_bound` returns by default.
+        offsets: the :class:`LogitOffsets`, or None.
 
     Examples:
         >>> attn = L2MHA(dim=16, heads=4)
@@ -215,6 +229,9 @@ class L2MHA(nn.Module):
         fused: bool = True,
         certificate: str | None = None,
         parametrization: str = "raw",
+        self_offset: float = 0.0,
+        position_bias: float = 0.0,
+        max_distance: int = 64,
     ):
         super().__init__()
         if dim % heads != 0:
@@ -229,6 +246,12 @@ class L2MHA(nn.Module):
             )
         if parametrization == "orthogonal" and not tied:
             raise InputError("parametrization='orthogonal' is for tied L2 attention only")
+        offsets = self_offset != 0 or position_bias != 0
+        if offsets and certificate == "thm3.2":
+            raise InputError(
+                "Theorem 3.2 assumes the self-logit is the row maximum: with self_offset or "
+                "position_bias use certificate='tight'"
+            )
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
         self.tied, self.dropout, self.fused = tied, dropout, fused
         self.certificate = certificate or "tight"
@@ -243,11 +266,15 @@ class L2MHA(nn.Module):
                 nn.init.orthogonal_(self.w_q)
             parametrizations.orthogonal(self, "w_q")
             parametrize.register_parametrization(self, "w_q", HeadScales(heads, self.head_dim))
+        self.offsets = (
+            LogitOffsets(heads, self_offset, position_bias, max_distance) if offsets else None
+        )
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args, **kwargs):
         version = local_metadata.get("version")
         legacy = version is None or version < 2
-        if legacy and self.parametrization == "raw" and not self._certificate_given:
+        if legacy and self.parametrization == "raw" and not self._certificate_given \
+                and self.offsets is None:
             if self.certificate != "thm3.2":
                 warnings.warn(
                     f"{type(self).__name__} state dict {prefix or '(root)'} predates the tight "
@@ -271,7 +298,9 @@ class L2MHA(nn.Module):
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
         dropout = self.dropout if self.training else 0.0
         scale = None
-        if self.fused:
+        if self.fused and self.offsets is not None:
+            y, scale = self._written_out(q, k, x, mask, causal, dropout)
+        elif self.fused:
             y, scale = self._fused(q, k, x, mask, causal, dropout)
         else:
             y = merge_heads(self._reference(q, k, x, mask, causal, dropout)) @ self.w_o
@@ -305,11 +334,39 @@ class L2MHA(nn.Module):
         )
         return merge_heads(heads) @ w_o, scale
 
+    def _probabilities(
+        self, q, k, mask, causal, on_first: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """P (B, H, N, N) from the written-out logits -||q_i - k_j||^2 / sqrt(d) (+ offsets),
+        q and k centred on the first present key (``on_first``, as the fused path does under a
+        causal mask) or the mean key; and the down-scaling factor (or None)."""
+        centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
+        q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
+        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
+        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
+        if r is not None:
+            logits = logits * r
+        if self.offsets is not None:
+            logits = logits + self.offsets(q.shape[2], q.device, logits.dtype)
+        return masked_softmax(logits, mask, causal), scale
+
+    def _written_out(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor | None]:
+        if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d), from uncentred q
+            wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
+            v = q @ (wq.transpose(1, 2) @ wv / math.sqrt(self.head_dim))
+        else:
+            v = split_heads(x @ self.w_v, self.heads)
+        p, scale = self._probabilities(q, k, mask, causal, on_first=causal)
+        p = F.dropout(p, dropout, training=dropout > 0)
+        return merge_heads(p @ v) @ self.w_o, scale
+
     def _reference(self, q, k, x, mask, causal, dropout) -> Tensor:
         # eq. (14) of App. E taken literally: ||q_i||^2 - 2 q_i.k_j + ||k_j||^2
         sq_dist = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
         sq_dist = sq_dist + k.pow(2).sum(-1).unsqueeze(-2)
         logits = -sq_dist / math.sqrt(self.head_dim)
+        if self.offsets is not None:
+            logits = logits + self.offsets(x.shape[1], x.device, logits.dtype)
         allowed = attention_mask(mask, causal, x.shape[1], x.device)
         if allowed is not None:
             logits = logits.masked_fill(~allowed, -math.inf)
@@ -324,13 +381,14 @@ class L2MHA(nn.Module):
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
     ) -> Tensor:
         """The attention matrices P (B, H, N, N) that :meth:`forward` applies to ``x`` (B, N, D):
-        softmax_j(-||q_i - k_j||^2 / sqrt(d)) over the keys query i sees (before attention
-        dropout).
+        softmax_j(-||q_i - k_j||^2 / sqrt(d) + b_h(i, j)) over the keys query i sees (before
+        attention dropout; b the logit offsets, if any).
 
         Queries and keys are centred on the mean key of each set and head (present elements),
-        which leaves every distance unchanged and keeps the rounding small, and scaled down
-        where their squared norms would overflow, as in :meth:`forward`; the distances are
-        then taken literally, ||q_i||^2 - 2 q_i.k_j + ||k_j||^2.
+        which leaves every distance unchanged and
+        keeps the rounding small, and scaled down where their squared norms would overflow, as
+        in :meth:`forward`; the distances are then taken literally,
+        ||q_i||^2 - 2 q_i.k_j + ||k_j||^2.
 
         Examples:
             >>> attn = L2MHA(dim=8, heads=2)
@@ -341,12 +399,7 @@ class L2MHA(nn.Module):
         mask = check_sets(x, mask, self.dim)
         q = split_heads(x @ self.w_q, self.heads)
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
-        q, k, r, scale = _centred_and_scaled(q, k, masked_mean(k, mask, dim=2), mask, self.tied)
-        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
-        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
-        if r is not None:
-            logits = logits * r
-        p = masked_softmax(logits, mask, causal)
+        p, scale = self._probabilities(q, k, mask, causal, on_first=False)
         return check_output(p, x, "L2MHA", _OVERFLOW_HINT[True], scale)
 
     def projections(self) -> list[Projection]:
@@ -369,7 +422,8 @@ class L2MHA(nn.Module):
 
         ``method``: ``"tight"`` (products of the weights, ``docs/attention.md``) or
         ``"thm3.2"`` (Kim et al. 2021, Thm 3.2); by default the module's ``certificate``.
-        ``norm``: "inf", 2, or "2,inf" (max_i ||x_i||_2; tight method only). ``n`` may be a
+        ``norm``: "inf", 2, or "2,inf" (max_i ||x_i||_2; tight method only). With logit
+        offsets the tight certificate is taken at their margin. ``n`` may be a
         tensor of per-row counts (the number of keys each query sees under a mask, App. G); the
         result then has its shape. Differentiable in the weights.
         """
@@ -384,7 +438,8 @@ class L2MHA(nn.Module):
                 "rows void the certificate; call .eval() or use dropout=0"
             )
         wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
-        return l2_attention_bound(n, wq, wv, self.w_o, norm, method or self.certificate)
+        margin = None if self.offsets is None else self.offsets.margin()
+        return l2_attention_bound(n, wq, wv, self.w_o, norm, method or self.certificate, margin)
 
 
 class ContractiveL2MHA(ContractiveAttention):
@@ -422,6 +477,8 @@ class ContractiveL2MHA(ContractiveAttention):
         certificate: ``"tight"`` (when not given) or ``"thm3.2"``, the bound F is divided by.
         parametrization: ``"raw"`` (default) or ``"orthogonal"`` (orthogonal query map with
             per-head scales, where the tight certificate is nearly attained; see :class:`L2MHA`).
+        self_offset, position_bias, max_distance: learnt, bounded logit offsets of F (see
+            :class:`L2MHA`); the division is by the certificate at their current margin.
 
     Attributes:
         attention: the tied :class:`L2MHA` F.
@@ -446,6 +503,9 @@ class ContractiveL2MHA(ContractiveAttention):
         dropout: float = 0.0,
         certificate: str | None = None,
         parametrization: str = "raw",
+        self_offset: float = 0.0,
+        position_bias: float = 0.0,
+        max_distance: int = 64,
     ):
         super().__init__()
         if not 0.0 < coeff < 1.0:
@@ -469,6 +529,9 @@ class ContractiveL2MHA(ContractiveAttention):
             fused=fused,
             certificate=certificate,
             parametrization=parametrization,
+            self_offset=self_offset,
+            position_bias=position_bias,
+            max_distance=max_distance,
         )
         self.dim, self.heads = dim, heads
 
