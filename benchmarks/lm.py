@@ -14,6 +14,11 @@ Three studies, each writing a JSON file and printing a Markdown table:
   to dot-product attention.
 * ``ngram``: only the n-gram rows.
 * ``throughput``: only the interleaved timing of training steps, for ``--variants``.
+* ``self-weight``: for finished ``attention`` runs of ``--variants`` (in ``--out``), how each
+  layer spreads its attention over 32 validation windows: the mean weight a token puts on
+  itself, the mean largest weight on another token, and the share of rows (positions 1 to 63)
+  where another token outweighs the token itself -- 0 % by construction for tied L2 attention
+  without logit offsets.
 * ``depth``: constant learning rate, no warm-up, 2 to 12 layers of post-norm Transformers
   with dot-product, tied-L2 and contractive-L2 attention (Kim et al. 2021, §5.4, Table 1):
   divergences and the best validation loss per depth, with a plot.
@@ -22,6 +27,7 @@ Three studies, each writing a JSON file and printing a Markdown table:
     python benchmarks/lm.py attention
     python benchmarks/lm.py ngram                    # ~30 s
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
+    python benchmarks/lm.py self-weight --variants l2-tied l2-tied-offsets
     python benchmarks/lm.py depth --depths 2 4 6 8 10 12
     python benchmarks/lm.py all --quick              # a fast smoke run of everything
 """
@@ -43,9 +49,9 @@ from pathlib import Path
 import torch
 
 from flowattn.lm.config import LMConfig, LMRunConfig
-from flowattn.lm.data import get_batch, load_corpus
-from flowattn.lm.model import build_model
-from flowattn.lm.train import train
+from flowattn.lm.data import eval_windows, get_batch, load_corpus
+from flowattn.lm.model import attention_probabilities, build_model
+from flowattn.lm.train import load_checkpoint, train
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -64,6 +70,10 @@ VARIANTS = {
     "l2": dict(attention="l2"),
     "l2-tied": dict(attention="l2-tied"),
     "contractive-l2": dict(attention="contractive-l2"),
+    # tied L2 attention with learnt, bounded logit offsets (self-offset and position bias <= 4)
+    "l2-tied-offsets": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0),
+    "contractive-l2-offsets": dict(attention="contractive-l2", self_offset=4.0,
+                                   position_bias=4.0),
     "scaled-cosine": dict(attention="scaled-cosine"),
     "none": dict(attention="none"),
     "invertible": dict(invertible=True),
@@ -188,6 +198,51 @@ def ngram(args, base: dict) -> dict:
     return {"study": "ngram", "machine": machine(), "ngrams": rows}
 
 
+@torch.no_grad()
+def self_weight_rows(run: Path, windows: int = 32) -> list[dict]:
+    """Per layer of the model in ``run``: how attention weights a token against the others, on
+    the first ``windows`` validation windows (each block's attention applied to its own input,
+    captured by a forward pre-hook), positions 1 to T - 1 (position 0 sees only itself)."""
+    model, record, vocab = load_checkpoint(run)
+    corpus = load_corpus(record["corpus"]["source"], vocab=vocab)
+    x, _ = next(eval_windows(corpus.val, model.config.block_size, windows))
+    inputs = {}
+    hooks = [block.attn.register_forward_pre_hook(
+        lambda module, args, i=i: inputs.__setitem__(i, args[0]))
+        for i, block in enumerate(model.blocks)]
+    model(x)
+    for hook in hooks:
+        hook.remove()
+    rows = []
+    for i, block in enumerate(model.blocks):
+        p = attention_probabilities(block.attn, inputs[i])[:, :, 1:]  # (B, H, T-1, T)
+        own = p.diagonal(offset=1, dim1=-2, dim2=-1)  # row r is position r + 1
+        others = p.clone()
+        rows_index = torch.arange(p.shape[-2])
+        others[..., rows_index, rows_index + 1] = 0.0
+        largest = others.amax(-1)
+        rows.append({"layer": i + 1, "self": float(own.mean()), "other": float(largest.mean()),
+                     "outweighs": float((largest > own).double().mean())})
+    return rows
+
+
+def self_weight(args, base: dict) -> dict:
+    out = {}
+    lines = []
+    for n in args.variants:
+        run = args.out / f"attn-{n}"
+        rows = self_weight_rows(run)
+        out[n] = rows
+        lines.append([n, " / ".join(str(r["layer"]) for r in rows),
+                      " / ".join(f"{r['self']:.2f}" for r in rows),
+                      " / ".join(f"{r['other']:.2f}" for r in rows),
+                      " / ".join(f"{100 * r['outweighs']:.0f} %" for r in rows)])
+    print(table(lines, ["model", "layer", "mean weight on itself",
+                        "mean of the largest weight on another token",
+                        "rows where another token outweighs itself"]))
+    return {"study": "self-weight", "machine": machine(), "runs": out}
+
+
 def attention(args, base: dict) -> dict:
     names = args.variants
     runs = {n: run_one(n, {**base, **VARIANTS[n]}, args.out / f"attn-{n}", args.reuse)
@@ -282,7 +337,7 @@ def plot_depth(results: dict, depths, path: Path, base: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("study", choices=("peer", "attention", "throughput", "depth", "ngram",
-                                          "all"))
+                                          "self-weight", "all"))
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 150 steps, depths 2 4 6, fewer timing rounds")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
@@ -323,7 +378,7 @@ def main(argv=None) -> int:
     for study in studies:
         print(f"\n## {study}\n", flush=True)
         studies_by_name = {"peer": peer, "attention": attention, "throughput": throughput,
-                           "depth": depth, "ngram": ngram}
+                           "depth": depth, "ngram": ngram, "self-weight": self_weight}
         result = studies_by_name[study](args, base)
         result.update(quick=args.quick, steps=base["steps"], command=" ".join(sys.argv))
         path = args.out / f"lm_{study}.json"

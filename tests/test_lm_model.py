@@ -392,3 +392,50 @@ def test_generation_is_reproducible_and_top_1_is_greedy():
         logits, _ = model(x)
         x = torch.cat([x, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(greedy, x)
+
+
+@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True)])
+def test_block_lipschitz_bounds_hold_for_and_are_nearly_met_by_the_measured_jacobians(kw):
+    # attention branch: inf-norm over a causal sequence of T tokens; feed-forward branch:
+    # 2-norm per token. Never exceeded (random and optimised inputs), and the optimiser gets
+    # within a factor of each bound, so a bound that forgot a factor (alpha, coeff) fails.
+    from flowattn.lipschitz import jacobian_norm, lipschitz_lower_bound
+
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(invertible=True, contractive_coeff=0.8, **kw)).double().eval()
+    if kw:
+        with torch.no_grad():
+            for block in model.blocks:
+                block.alpha_attn.fill_(0.5)
+                block.alpha_ff.fill_(-0.7)
+    dim = model.config.dim
+    for block, (attn_bound, ff_bound) in zip(model.blocks, model.lipschitz_bounds(T),
+                                             strict=True):
+        def attn(x, block=block):
+            return block.attention_branch(x[None])[0]
+
+        def ff(x, block=block):
+            return block.ff_branch(x[None])[0]
+
+        for seed in range(3):
+            x = torch.randn(T, dim, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(seed)) * 3
+            assert jacobian_norm(attn, x, "inf").item() <= attn_bound
+            assert jacobian_norm(ff, x[:1], 2).item() <= ff_bound
+        best_attn, _ = lipschitz_lower_bound(attn, (T, dim), "inf", restarts=3, steps=40)
+        best_ff, _ = lipschitz_lower_bound(ff, (1, dim), 2, restarts=3, steps=40)
+        assert 0.5 * attn_bound <= best_attn <= attn_bound
+        assert 0.3 * ff_bound <= best_ff <= ff_bound
+
+
+def test_logit_offsets_reach_the_l2_attention_of_the_lm_and_only_it():
+    for attention in ("l2", "l2-tied", "contractive-l2"):
+        model = TransformerLM(tiny(attention=attention, self_offset=2.0, position_bias=1.0,
+                                   max_distance=4))
+        attn = model.blocks[0].attn
+        offsets = attn.offsets if isinstance(attn, L2MHA) else attn.attention.offsets
+        assert (offsets.self_offset, offsets.position_bias, offsets.max_distance) == (2.0, 1.0, 4)
+    with pytest.raises(ValueError, match="options of L2 attention"):
+        tiny(attention="dp", self_offset=1.0)
+    with pytest.raises(ValueError, match="self_offset"):
+        tiny(attention="l2-tied", self_offset=-1.0)

@@ -44,6 +44,13 @@ class LMSettings(Section):
                        "none"] | None = Field(
         None, description="attention type; none is the attention-free baseline (default: dp, "
         "contractive-l2 with --invertible)")
+    self_offset: float = Field(0.0, ge=0, allow_inf_nan=False, description="cap of the learnt "
+                               "self-offsets of L2 attention (0: none; lets a token weight "
+                               "another above itself)")
+    position_bias: float = Field(0.0, ge=0, allow_inf_nan=False, description="cap of the learnt "
+                                 "relative-position bias of L2 attention (0: none)")
+    max_distance: int = Field(64, ge=1, description="relative positions beyond this share one "
+                              "position bias")
     norm: Literal["layernorm", "centernorm", "actnorm", "none"] | None = Field(
         None, description="block normalisation (none: layernorm; actnorm with --invertible)")
     norm_position: Literal["pre", "post"] = Field(
@@ -113,6 +120,10 @@ def _check(config: _Resolved) -> None:
     """Refuse combinations of (resolved) settings that cannot be built."""
     if config.model == "transformer" and config.dim % config.heads:
         raise ValueError(f"heads={config.heads} must divide dim={config.dim}")
+    offsets = getattr(config, "self_offset", 0) or getattr(config, "position_bias", 0)
+    if offsets and config.attention not in ("l2", "l2-tied", "contractive-l2"):
+        raise ValueError(f"self_offset and position_bias are options of L2 attention (l2, "
+                         f"l2-tied, contractive-l2), not of {config.attention!r} attention")
     if config.norm == "centernorm" and config.dim < 2:
         raise ValueError("centernorm needs dim >= 2")
     if config.model == "lstm":

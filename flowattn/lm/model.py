@@ -181,16 +181,19 @@ def _attention(config: LMConfig) -> nn.Module:
         return NoAttention(d, h)
     if config.attention == "dp":
         return DotProductMHA(d, h, dropout=p, bias=config.bias)
+    offsets = {"self_offset": config.self_offset, "position_bias": config.position_bias,
+               "max_distance": config.max_distance}
     if config.attention == "l2":
-        return L2MHA(d, h, tied=False, dropout=p)
+        return L2MHA(d, h, tied=False, dropout=p, **offsets)
     if config.attention == "l2-tied":
-        return L2MHA(d, h, tied=True, dropout=p)
+        return L2MHA(d, h, tied=True, dropout=p, **offsets)
     if config.attention == "scaled-cosine":
         return ScaledCosineMHA(d, h, dropout=p)
     # Contractive attention refuses attention-weight dropout (it voids the bound); inside an
     # invertible stack it applies contractive output dropout itself.
     return ContractiveL2MHA(
-        d, h, coeff=config.contractive_coeff, output_dropout=p if config.invertible else 0.0
+        d, h, coeff=config.contractive_coeff, output_dropout=p if config.invertible else 0.0,
+        **offsets,
     )
 
 
