@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from flowattn.attention import L2MHA, twice_differentiable
+from flowattn.attention import L2MHA
 
 
 def cpu_name() -> str:
@@ -97,25 +97,23 @@ def lower_bound(module: L2MHA, n: int, norm: str, restarts: int, steps: int, see
     pu /= pu.flatten(1).norm(dim=1).view(-1, 1, 1)
     pv /= pv.flatten(1).norm(dim=1).view(-1, 1, 1)
     best, best_x = -math.inf, None
-    with twice_differentiable():
-        for step in range(steps + 1):
-            xs = y * scale
-            if norm == "2":
-                value = spectral_value(module, xs, pu, pv, 8 if step == 0 else 2)
-            else:
-                value = block_row_norm(module, xs, u, norm)
-            k = int(value.argmax())
-            if value[k].item() > best:
-                best, best_x = value[k].item(), xs[k].detach().clone()
-            optimiser.zero_grad()
-            (-value.sum()).backward()
-            optimiser.step()
+    for step in range(steps + 1):
+        xs = y * scale
+        if norm == "2":
+            value = spectral_value(module, xs, pu, pv, 8 if step == 0 else 2)
+        else:
+            value = block_row_norm(module, xs, u, norm)
+        k = int(value.argmax())
+        if value[k].item() > best:
+            best, best_x = value[k].item(), xs[k].detach().clone()
+        optimiser.zero_grad()
+        (-value.sum()).backward()
+        optimiser.step()
     if norm == "2":  # the best input, with a long power iteration (still a lower bound)
         x1 = best_x[None]
         u1, v1 = pu[:1].clone(), torch.randn(x1.shape, generator=g, dtype=torch.float64)
         v1 /= v1.norm()
-        with twice_differentiable():
-            value = spectral_value(module, x1.requires_grad_(True), u1, v1, 300)
+        value = spectral_value(module, x1.requires_grad_(True), u1, v1, 300)
         best = max(best, float(value[0].detach()))
     return best
 

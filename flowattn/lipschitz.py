@@ -470,16 +470,10 @@ def jacobian(f: Callable[[Tensor], Tensor], x: Tensor, create_graph: bool = Fals
     """Full Jacobian of a map on one set: f: R^{N x D} -> R^{N' x D'}, as a 2-D matrix.
 
     Returns the (N' D') x (N D) matrix d vec f(X) / d vec X (row-major vec). With
-    ``create_graph=True`` the Jacobian is itself differentiable; attention inside ``f`` then runs
-    on the composite kernel (see :func:`flowattn.attention.twice_differentiable`).
+    ``create_graph=True`` the Jacobian is itself differentiable (every attention module of
+    flowattn is differentiable to any order, see :mod:`flowattn.attention.kernels`).
     """
-    if create_graph:  # fused attention kernels have no double backward
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.MATH]):
-            jac = torch.autograd.functional.jacobian(f, x, create_graph=True, vectorize=True)
-    else:
-        jac = torch.autograd.functional.jacobian(f, x, vectorize=True)
+    jac = torch.autograd.functional.jacobian(f, x, create_graph=create_graph, vectorize=True)
     out_numel = jac.numel() // x.numel()
     return jac.reshape(out_numel, x.numel())
 
