@@ -74,6 +74,12 @@ VARIANTS = {
     "l2-tied-offsets": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0),
     "contractive-l2-offsets": dict(attention="contractive-l2", self_offset=4.0,
                                    position_bias=4.0),
+    # the same with Kim et al.'s App. H initialisation scale of L2 attention weights
+    "l2-tied-glorot": dict(attention="l2-tied", init="glorot-l2"),
+    "l2-tied-offsets-glorot": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0,
+                                   init="glorot-l2"),
+    "contractive-l2-offsets-glorot": dict(attention="contractive-l2", self_offset=4.0,
+                                          position_bias=4.0, init="glorot-l2"),
     "scaled-cosine": dict(attention="scaled-cosine"),
     "none": dict(attention="none"),
     "invertible": dict(invertible=True),
