@@ -477,8 +477,10 @@ class ContractiveL2MHA(ContractiveAttention):
         certificate: ``"tight"`` (when not given) or ``"thm3.2"``, the bound F is divided by.
         parametrization: ``"raw"`` (default) or ``"orthogonal"`` (orthogonal query map with
             per-head scales, where the tight certificate is nearly attained; see :class:`L2MHA`).
-        self_offset, position_bias, max_distance: learnt, bounded logit offsets of F (see
-            :class:`L2MHA`); the division is by the certificate at their current margin.
+        self_offset: cap of the learnt self-offsets of F (see :class:`L2MHA`); the division
+            is by the certificate at the offsets' current margin.
+        position_bias: cap of F's learnt relative-position bias.
+        max_distance: relative offsets beyond this share one bias.
 
     Attributes:
         attention: the tied :class:`L2MHA` F.
