@@ -83,6 +83,7 @@ VARIANTS = {
     "scaled-cosine": dict(attention="scaled-cosine"),
     "none": dict(attention="none"),
     "invertible": dict(invertible=True),
+    "invertible-offsets": dict(invertible=True, self_offset=4.0, position_bias=4.0),
     "lstm": dict(model="lstm"),
 }
 DEPTH_ATTENTIONS = ("dp", "l2-tied", "contractive-l2")
