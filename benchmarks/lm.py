@@ -84,6 +84,10 @@ VARIANTS = {
     "none": dict(attention="none"),
     "invertible": dict(invertible=True),
     "invertible-offsets": dict(invertible=True, self_offset=4.0, position_bias=4.0),
+    "contractive-l2-mixed": dict(attention="contractive-l2", self_offset=4.0, position_bias=4.0,
+                                 init="glorot-l2", contractive_norm="2,inf"),
+    "invertible-mixed": dict(invertible=True, self_offset=4.0, position_bias=4.0,
+                             init="glorot-l2", contractive_norm="2,inf"),
     "lstm": dict(model="lstm"),
 }
 DEPTH_ATTENTIONS = ("dp", "l2-tied", "contractive-l2")

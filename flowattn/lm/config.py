@@ -75,6 +75,9 @@ class LMSettings(Section):
                              "states is invertible")
     contractive_coeff: float = Field(0.9, gt=0, lt=1, description="Lipschitz coefficient of "
                                      "contractive branches")
+    contractive_norm: Literal["inf", "2,inf", "2"] = Field(
+        "inf", description="norm in which contractive attention is certified (2,inf: the "
+        "largest token's 2-norm, no sqrt(D) of the inf-norm)")
     ortho_attention: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                    "weights (lambda)")
     ortho_ff: float = Field(0.0, ge=0, description="orthogonality loss on feed-forward weights "

@@ -192,8 +192,8 @@ def _attention(config: LMConfig) -> nn.Module:
     # Contractive attention refuses attention-weight dropout (it voids the bound); inside an
     # invertible stack it applies contractive output dropout itself.
     return ContractiveL2MHA(
-        d, h, coeff=config.contractive_coeff, output_dropout=p if config.invertible else 0.0,
-        **offsets,
+        d, h, coeff=config.contractive_coeff, norm=config.contractive_norm,
+        output_dropout=p if config.invertible else 0.0, **offsets,
     )
 
 
@@ -276,8 +276,9 @@ class Block(nn.Module):
 
     def lipschitz_bounds(self, n: int) -> tuple[float, float]:
         """Certified Lipschitz constants of the two branches of an invertible block for
-        sequences of ``n`` tokens: attention in the inf-norm, feed-forward in the 2-norm
-        (each per token). Meaningful in evaluation mode, where they are exact certificates."""
+        sequences of ``n`` tokens: attention in its own norm (``contractive_norm``), feed-forward
+        in the 2-norm per token (so also in the "2,inf" norm of the sequence). Meaningful in
+        evaluation mode, where they are exact certificates."""
         if not self.invertible:
             raise InputError("certified branch bounds exist for invertible blocks only")
         with torch.no_grad():
