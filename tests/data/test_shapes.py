@@ -63,16 +63,21 @@ def _grid(lo, hi, step, dims):
     return torch.cartesian_prod(*[axis] * dims), step**dims
 
 
-def test_density_of_one_and_of_two_points_integrates_to_one():
+def test_density_of_one_point_integrates_to_one():
     scale = 0.3
     points, cell = _grid(-3.2, 3.2, 0.05, 2)
     one = shape_sets_log_prob(points[:, None, :], None, DEFAULT_SHAPES, scale).exp().sum()
     assert abs(one.item() * cell - 1) < 1e-6
-    # two points: a 4-D grid (step scale / 2; the Riemann sum of a Gaussian is then exact to
-    # ~1e-30, and the tails beyond 3.0 hold < 1e-6 of the mass)
-    grid, cell = _grid(-3.0, 3.0, 0.15, 4)
+
+
+@pytest.mark.slow
+def test_density_of_two_points_integrates_to_one():
+    scale = 0.3
+    # two points: a 4-D grid (step 2 scale / 3: the Riemann sum of a Gaussian is then exact to
+    # ~1e-19, and the tails beyond 3.0, 5.5 sd past the outermost blobs, hold < 1e-7)
+    grid, cell = _grid(-3.0, 3.0, 0.2, 4)
     total = sum(shape_sets_log_prob(chunk.view(-1, 2, 2), None, DEFAULT_SHAPES, scale)
-                .exp().sum().item() for chunk in grid.split(500_000))
+                .exp().sum().item() for chunk in grid.split(100_000))
     assert abs(total * cell - 1) < 1e-5
 
 
@@ -92,7 +97,7 @@ def test_samples_satisfy_the_stein_identity_of_the_density():
     statistic = (x.detach() * grad).sum((1, 2)) + 2 * data.sizes().double()
     mean, error = _mean_and_error(statistic)
     assert abs(mean) < 4 * error, (mean, error)
-    assert error < 0.2
+    assert error < 0.5  # strong enough to see a blob scale 5% off (mean ~ 1.5)
 
 
 def test_samples_pick_each_shape_with_its_weight():
@@ -150,7 +155,8 @@ def test_best_iid_nll_is_clearly_above_the_true_nll(name):
 
 def test_sets_are_reproducible_from_the_seed():
     def make(seed):
-        return shape_sets(50, min_size=3, max_size=8, generator=torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed)
+        return shape_sets(50, min_size=3, max_size=8, generator=g)
 
     a, b, c = make(9), make(9), make(10)
     assert torch.equal(a.x, b.x) and torch.equal(a.mask, b.mask)
