@@ -75,6 +75,31 @@ def test_true_densities_are_exchangeable_and_ignore_padding(make):
         torch.testing.assert_close(data.true_log_prob(junk, data.mask), lp)
 
 
+def test_iid_densities_are_products_of_the_exact_one_element_marginals():
+    g = torch.Generator().manual_seed(11)
+    data = gaussian_sets(5, sigma=0.7, tau=1.3, generator=g)
+    x = data.x.double()
+    marginal = torch.distributions.Normal(0.0, math.hypot(0.7, 1.3))
+    torch.testing.assert_close(data.iid_log_prob(x, None), marginal.log_prob(x).sum((1, 2)))
+    data = cluster_sets(5, min_size=2, max_size=6, clusters=3, radius=2.0, scale=0.4,
+                        generator=g)
+    x = data.x.double()
+    angles = 2 * math.pi * torch.arange(3, dtype=torch.float64) / 3
+    centres = 2.0 * torch.stack([angles.cos(), angles.sin()], 1)
+    per_cluster = torch.distributions.Normal(centres, 0.4).log_prob(x[:, :, None]).sum(-1)
+    per_element = torch.logsumexp(per_cluster, -1) - math.log(3)  # (M, N)
+    expected = (per_element * data.mask).sum(1)
+    torch.testing.assert_close(data.iid_log_prob(x, data.mask), expected)
+
+
+@pytest.mark.parametrize("name", ["gaussian-sets", "cluster-sets"])
+def test_best_iid_nll_of_the_synthetic_sets_is_above_the_true_nll(name):
+    test = load_dataset(name, {"train": 1, "val": 1})["test"]
+    gap = test.mean_iid_nll() - test.mean_true_nll()
+    assert gap > 5.0  # nats per set: 14.1 (gaussian-sets), 6.1 (cluster-sets)
+    assert test.subset(torch.arange(10)).iid_log_prob is test.iid_log_prob
+
+
 def test_cluster_sets_have_variable_sizes_within_range():
     data = cluster_sets(500, min_size=3, max_size=8, generator=torch.Generator().manual_seed(4))
     sizes = data.sizes()

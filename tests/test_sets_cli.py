@@ -344,3 +344,12 @@ def test_evaluation_and_sampling_keep_no_graph():
     evaluate(flow, data)
     draw_samples(flow, data, 2, seed=0)
     assert seen == [False, False]
+
+
+def test_sets_of_points_on_a_line_are_plotted_one_set_per_row(tmp_path):
+    from flowattn.data import repulsive_sets
+    from flowattn.sets.plots import plot_sets
+
+    data = repulsive_sets(20, generator=torch.Generator().manual_seed(0))  # points in R^1
+    path = plot_sets(data, data.x[:10], torch.ones(10, 6, dtype=torch.bool), tmp_path / "s.png")
+    assert path.stat().st_size > 1000

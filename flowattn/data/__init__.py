@@ -11,7 +11,20 @@ from .particles import (
     particle_data,
 )
 from .registry import DATASETS, load_dataset, split_sets
+from .repulsive import (
+    repulsive_log_normaliser,
+    repulsive_sets,
+    repulsive_sets_iid_log_prob,
+    repulsive_sets_log_prob,
+)
 from .sets import SetData, load_npz, save_npz
+from .shapes import (
+    SHAPES,
+    shape_sets,
+    shape_sets_iid_log_prob,
+    shape_sets_log_joint,
+    shape_sets_log_prob,
+)
 from .synthetic import cluster_sets, cluster_sets_log_prob, gaussian_sets, gaussian_sets_log_prob
 
 __all__ = [
@@ -33,4 +46,13 @@ __all__ = [
     "gaussian_sets_log_prob",
     "cluster_sets",
     "cluster_sets_log_prob",
+    "SHAPES",
+    "shape_sets",
+    "shape_sets_log_prob",
+    "shape_sets_iid_log_prob",
+    "shape_sets_log_joint",
+    "repulsive_sets",
+    "repulsive_sets_log_prob",
+    "repulsive_sets_iid_log_prob",
+    "repulsive_log_normaliser",
 ]

@@ -9,7 +9,9 @@ import torch
 
 from ..errors import DataError
 from .particles import particle_data
+from .repulsive import repulsive_sets
 from .sets import SetData, load_npz
+from .shapes import shape_sets
 from .synthetic import cluster_sets, gaussian_sets
 
 __all__ = ["DATASETS", "load_dataset", "split_sets"]
@@ -19,16 +21,20 @@ DEFAULT_SIZES = {
     "lj13": {"train": 10_000, "val": 1_000, "test": 2_000},
     "gaussian-sets": {"train": 5_000, "val": 500, "test": 2_000},
     "cluster-sets": {"train": 5_000, "val": 500, "test": 2_000},
+    "shape-sets": {"train": 5_000, "val": 500, "test": 2_000},
+    "shape-sets-varsize": {"train": 5_000, "val": 500, "test": 2_000},
+    "repulsive-sets": {"train": 5_000, "val": 500, "test": 2_000},
 }
 
 
-def _synthetic(make: Callable[..., SetData]) -> Callable[..., dict[str, SetData]]:
+def _synthetic(make: Callable[..., SetData], name: str | None = None,
+               **settings) -> Callable[..., dict[str, SetData]]:
     def build(sizes: dict[str, int], seed: int, cache_dir=None, progress=False):
         out = {}
         for index, (split, count) in enumerate(sizes.items()):
             g = torch.Generator().manual_seed(seed * 1000 + index)
-            data = make(count, generator=g)
-            data.name = f"{data.name}/{split}"
+            data = make(count, generator=g, **settings)
+            data.name = f"{name or data.name}/{split}"
             out[split] = data
         return out
 
@@ -47,6 +53,9 @@ DATASETS: dict[str, Callable[..., dict[str, SetData]]] = {
     "lj13": _particles("lj13"),
     "gaussian-sets": _synthetic(gaussian_sets),
     "cluster-sets": _synthetic(cluster_sets),
+    "shape-sets": _synthetic(shape_sets),
+    "shape-sets-varsize": _synthetic(shape_sets, "shape-sets-varsize", min_size=4, max_size=10),
+    "repulsive-sets": _synthetic(repulsive_sets),
 }
 
 

@@ -31,6 +31,8 @@ class SetData:
             flows fitted to them keep sum_i x_i = 0 and report NLL in the E-NF convention.
         true_log_prob: the closed-form log-density (x, mask) -> (M,) when it is known.
         meta: free-form description (sampler settings, generator parameters).
+        iid_log_prob: the log-density of the sets as i.i.d. points from the exact one-point
+            marginal, (x, mask) -> (M,), when it is known: the best NLL without interactions.
     """
 
     x: Tensor
@@ -39,6 +41,7 @@ class SetData:
     zero_com: bool = False
     true_log_prob: Callable[[Tensor, Tensor | None], Tensor] | None = None
     meta: dict = field(default_factory=dict)
+    iid_log_prob: Callable[[Tensor, Tensor | None], Tensor] | None = None
 
     def __post_init__(self) -> None:
         validate(self.x, self.mask, self.name)
@@ -71,6 +74,7 @@ class SetData:
             self.zero_com,
             self.true_log_prob,
             dict(self.meta),
+            iid_log_prob=self.iid_log_prob,
         )
 
     def batches(
@@ -89,6 +93,12 @@ class SetData:
         if self.true_log_prob is None:
             return None
         return float(-self.true_log_prob(self.x, self.mask).mean())
+
+    def mean_iid_nll(self) -> float | None:
+        """Average -log q_iid over the sets (the best i.i.d.-points model), when it is known."""
+        if self.iid_log_prob is None:
+            return None
+        return float(-self.iid_log_prob(self.x, self.mask).mean())
 
 
 def validate(x, mask, name: str = "data") -> None:

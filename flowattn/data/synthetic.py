@@ -10,6 +10,10 @@ as independent cannot reach the true NLL: what attention adds is measurable.
 * ``cluster_sets``: a set picks one of K centres m_k (uniformly, on a circle of radius r) and its
   n elements are i.i.d. N(m_k, s^2 I): p(X) = 1/K sum_k prod_i N(x_i; m_k, s^2 I). Set sizes vary
   uniformly in [n_min, n_max]; densities are conditional on the size.
+
+The best density of i.i.d. elements (``iid_log_prob``) is the product of the exact one-element
+marginals: N(0, (sigma^2 + tau^2) I) for ``gaussian_sets``, 1/K sum_k N(m_k, s^2 I) for
+``cluster_sets``.
 """
 
 from __future__ import annotations
@@ -61,8 +65,12 @@ def gaussian_sets(
     def true_log_prob(x: Tensor, mask: Tensor | None) -> Tensor:
         return gaussian_sets_log_prob(x, mask, sigma, tau)
 
+    def iid_log_prob(x: Tensor, mask: Tensor | None) -> Tensor:
+        return gaussian_sets_log_prob(x, mask, math.sqrt(sigma**2 + tau**2), 0.0)
+
     meta = {"set_size": set_size, "dim": dim, "sigma": sigma, "tau": tau}
-    return SetData(x, None, "gaussian-sets", true_log_prob=true_log_prob, meta=meta)
+    return SetData(x, None, "gaussian-sets", true_log_prob=true_log_prob, meta=meta,
+                   iid_log_prob=iid_log_prob)
 
 
 def _centres(clusters: int, radius: float, dim: int) -> Tensor:
@@ -108,6 +116,13 @@ def cluster_sets(
     def true_log_prob(x: Tensor, mask: Tensor | None) -> Tensor:
         return cluster_sets_log_prob(x, mask, clusters, radius, scale)
 
+    def iid_log_prob(x: Tensor, mask: Tensor | None) -> Tensor:
+        # each element alone is a one-element set of the same mixture
+        flat = x.reshape(-1, 1, x.shape[-1])
+        per_element = cluster_sets_log_prob(flat, None, clusters, radius, scale).view(x.shape[:2])
+        return (per_element * _weights(x, mask)).sum(1)
+
     meta = {"min_size": min_size, "max_size": max_size, "dim": dim, "clusters": clusters,
             "radius": radius, "scale": scale}
-    return SetData(x, mask, "cluster-sets", true_log_prob=true_log_prob, meta=meta)
+    return SetData(x, mask, "cluster-sets", true_log_prob=true_log_prob, meta=meta,
+                   iid_log_prob=iid_log_prob)

@@ -26,8 +26,8 @@ class SetsData(Section):
     """Which sets the flow is fitted to."""
 
     data: str = Field("gaussian-sets", description="built-in data set (gaussian-sets, "
-                      "cluster-sets, dw4, lj13) or a .npz file with x (M, N, D) and an optional "
-                      "mask (M, N)")
+                      "cluster-sets, shape-sets, shape-sets-varsize, repulsive-sets, dw4, lj13) "
+                      "or a .npz file with x (M, N, D) and an optional mask (M, N)")
     num_train: int | None = Field(None, ge=1, description="size of a built-in training split "
                                   "(none: the data set's default)")
     val_sets: int = Field(500, ge=1, description="validation sets scored at each evaluation")

@@ -32,17 +32,25 @@ def draw_samples(flow: SetFlow, like: SetData, count: int, seed: int) -> tuple[T
 
 
 def _scatter(ax, x: Tensor, mask: Tensor, title: str, highlight: int = 6) -> None:
+    line = x.shape[-1] == 1
+    if line:  # points on a line: set b drawn on the horizontal line at height b
+        rows = torch.arange(x.shape[0], dtype=x.dtype)[:, None, None].expand_as(x)
+        x = torch.cat([x, rows], -1)
     points = x[mask]
     ax.scatter(points[:, 0], points[:, 1], s=2, c="0.75", rasterized=True)
     for b in range(min(highlight, x.shape[0])):
         pts = x[b, mask[b]]
         ax.scatter(pts[:, 0], pts[:, 1], s=18, label=f"set {b}")
     ax.set_title(title)
-    ax.set_aspect("equal", adjustable="box")
+    if line:
+        ax.set_ylabel("set")
+    else:
+        ax.set_aspect("equal", adjustable="box")
 
 
 def plot_sets(data: SetData, samples: Tensor, sample_mask: Tensor, path: Path) -> Path:
-    """Scatter of data sets beside sampled sets (first two coordinates; a few sets coloured)."""
+    """Scatter of data sets beside sampled sets (first two coordinates, or one set per row for
+    points on a line; a few sets coloured)."""
     count = samples.shape[0]
     data_mask = (data.mask[:count] if data.mask is not None
                  else torch.ones(count, data.set_size, dtype=torch.bool))
