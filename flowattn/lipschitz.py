@@ -422,8 +422,11 @@ def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor
     )
     gamma = _pairwise_spectral(m)
     cb = c * beta  # (..., H)
+    # c = 0 for rows that see one key: keep sqrt's derivative at 0 finite (the value moves
+    # by at most sqrt(tiny), upwards: still a bound)
+    tiny = torch.finfo(cb.dtype).tiny
     rank_one = torch.minimum(
-        ((cb @ gamma) * cb).sum(dim=-1).sqrt(),
+        ((cb @ gamma) * cb).sum(dim=-1).clamp_min(tiny).sqrt(),
         spectral_norm_exact(m.reshape(dim, dim)) * cb.norm(dim=-1),
     )
     return linear + 4 * rank_one

@@ -266,3 +266,15 @@ def test_modules_without_offsets_keep_their_state_dict_keys():
     keys = sorted(ContractiveL2MHA(DIM, HEADS, self_offset=1.0, position_bias=1.0).state_dict())
     assert keys == ["attention.offsets.offset_logit", "attention.offsets.position_logit",
                     "attention.w_o", "attention.w_q", "attention.w_v"]
+
+
+@pytest.mark.parametrize("p", ["inf", 2, "2,inf"])
+@pytest.mark.parametrize("kwargs", [{}, {"self_offset": 2.0, "position_bias": 1.0}])
+def test_certificate_gradients_are_finite_for_rows_that_see_one_key(p, kwargs):
+    # under a causal mask the first row sees one key (c = 0): a contractive module trains there
+    module = ContractiveL2MHA(8, 2, norm=p, **kwargs)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    module(x, causal=True).square().sum().backward()
+    for name, param in module.named_parameters():
+        assert torch.isfinite(param.grad).all(), name
+    assert torch.isfinite(x.grad).all()
