@@ -277,7 +277,7 @@ def l2_attention_bound(
             )
         margin = torch.as_tensor(margin, dtype=w_q.dtype, device=w_q.device).expand(heads)
         c = logit_margin_constant(n.unsqueeze(-1), margin)  # (..., H)
-        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, float(margin.detach().max()))
+        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin)
     w0 = phi_inverse((n - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
     if method == "thm3.2":
         return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
@@ -380,9 +380,11 @@ def _pairwise_spectral(a: Tensor, b: Tensor | None = None) -> Tensor:
 
 
 def _tight_l2_attention_bound(
-    n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str, margin: float = 0.0
+    n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str,
+    margin: Tensor | None = None,
 ) -> Tensor:
-    """The tight certificate with c (..., H), Lemma F.2's constant of each head."""
+    """The tight certificate with c (..., H), Lemma F.2's constant of each head; ``margin``
+    (H,) the logit margins (only the 2-norm's column constant reads it, on the host)."""
     heads, dim, head_dim = w_q.shape
     m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
     beta = spectral_norm_exact(w_q)  # (H,)
@@ -404,7 +406,8 @@ def _tight_l2_attention_bound(
     )
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
-    column = l2_core_column_constant(n, margin).to(device=c.device, dtype=c.dtype)
+    top = 0.0 if margin is None else float(margin.detach().max())
+    column = l2_core_column_constant(n, top).to(device=c.device, dtype=c.dtype)
     sqrt_n = torch.sqrt(n.to(c.dtype))
     kappa = torch.minimum(sqrt_n * row, torch.sqrt(row * column))
     return torch.minimum(kappa * weights, sqrt_n * mixed)
