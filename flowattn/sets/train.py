@@ -104,8 +104,12 @@ class SetsTask:
         self.train_data, self.val_data = splits["train"], splits["val"]
         self.test_data = splits.get("test", self.val_data)
         torch.manual_seed(config.train.seed)  # identical initial weights in every process
-        self.flow = build_flow(config.flow, self.train_data.dim, self.train_data.set_size,
-                               self.train_data.zero_com).to(dist.device)
+        flow = build_flow(config.flow, self.train_data.dim, self.train_data.set_size,
+                          self.train_data.zero_com)
+        # The data's offset and scale, from the training split (saved with the flow's state):
+        # the layers see standardised sets, the likelihood stays that of the raw data.
+        flow.standardise(self.train_data.x, self.train_data.mask)
+        self.flow = flow.to(dist.device)
         self.model = self.flow
         self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
 
