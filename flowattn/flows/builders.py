@@ -11,7 +11,13 @@ from torch import Tensor, nn
 
 from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
-from ..validation import check_precision, check_sets, trusted_inputs
+from ..validation import (
+    check_precision,
+    check_sets,
+    inputs_trusted,
+    present_weights,
+    trusted_inputs,
+)
 from .base import sample_standard_normal, standard_normal_log_prob
 from .geometry import subtract_mean
 from .inverse import InverseOptions
@@ -102,6 +108,8 @@ class SetFlow(nn.Module):
     def _prepare(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         mask = check_sets(x, mask, dim=self.dim)
         check_precision(x, self)
+        if self.zero_com and not inputs_trusted():
+            _check_zero_com_sizes(x, mask)
         if self.zero_com:
             x = subtract_mean(x, mask)
         return x, mask
@@ -173,6 +181,16 @@ class SetFlow(nn.Module):
             ref.dtype,
         )
         return z, check_sets(z, mask, dim=self.dim, name="samples")  # e.g. empty sets
+
+
+def _check_zero_com_sizes(x: Tensor, mask: Tensor | None) -> None:
+    sizes = present_weights(x, mask).sum(dim=1)
+    smallest = int(sizes.min())
+    if smallest < 2:
+        first = int(torch.nonzero(sizes < 2)[0, 0])
+        raise InputError(f"set {first} has {smallest} element(s): in zero-centre-of-mass mode a "
+                         "set needs at least 2 (one element has no density in the "
+                         "(n - 1) D = 0-dimensional subspace)")
 
 
 def _fixed_actnorm(dim: int, zero_com: bool) -> ActNorm:
