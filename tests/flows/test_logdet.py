@@ -426,8 +426,9 @@ def test_pointwise_blocks_give_the_same_estimate_and_gradients_as_full_products(
 # -- estimators on a branch whose higher-order terms are large --------------------------------
 # A branch with rho(J) ~ 0.25 hides every term k >= 2 below the test's noise: a mutation of the
 # weights of those terms (no 1/P(n >= k) reweighting, a flipped sign, an index shifted by one)
-# would pass. These tests use a Jacobian with eigenvalues down to -0.8, where every term of
-# sum_k (-1)^(k+1) tr(J^k) / k has the same sign and terms beyond k = 4 add up to nats.
+# would pass. These tests use a Jacobian with eigenvalues down to -0.8, where the terms of
+# sum_k (-1)^(k+1) tr(J^k) / k share their sign: k = 2 alone is more than a nat and the terms
+# beyond k = 4 add up to more than 0.4 (test_strong_branch_has_large_higher_order_terms).
 
 STRONG_EIGENVALUES = (-0.8, -0.75, -0.7, -0.6, 0.3, 0.5)
 
