@@ -543,3 +543,42 @@ def test_neumann_series_gradient_matches_the_truncated_gradient_where_terms_are_
     # the mean over sets of one-probe-pair gradients; its noise is below 0.05 per entry here
     assert (per_set - target).abs().max() < 0.1, (per_set - target).abs().max()
     assert (target - _strong_exact_gradient(branch)).abs().max() > 0.3  # truncation is seen
+
+
+# -- evaluation: probes until the standard error is small -------------------------------------
+
+
+def test_precise_series_meets_its_standard_error_and_its_error_is_honest():
+    from flowattn.flows.logdet import precise_series_logdet
+
+    branch = DenseBranch(10, 4, c=0.7, seed=20)  # N D = 40
+    x = 0.3 * torch.randn(3, 10, 4, dtype=DT, generator=torch.Generator().manual_seed(20))
+    exact = brute_logdet(branch, x)[0]
+    values, variances = [], []
+    for seed in range(10):
+        gx, xr = _with_graph(branch, x)
+        value, variance = precise_series_logdet(
+            gx, xr, 30, generator=torch.Generator().manual_seed(seed), round_samples=8,
+            max_error=4e-3)
+        values.append(value)
+        variances.append(variance)
+    values, variances = torch.stack(values), torch.stack(variances)
+    assert (variances.sqrt() <= 4e-3 * 40).all()  # the target, per degree of freedom
+    # the reported variance is that of the estimate: the spread over seeds agrees with it
+    ratio = values.var(0) / variances.mean(0)
+    assert ((ratio > 0.15) & (ratio < 3.5)).all(), ratio
+    # unbiased up to a truncation far below the noise (40 * 0.7^31 / (31 * 0.3) per set)
+    assert ((values.mean(0) - exact).abs() < 4 * (variances.mean(0) / 10).sqrt()).all()
+
+
+def test_precise_series_stops_at_max_samples_and_reports_the_larger_error():
+    from flowattn.flows.logdet import precise_series_logdet
+
+    branch = DenseBranch(10, 2, c=0.7, seed=21)
+    x = 0.3 * torch.randn(2, 10, 2, dtype=DT, generator=torch.Generator().manual_seed(21))
+    gx, xr = _with_graph(branch, x)
+    _, variance = precise_series_logdet(gx, xr, 30, generator=torch.Generator().manual_seed(0),
+                                        round_samples=4, max_error=0.0, max_samples=10)
+    assert torch.isfinite(variance).all() and (variance > 0).all()
+    with pytest.raises(ValueError, match="round_samples"):
+        precise_series_logdet(gx, xr, 30, round_samples=0)

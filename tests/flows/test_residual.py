@@ -154,14 +154,27 @@ def test_inverse_that_cannot_converge_raises_through_the_block():
 def test_eval_mode_logdet_is_deterministic_and_accurate_when_exact_is_infeasible():
     torch.manual_seed(4)
     att = ContractiveL2MHA(4, 1, coeff=0.9).double()
-    logdet = LogDetOptions(exact_max_dim=8, eval_n_samples=64, eval_n_terms=30)
+    logdet = LogDetOptions(eval_exact_max_dim=8, eval_n_terms=30, eval_max_error=1e-3)
     block = InvertibleResidual(att, logdet=logdet).eval()
-    x = torch.randn(2, 5, 4, dtype=DT)  # N D = 20 > exact_max_dim: series in eval
+    x = torch.randn(2, 5, 4, dtype=DT)  # N D = 20 > eval_exact_max_dim: series in eval
     _, a = block(x)
     _, b = block(x)
     assert torch.equal(a, b)
+    se = block.logdet_variance.sqrt()
+    assert (se <= 1e-3 * 20).all()  # the standard error asked for, per degree of freedom
     exact = brute_logdet(block, x)
-    assert (a - exact).abs().max() < 0.05
+    assert ((a - exact).abs() < 4 * se).all(), (a - exact, se)
+
+
+def test_eval_mode_logdet_is_exact_up_to_n_d_256_and_reports_no_variance():
+    torch.manual_seed(4)
+    att = ContractiveL2MHA(4, 1, coeff=0.9).double()
+    block = InvertibleResidual(att).eval()  # default options
+    x = torch.randn(2, 20, 4, dtype=DT)  # N D = 80: 8 probes before, now exact
+    _, a = block(x)
+    assert block.logdet_variance is None
+    assert torch.allclose(a, brute_logdet(block, x), atol=1e-10, rtol=0)
+    assert LogDetOptions().eval_exact_max_dim == 256
 
 
 @pytest.mark.parametrize("logdet", ["series", "roulette"])
@@ -352,7 +365,7 @@ def test_mlp_block_with_its_own_products_matches_the_autograd_path_in_float64(
 
 
 def test_mlp_block_with_its_own_products_matches_in_eval_and_inverse():
-    own, other = _pair_of_blocks(lambda: LogDetOptions(exact_max_dim=4))  # eval: seeded series
+    own, other = _pair_of_blocks(lambda: LogDetOptions(exact_max_dim=4, eval_exact_max_dim=4))
     x = torch.randn(4, 5, 3, dtype=DT)
     outs = []
     for block in (own.eval(), other.eval()):
