@@ -375,3 +375,41 @@ def test_mlp_block_with_its_own_products_matches_in_eval_and_inverse():
         outs.append((y, ld, x_back, ld_inv))
     for a, b in zip(*outs, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
+class _Scaled(torch.nn.Module):
+    """g(x) = c x: Lipschitz c in every norm, and its projection P g attains ||P||_inf c."""
+
+    norm = "inf"
+
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+
+    def lipschitz_bound(self, n=None):
+        return torch.tensor(self.c, dtype=DT)
+
+    def forward(self, x, mask=None, causal=False):
+        return self.c * x
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_zero_com_factor_is_the_inf_norm_of_the_projection_and_is_attained(n):
+    from flowattn.flows.residual import branch_bound
+
+    d, c = 2, 0.3
+    # P = (I_n - 1 1^T / n) (x) I_D, built as a matrix: its inf-norm (largest row sum) exactly
+    proj = torch.kron(torch.eye(n, dtype=DT) - torch.full((n, n), 1.0 / n, dtype=DT),
+                      torch.eye(d, dtype=DT))
+    norm = float(torch.linalg.matrix_norm(proj, ord=float("inf")))
+    bound = branch_bound(_Scaled(c), n, zero_com=True)
+    if n == 1:  # P = 0: the branch's own bound is kept, a safe over-estimate
+        assert norm == 0.0 and bound == pytest.approx(c)
+        return
+    assert bound == pytest.approx(c * norm, rel=1e-12)  # = c 2 (n - 1) / n
+    # attained: the Jacobian of P g for g = c x has inf-norm exactly the certified bound
+    x = torch.randn(1, n, d, dtype=DT)
+    block = InvertibleResidual(_Scaled(c), zero_com=True, logdet=EXACT)
+    jac = torch.autograd.functional.jacobian(lambda v: block._g(v, None), x).reshape(n * d, -1)
+    assert float(torch.linalg.matrix_norm(jac, ord=float("inf"))) == pytest.approx(bound)
+    assert branch_bound(_Scaled(c), n, zero_com=False) == pytest.approx(c)
