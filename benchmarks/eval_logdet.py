@@ -6,13 +6,15 @@ initialised on the batch) scores one batch in evaluation mode twice: with the ex
 ``eval_max_error`` per degree of freedom (``eval_exact_max_dim=0``). It prints the wall time,
 the NLL per dimension of each, and the largest standard error per dimension of a set.
 
-    python benchmarks/eval_logdet.py                     # N D = 80, 256, 256
+    python benchmarks/eval_logdet.py                     # N D = 80, 256, 256, 512
     python benchmarks/eval_logdet.py --shape 64 2 --sets 32
+    python benchmarks/eval_logdet.py --shape 128 2 --sets 256 --only exact   # + peak memory
 """
 
 from __future__ import annotations
 
 import argparse
+import resource
 import time
 
 import torch
@@ -44,10 +46,19 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=2, action="append", metavar=("N", "D"))
     parser.add_argument("--sets", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--only", choices=("exact", "probes"),
+                        help="one path, one shape: then the peak resident memory is its own")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    shapes = args.shape or [(40, 2), (128, 2), (32, 8)]
+    shapes = args.shape or [(40, 2), (128, 2), (32, 8), (256, 2)]
     print(f"torch {torch.__version__}, {args.threads} thread(s), {args.sets} sets per batch")
+    if args.only:
+        n, d = shapes[0]
+        seconds, nll, se = score(n, d, args.sets, exact=args.only == "exact")
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+        print(f"N={n} D={d} {args.only}: {seconds:.2f} s, nll/dim {nll:.4f}, "
+              f"max se/dim {se:.4f}, peak resident memory {peak:.2f} GiB")
+        return
     print("   N   D  N*D | exact: s  nll/dim | probes: s  nll/dim  max se/dim")
     for n, d in shapes:
         t_exact, nll_exact, _ = score(n, d, args.sets, exact=True)

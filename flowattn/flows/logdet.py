@@ -114,7 +114,7 @@ class LogDetOptions:
     roulette_param: float = 0.5
     roulette_lengths: str = "batch"
     exact_max_dim: int = 64
-    eval_exact_max_dim: int = 256
+    eval_exact_max_dim: int = 512
     eval_n_terms: int | None = None
     eval_n_samples: int = 16
     eval_max_error: float = 2e-3

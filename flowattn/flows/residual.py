@@ -199,7 +199,7 @@ class InvertibleResidual(Transform):
         if callable(jacobian_fn) and not self.causal:  # the branch's closed form: one pass
             return jacobian_logdet(jacobian_fn(x, mask).to(x.dtype), mask, self.zero_com)
         return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph,
-                            vjp_fn=vjp_fn)
+                            chunk_size=_chunk_size(*x.shape), vjp_fn=vjp_fn)
 
     def _exact_feasible(self, n: int, d: int) -> bool:
         opt = self.logdet_options
@@ -363,6 +363,16 @@ class InvertibleResidual(Transform):
             f"inverse={self.inverse_options.method!r}, causal={self.causal}, "
             f"zero_com={self.zero_com}"
         )
+
+
+def _chunk_size(b: int, n: int, d: int) -> int:
+    """Basis vectors per batched VJP of the exact log-det: 256, fewer for large batches of sets.
+
+    A batched VJP through attention holds (vectors x B x N x N) weights; the chunk keeps that
+    near 2^22 numbers (16 MiB in float32) per tensor, so an evaluation batch of 256 sets of 128
+    elements does not need gigabytes.
+    """
+    return max(8, min(256, 2**22 // max(1, b * n * max(n, d))))
 
 
 def _terms_for_bound(bound: float) -> int:
