@@ -194,9 +194,16 @@ def _check_zero_com_sizes(x: Tensor, mask: Tensor | None) -> None:
 
 
 def _fixed_actnorm(dim: int, zero_com: bool) -> ActNorm:
-    """An ActNorm that starts as the identity and is never trained: the standardisation."""
+    """An ActNorm that starts as the identity and is never trained: the standardisation.
+
+    Its shift and scale are buffers, not parameters: no optimiser or ``flow.parameters()``
+    sees them, and they keep their names in the state dict.
+    """
     layer = ActNorm(dim, zero_com=zero_com)
-    layer.requires_grad_(False)
+    for name in ("log_scale", "shift"):
+        value = getattr(layer, name).detach().clone()
+        delattr(layer, name)
+        layer.register_buffer(name, value)
     layer.initialized.fill_(True)
     return layer
 
