@@ -353,3 +353,88 @@ def test_sets_of_points_on_a_line_are_plotted_one_set_per_row(tmp_path):
     data = repulsive_sets(20, generator=torch.Generator().manual_seed(0))  # points in R^1
     path = plot_sets(data, data.x[:10], torch.ones(10, 6, dtype=torch.bool), tmp_path / "s.png")
     assert path.stat().st_size > 1000
+
+
+# -- data at any offset and scale, tiny batches, and the error of the reported NLL ------------
+
+
+def _fit_summary(tmp_path, name, x, *flags, steps="5"):
+    data = tmp_path / f"{name}.npz"
+    save_npz(data, x)
+    out = tmp_path / name
+    code = run_cli("fit", "--data", str(data), "--steps", steps, "--out", str(out),
+                   "--no-progress", "--config", str(tiny_config(tmp_path)), *flags)
+    assert code == 0
+    return json.loads((out / "summary.json").read_text())
+
+
+def test_fit_on_two_sets_with_batch_size_one_and_a_constant_coordinate(tmp_path, capsys):
+    x = torch.randn(2, 6, 2, generator=torch.Generator().manual_seed(0))
+    summary = _fit_summary(tmp_path, "two_sets", x, "--batch-size", "1")
+    assert np.isfinite(summary["test_nll"])
+    constant = torch.randn(40, 6, 2, generator=torch.Generator().manual_seed(1))
+    constant[..., 1] = 3.0  # one coordinate never varies
+    summary = _fit_summary(tmp_path, "constant", constant, "--batch-size", "8")
+    assert np.isfinite(summary["test_nll"])
+    assert "non-finite" not in capsys.readouterr().err
+
+
+def test_data_in_other_units_fit_to_the_same_model_up_to_n_d_log_scale(tmp_path):
+    # The standardisation makes the fit of 10 x + 1e6 that of x (up to float32 rounding of the
+    # data, 1/16 at 1e6): its NLL per dimension is higher by log 10, no more.
+    x = torch.randn(120, 6, 2, generator=torch.Generator().manual_seed(2))
+    base = _fit_summary(tmp_path, "base", x, "--batch-size", "16", steps="8")
+    moved = _fit_summary(tmp_path, "moved", 10 * x + 1e6, "--batch-size", "16", steps="8")
+    gap = moved["test_nll_per_dim"] - base["test_nll_per_dim"]
+    assert abs(gap - np.log(10.0)) < 0.02, gap
+    assert base["test_nll_per_dim"] < 2.0  # a sane NLL for unit Gaussians (1.42 exact)
+
+
+def test_summary_and_eval_report_how_the_log_det_was_computed(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_cli("fit", *TINY, "--steps", "2", "--out", str(out),
+            "--config", str(tiny_config(tmp_path)))
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["test_logdet"] == "exact" and summary["test_nll_per_dim_se"] == 0.0
+    assert "exact log-det" in printed
+    assert run_cli("eval", "--checkpoint", str(out), "--data", "gaussian-sets", "--json") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert "exact log-det" in lines[0]
+    assert json.loads(lines[-1])["nll_se"] == 0.0
+
+
+def test_evaluate_reports_the_standard_error_of_an_estimated_log_det():
+    from flowattn.data import SetData
+    from flowattn.flows import LogDetOptions, set_flow
+    from flowattn.sets import evaluate
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 12, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    data = SetData(x)
+    results = {}
+    for name, options in (("exact", LogDetOptions()),
+                          ("estimated", LogDetOptions(eval_exact_max_dim=8))):
+        torch.manual_seed(0)
+        flow = set_flow(2, blocks=1, heads=1, logdet=options).double()
+        flow.train().log_prob(x)  # the same ActNorm initialisation in both
+        results[name] = evaluate(flow, data)
+    exact, estimated = results["exact"], results["estimated"]
+    assert exact["logdet"] == "exact" and exact["nll_per_dim_se"] == 0.0
+    assert estimated["logdet"] == "estimated" and 0 < estimated["nll_per_dim_se"] < 0.01
+    assert abs(estimated["nll"] - exact["nll"]) < 4 * estimated["nll_se"]
+
+
+def test_evaluating_zero_com_sets_of_one_element_is_a_clear_error(tmp_path):
+    from flowattn.data import SetData
+    from flowattn.errors import DataError
+    from flowattn.flows import set_flow
+    from flowattn.sets import evaluate
+
+    flow = set_flow(2, blocks=1, heads=1, zero_com=True, norm="2", interaction="linear")
+    mask = torch.tensor([[True, True, True], [True, False, False]])
+    data = SetData(torch.randn(2, 3, 2), mask, name="particles", zero_com=True)
+    with pytest.raises(DataError, match="particles: set 1 has 1 element"):
+        evaluate(flow, data)
+    with pytest.raises(DataError, match="set 0 has 1 element"):
+        evaluate(flow, SetData(torch.randn(4, 1, 2), zero_com=True))

@@ -11,7 +11,13 @@ from torch import Tensor, nn
 
 from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
-from ..validation import check_precision, check_sets, trusted_inputs
+from ..validation import (
+    check_precision,
+    check_sets,
+    inputs_trusted,
+    present_weights,
+    trusted_inputs,
+)
 from .base import sample_standard_normal, standard_normal_log_prob
 from .geometry import subtract_mean
 from .inverse import InverseOptions
@@ -35,6 +41,14 @@ class SetFlow(nn.Module):
     that (n - 1) D-dimensional subspace, including its -(n - 1) D / 2 log(2 pi) constant
     (the convention of Satorras et al. 2021, E(n) equivariant normalizing flows).
 
+    The data first pass a fixed affine standardisation u_i = (x_i - m) / s, per feature, with m
+    and s set from the training data by :meth:`standardise` (identity until then; m = 0 in
+    zero-centre-of-mass mode) and saved with the flow's state. Its log-determinant,
+    -n sum_d log s_d per set ((n - 1) in zero-centre-of-mass mode), is part of log p(x), and
+    sampling maps back, x_i = m + s u_i, so the density is that of the data in their own units:
+    data moved by c and scaled by a have log-likelihoods lower by exactly n D log|a|. The layers
+    after it see data of unit scale near 0, whatever the offset and scale of the raw data.
+
     Arguments:
         transform: an nflows transform on (B, N, D) taking the mask as ``context``.
         dim: feature width D.
@@ -51,10 +65,51 @@ class SetFlow(nn.Module):
         self.transform = transform
         self.dim = dim
         self.zero_com = bool(zero_com)
+        self.standardisation = _fixed_actnorm(dim, self.zero_com)
+
+    def standardise(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """Set the standardisation from the present elements of training sets ``x`` (M, N, D).
+
+        m is their mean and s their standard deviation per feature (float64,
+        :func:`~flowattn.flows.layers.feature_moments`: a constant feature keeps s = 1); in
+        zero-centre-of-mass mode m = 0 and s is the root mean square of the centred sets.
+
+        Examples:
+            >>> flow = set_flow(2, blocks=1, heads=1, logdet=LogDetOptions("exact")).double()
+            >>> x = torch.randn(64, 4, 2, dtype=torch.float64)
+            >>> flow.standardise(x)
+            >>> before = flow.log_prob(x)
+            >>> flow.standardise(10 * x + 1e6)  # the same data in other units: n D log 10 less
+            >>> gap = before - flow.log_prob(10 * x + 1e6)
+            >>> bool(torch.allclose(gap, gap.new_full((64,), 8 * math.log(10.0)), atol=1e-6))
+            True
+        """
+        x, mask = self._prepare(x, mask)
+        self.standardisation.initialise(x, mask)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        # A flow saved before the standardisation existed: its data were not standardised.
+        for name, value in _fixed_actnorm(self.dim, self.zero_com).state_dict().items():
+            state_dict.setdefault(f"{prefix}standardisation.{name}", value)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _forward(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        with trusted_inputs():  # checked once, in _prepare; the layers trust their caller
+            u, scale_logdet = self.standardisation(x, context=mask)
+            z, logdet = self.transform(u, context=mask)
+        return z, scale_logdet + logdet
+
+    def _inverse(self, z: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+        with trusted_inputs():
+            u, logdet = self.transform.inverse(z, context=mask)
+            x, scale_logdet = self.standardisation.inverse(u, context=mask)
+        return x, logdet + scale_logdet
 
     def _prepare(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         mask = check_sets(x, mask, dim=self.dim)
         check_precision(x, self)
+        if self.zero_com and not inputs_trusted():
+            _check_zero_com_sizes(x, mask)
         if self.zero_com:
             x = subtract_mean(x, mask)
         return x, mask
@@ -62,15 +117,12 @@ class SetFlow(nn.Module):
     def transform_to_noise(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """z = f(x), shape (B, N, D); padded elements pass through."""
         x, mask = self._prepare(x, mask)
-        with trusted_inputs():  # checked once, here; the layers trust their caller
-            z, _ = self.transform(x, context=mask)
-        return z
+        return self._forward(x, mask)[0]
 
     def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """log p(x) per set, shape (B,): exact in eval mode where feasible, else an estimate."""
         x, mask = self._prepare(x, mask)
-        with trusted_inputs():
-            z, logdet = self.transform(x, context=mask)
+        z, logdet = self._forward(x, mask)
         return standard_normal_log_prob(z, mask, self.zero_com) + logdet
 
     def _reference_tensor(self) -> Tensor:
@@ -87,9 +139,7 @@ class SetFlow(nn.Module):
     ) -> Tensor:
         """Draw ``num_samples`` sets of ``set_size`` elements (or with the given ``mask``)."""
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
-        with trusted_inputs():
-            x, _ = self.transform.inverse(z, context=mask)
-        return x
+        return self._inverse(z, mask)[0]
 
     def sample_and_log_prob(
         self,
@@ -100,8 +150,7 @@ class SetFlow(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Samples and their log-densities, log p(x) = log N(z) - log|det dx/dz|."""
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
-        with trusted_inputs():
-            x, logdet_inv = self.transform.inverse(z, context=mask)
+        x, logdet_inv = self._inverse(z, mask)
         return x, standard_normal_log_prob(z, mask, self.zero_com) - logdet_inv
 
     def _base_sample(self, num_samples, set_size, mask, generator):
@@ -132,6 +181,31 @@ class SetFlow(nn.Module):
             ref.dtype,
         )
         return z, check_sets(z, mask, dim=self.dim, name="samples")  # e.g. empty sets
+
+
+def _check_zero_com_sizes(x: Tensor, mask: Tensor | None) -> None:
+    sizes = present_weights(x, mask).sum(dim=1)
+    smallest = int(sizes.min())
+    if smallest < 2:
+        first = int(torch.nonzero(sizes < 2)[0, 0])
+        raise InputError(f"set {first} has {smallest} element(s): in zero-centre-of-mass mode a "
+                         "set needs at least 2 (one element has no density in the "
+                         "(n - 1) D = 0-dimensional subspace)")
+
+
+def _fixed_actnorm(dim: int, zero_com: bool) -> ActNorm:
+    """An ActNorm that starts as the identity and is never trained: the standardisation.
+
+    Its shift and scale are buffers, not parameters: no optimiser or ``flow.parameters()``
+    sees them, and they keep their names in the state dict.
+    """
+    layer = ActNorm(dim, zero_com=zero_com)
+    for name in ("log_scale", "shift"):
+        value = getattr(layer, name).detach().clone()
+        delattr(layer, name)
+        layer.register_buffer(name, value)
+    layer.initialized.fill_(True)
+    return layer
 
 
 def _default_attention(dim: int, heads: int, coeff: float, norm: str) -> nn.Module:

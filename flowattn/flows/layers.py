@@ -37,7 +37,7 @@ from ..validation import check_sets, present_weights
 from .base import set_dims
 from .geometry import full_precision, mask_from_context
 
-__all__ = ["ActNorm", "EquivariantLinear", "SetLocation", "size_features"]
+__all__ = ["ActNorm", "EquivariantLinear", "SetLocation", "feature_moments", "size_features"]
 
 
 class ActNorm(Transform):
@@ -48,8 +48,11 @@ class ActNorm(Transform):
 
     On the first forward call in training mode, b and s are set so that the present elements of
     that batch have zero mean and unit variance per feature (padded elements are excluded from
-    the statistics). Padded elements pass through unchanged. The log-determinant of a set of n
-    present elements is n * sum_d s_d.
+    the statistics; :func:`feature_moments`, computed in float64). A feature that does not vary
+    in that batch (a constant coordinate, one element in all) keeps the scale 1 and is only
+    centred: the initialisation is finite for any finite batch, at any offset and scale.
+    Padded elements pass through unchanged. The log-determinant of a set of n present elements
+    is n * sum_d s_d.
 
     With ``zero_com=True`` (particle systems) the shift is fixed to zero so that a zero centre of
     mass is preserved, the scale is initialised from the root-mean-square per feature, and the
@@ -59,7 +62,9 @@ class ActNorm(Transform):
     Arguments:
         dim: feature width D.
         zero_com: zero-centre-of-mass mode.
-        eps: added to the standard deviation at initialisation.
+        eps: a standard deviation at most ``eps`` times the feature's magnitude |mean| (or
+            below the smallest normal number) counts as no variation (default: 4 machine
+            epsilons of the batch's dtype, the rounding noise of a constant feature).
 
     Examples:
         >>> act = ActNorm(3)
@@ -68,11 +73,13 @@ class ActNorm(Transform):
         True
     """
 
-    def __init__(self, dim: int, zero_com: bool = False, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, zero_com: bool = False, eps: float | None = None) -> None:
         super().__init__()
+        if eps is not None and not (math.isfinite(eps) and eps >= 0):
+            raise InputError(f"eps must be a finite number >= 0, got {eps}")
         self.dim = dim
         self.zero_com = bool(zero_com)
-        self.eps = float(eps)
+        self.eps = eps
         self.log_scale = nn.Parameter(torch.zeros(dim))
         self.shift = nn.Parameter(torch.zeros(dim), requires_grad=not zero_com)
         self.register_buffer("initialized", torch.tensor(False))
@@ -88,17 +95,15 @@ class ActNorm(Transform):
         return not self._seen_initialised
 
     @torch.no_grad()
-    def _initialise(self, x: Tensor, mask: Tensor | None) -> None:
-        w = (torch.ones(x.shape[:2], dtype=x.dtype, device=x.device) if mask is None
-             else mask.to(x.dtype)).unsqueeze(-1)
-        count = w.sum(dim=(0, 1))
-        if self.zero_com:
-            mean = torch.zeros_like(count)
-        else:
-            mean = (x * w).sum(dim=(0, 1)) / count
-        var = ((x - mean).pow(2) * w).sum(dim=(0, 1)) / count
-        self.shift.copy_(-mean)
-        self.log_scale.copy_(-torch.log(var.sqrt() + self.eps))
+    def initialise(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """Set b and s from the present elements of ``x`` (B, N, D): see :func:`feature_moments`.
+
+        A feature that does not vary (a constant coordinate, a single element) keeps the scale
+        1 and is only shifted, so the initialisation never divides by zero.
+        """
+        mean, std = feature_moments(x, mask, self.zero_com, self.eps)
+        self.shift.copy_(-mean.to(self.shift.dtype))
+        self.log_scale.copy_(-torch.log(std).to(self.log_scale.dtype))
         self.initialized.fill_(True)
         self._seen_initialised = True
 
@@ -116,7 +121,7 @@ class ActNorm(Transform):
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         x, mask, flat = self._prepare(inputs, context)
         if self.training and self._needs_initialisation():
-            self._initialise(x, mask)
+            self.initialise(x, mask)
         y = (x + self.shift) * torch.exp(self.log_scale)
         if mask is not None:
             y = torch.where(mask.unsqueeze(-1), y, x)
@@ -128,6 +133,62 @@ class ActNorm(Transform):
         if mask is not None:
             x = torch.where(mask.unsqueeze(-1), x, y)
         return (x.squeeze(1) if flat else x), -self._logdet(y, mask)
+
+
+def feature_moments(
+    x: Tensor, mask: Tensor | None = None, zero_com: bool = False, eps: float | None = None
+) -> tuple[Tensor, Tensor]:
+    r"""Mean and a safe standard deviation of each feature over the present elements of sets.
+
+    Both are computed in float64 over every present element of ``x`` (B, N, D) (``mask`` False
+    excluded); with ``zero_com`` the mean is 0 and the spread is the root mean square. A spread
+    that is not above max(eps |mean|, tiny) -- a constant feature, whose computed spread is
+    rounding noise of the order of eps |mean|, or a single element -- is replaced by 1, so
+    that an affine standardisation (x - mean) / std built from them is finite for any finite
+    data, at any offset and scale.
+
+    Arguments:
+        x: sets (B, N, D) or vectors (B, D).
+        mask: bool (B, N), True = present.
+        zero_com: the data live in the zero-centre-of-mass subspace (no shift).
+        eps: relative threshold (default: 4 machine epsilons of ``x``'s dtype).
+
+    Returns:
+        (mean, std), each (D,) in float64.
+
+    Examples:
+        >>> x = torch.tensor([[[1e6, 3.0], [1e6 + 2, 3.0]]], dtype=torch.float64)
+        >>> mean, std = feature_moments(x)
+        >>> mean.tolist(), std.tolist()
+        ([1000001.0, 3.0], [1.0, 1.0])
+    """
+    if x.dim() == 2:
+        x = x.unsqueeze(1)
+    eps = 4 * torch.finfo(x.dtype).eps if eps is None else float(eps)
+    xd = x.detach().double()
+    w = present_weights(xd, mask).unsqueeze(-1)
+    count = w.sum(dim=(0, 1))
+    mean = torch.zeros_like(count) if zero_com else (xd * w).sum(dim=(0, 1)) / count
+    std = (((xd - mean).pow(2) * w).sum(dim=(0, 1)) / count).sqrt()
+    floor = (eps * mean.abs()).clamp_min(torch.finfo(x.dtype).tiny)
+    return mean, torch.where(std > floor, std, torch.ones_like(std))
+
+
+class _CentroidActNorm(VectorActNorm):
+    """nflows' ActNorm of vectors (B, D), initialised by :func:`feature_moments`.
+
+    nflows divides by the batch's standard deviation unguarded: a batch of one vector, or a
+    coordinate that is constant in the batch, gives an infinite scale. Here such a coordinate
+    keeps the scale 1. The parametrisation (y = x exp(s) + b) and the state are nflows', so
+    saved flows load unchanged.
+    """
+
+    def _initialize(self, inputs: Tensor) -> None:
+        with torch.no_grad():
+            mean, std = feature_moments(inputs)
+            self.log_scale.data = -torch.log(std).to(self.log_scale)
+            self.shift.data = (-mean / std).to(self.shift)
+            self.initialized.data = torch.tensor(True, dtype=torch.bool)
 
 
 class _LUMatrix(nn.Module):
@@ -242,7 +303,7 @@ def size_features(n: Tensor) -> Tensor:
 
 
 def _spline_flow(dim: int, layers: int, hidden: int, bins: int, tail_bound: float) -> Transform:
-    steps: list[Transform] = [VectorActNorm(dim)]
+    steps: list[Transform] = [_CentroidActNorm(dim)]
     for _ in range(layers):
         steps.append(
             MaskedPiecewiseRationalQuadraticAutoregressiveTransform(

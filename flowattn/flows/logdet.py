@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from ..validation import present_weights
 from .geometry import PROBES, project, sample_probes, vjp
 
 __all__ = [
@@ -44,6 +45,7 @@ __all__ = [
     "sample_roulette_lengths",
     "roulette_tail_probability",
     "memory_efficient_logdet",
+    "precise_series_logdet",
     "LOGDET_METHODS",
     "STRUCTURES",
 ]
@@ -63,8 +65,11 @@ class LogDetOptions:
     branch's closed-form Jacobian), ``"series"`` (:func:`series_logdet`), ``"roulette"``
     (:func:`roulette_logdet`) or ``"auto"`` (exact when the Jacobian is block-structured or
     N D <= ``exact_max_dim``, roulette otherwise). In evaluation mode it is always deterministic
-    and accurate: exact where feasible, otherwise ``eval_n_terms`` series terms with
-    ``eval_n_samples`` probes drawn from a generator seeded with ``eval_seed``.
+    and accurate: exact where N D <= ``eval_exact_max_dim`` (or the Jacobian is
+    block-structured), otherwise ``eval_n_terms`` series terms with probes drawn, in rounds of
+    ``eval_n_samples``, from a generator seeded with ``eval_seed`` until the standard error of
+    every set's estimate is at most ``eval_max_error`` nats per degree of freedom (or
+    ``eval_max_samples`` probes are spent); see :func:`precise_series_logdet`.
 
     Attributes:
         method: ``"auto"``, ``"exact"``, ``"series"`` or ``"roulette"``.
@@ -79,11 +84,15 @@ class LogDetOptions:
         roulette: the law of the roulette length, ``"geometric"`` or ``"poisson"``.
         roulette_param: its p or lambda.
         roulette_lengths: ``"batch"`` (one length per call) or ``"sample"`` (one per set).
-        exact_max_dim: the largest N D for which ``"auto"`` and evaluation use the full exact
-            path (8 times more for a branch with a closed-form ``jacobian``).
+        exact_max_dim: the largest N D for which ``"auto"`` uses the full exact path in training
+            (8 times more for a branch with a closed-form ``jacobian``).
+        eval_exact_max_dim: the same in evaluation (no double backward there: cheaper).
         eval_n_terms: series terms in evaluation when exact is infeasible (``None``: from the
             branch bound, between 20 and 100).
-        eval_n_samples: probes in evaluation when exact is infeasible.
+        eval_n_samples: probes per round in evaluation when exact is infeasible.
+        eval_max_error: the standard error, in nats per degree of freedom of a set, at which
+            evaluation stops drawing probes.
+        eval_max_samples: the most probes per set in evaluation.
         eval_seed: seed of the evaluation probes.
         generator: torch.Generator of the training-time probes and lengths (``None``: torch's
             global RNG).
@@ -105,8 +114,11 @@ class LogDetOptions:
     roulette_param: float = 0.5
     roulette_lengths: str = "batch"
     exact_max_dim: int = 64
+    eval_exact_max_dim: int = 512
     eval_n_terms: int | None = None
-    eval_n_samples: int = 8
+    eval_n_samples: int = 16
+    eval_max_error: float = 2e-3
+    eval_max_samples: int = 1024
     eval_seed: int = 0
     generator: torch.Generator | None = None
 
@@ -121,14 +133,19 @@ class LogDetOptions:
             if value not in allowed:
                 raise InputError(f"LogDetOptions.{name} must be one of {allowed}, got {value!r}")
         for name, low in (("n_terms", 1), ("n_exact_terms", 0), ("n_samples", 1),
-                          ("eval_n_samples", 1)):
+                          ("eval_n_samples", 1), ("eval_max_samples", 1)):
             value = getattr(self, name)
             if int(value) != value or value < low:
                 raise InputError(f"LogDetOptions.{name} must be an integer >= {low}, got {value}")
             object.__setattr__(self, name, int(value))
         object.__setattr__(self, "memory_efficient", bool(self.memory_efficient))
         object.__setattr__(self, "roulette_param", float(self.roulette_param))
+        if not (math.isfinite(self.eval_max_error) and self.eval_max_error >= 0):
+            raise InputError("LogDetOptions.eval_max_error must be a finite number >= 0, got "
+                             f"{self.eval_max_error}")
+        object.__setattr__(self, "eval_max_error", float(self.eval_max_error))
         object.__setattr__(self, "exact_max_dim", int(self.exact_max_dim))
+        object.__setattr__(self, "eval_exact_max_dim", int(self.eval_exact_max_dim))
         object.__setattr__(self, "eval_seed", int(self.eval_seed))
 
 
@@ -457,6 +474,81 @@ def series_logdet(
     product = _products(gx, x, vjp_fn)
     return _series_core(product, x, draw, mask, zero_com, grad, create_graph,
                         _pointwise(structure))
+
+
+def precise_series_logdet(
+    gx: Tensor,
+    x: Tensor,
+    n_terms: int,
+    mask: Tensor | None = None,
+    zero_com: bool = False,
+    probe: str = "rademacher",
+    generator: torch.Generator | None = None,
+    create_graph: bool = False,
+    vjp_fn: Callable[[Tensor], Tensor] | None = None,
+    structure: str = "full",
+    round_samples: int = 16,
+    max_error: float = 2e-3,
+    max_samples: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    r"""The truncated series of :func:`series_logdet` with as many probes as a set needs.
+
+    Probes are drawn in rounds of ``round_samples``; after each round the per-probe estimates
+    e_s = sum_{k<=n} (-1)^(k+1) v_s^T J^k v_s / k of each set give the standard error of their
+    mean, sqrt(var(e) / S), and drawing stops once it is at most ``max_error`` times the set's
+    degrees of freedom (n D, or (n - 1) D with ``zero_com``) for every set, or after
+    ``max_samples`` probes. Hutchinson's variance is 2 ||A||_F^2 - 2 sum_i A_ii^2 for Rademacher
+    probes (A the symmetric part of the series' matrix; Hutchinson 1990), which grows with N D, so
+    a fixed number of probes leaves large sets with a noisy log-det.
+
+    Arguments as in :func:`series_logdet` (gradients by backprop through the terms, with
+    ``create_graph``), and:
+        round_samples: probes per round.
+        max_error: the target standard error per degree of freedom.
+        max_samples: the most probes per set.
+
+    Returns:
+        (estimate, variance): the mean over the probes (B,) and the variance of that mean (B,)
+        (the squared standard error; the truncation bias is not included).
+
+    Examples:
+        >>> x = torch.randn(2, 40, 2, dtype=torch.float64, requires_grad=True)
+        >>> gx = 0.3 * torch.sin(x @ torch.ones(2, 2, dtype=torch.float64) / 2)
+        >>> value, variance = precise_series_logdet(gx, x, 20, max_error=1e-3)
+        >>> bool((variance.sqrt() <= 1e-3 * 80).all())
+        True
+    """
+    _check_pair(gx, x, vjp_fn)
+    if round_samples < 1 or max_samples < 1:
+        raise InputError(f"round_samples and max_samples must be >= 1, got {round_samples} and "
+                         f"{max_samples}")
+    product = _products(gx, x, vjp_fn)
+    coeffs = _series_coefficients(n_terms, x.dtype, x.device)
+    pointwise = _pointwise(structure)
+    dims = present_weights(x, mask).sum(dim=1) - (1 if zero_com else 0)
+    dims = dims.clamp_min(1) * x.shape[-1]
+    estimates: list[Tensor] = []
+    drawn = 0
+    while drawn < max_samples:
+        size = min(round_samples, max_samples - drawn)
+
+        def draw(size: int = size) -> tuple[Tensor, Tensor]:
+            probes = sample_probes((size, *x.shape), probe, mask, zero_com, generator,
+                                   x.device, x.dtype)
+            return coeffs, probes
+
+        _, v, stacked = _draw_and_powers(draw, product, mask, zero_com, create_graph,
+                                         pointwise)
+        d = (stacked[1:] * v).sum(dim=(-2, -1))  # (K, [S], B)
+        d = d if v.dim() == 4 else d.unsqueeze(1)
+        estimates.append((coeffs.reshape(-1, 1, 1) * d).sum(dim=0))  # (S, B)
+        drawn += size
+        samples = torch.cat(estimates)
+        variance = (samples.detach().var(dim=0) / drawn if drawn > 1
+                    else torch.full_like(samples[0].detach(), math.inf))
+        if bool((variance.sqrt() <= max_error * dims).all()):
+            break
+    return samples.mean(dim=0), variance
 
 
 def roulette_tail_probability(distribution: str, param: float, m: int) -> float:

@@ -87,7 +87,9 @@ class MonotoneResidual(Transform):
 
     The branch provides ``spectrum() -> (l, u)`` (certified, for every set size) and a
     symmetric Jacobian, e.g. :class:`~flowattn.branches.RadialInteraction` with ``max_slope=u``.
-    Only l must stay below 1; u sets how far one block can expand. Keyword arguments go to the
+    Only l must stay below 1; u sets how far one block can expand. The branch must also sum to
+    zero over each set and be translation-invariant (:meth:`verify_branch` checks both on the
+    first call and raises ``InputError`` otherwise). Keyword arguments go to the
     inner :class:`~flowattn.flows.InvertibleResidual` (``logdet``, ``zero_com``, inverse
     settings, ...); its inverse iterations converge at the rate q = (u + l) / (u - l + 2).
 
@@ -107,6 +109,37 @@ class MonotoneResidual(Transform):
         if residual_kwargs.get("causal"):
             raise InputError("a monotone block needs a symmetric Jacobian: no causal mask")
         self.residual = InvertibleResidual(_Recentred(branch), **residual_kwargs)
+        self._verified = False  # the branch's invariances, checked on the first call
+
+    def verify_branch(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """Check on ``x`` that g sums to zero over each set and ignores a translation of it.
+
+        The decomposition of the module docstring needs both: sum_i g_i(x) = 0 keeps the
+        centroid c where the scaling about it puts it, and g(x + 1 t^T) = g(x) makes J_g
+        vanish along translations, so that h's eigenvalues lie in [-q, q]. Gradient fields of
+        functions of pairwise differences (:class:`~flowattn.branches.RadialInteraction`) have
+        both. Run once, on the first call, in the inputs' precision.
+
+        Raises:
+            InputError: naming the branch and the size of the violation.
+        """
+        with torch.no_grad(), full_precision(x):
+            w = present_weights(x, mask).unsqueeze(-1)
+            g = self.branch(x, mask=mask) * w
+            shift = 0.5 + 0.25 * torch.arange(x.shape[-1], dtype=x.dtype, device=x.device)
+            moved = self.branch(x + shift * w, mask=mask) * w
+            scale = 1 + float(g.abs().max()) + float((x * w).abs().max())
+            tol = torch.finfo(x.dtype).eps ** 0.5 * scale
+            total = float(g.sum(dim=1).abs().max())
+            drift = float((moved - g).abs().max())
+        name = type(self.branch).__name__
+        if total > tol:
+            raise InputError(f"branch {name} of a monotone block must sum to zero over each "
+                             f"set (sum_i g_i(x) = 0), but a sum reaches {total:.3g}")
+        if drift > tol:
+            raise InputError(f"branch {name} of a monotone block must be translation-invariant "
+                             f"(g(x + t) = g(x)), but moving the set changes g by {drift:.3g}")
+        self._verified = True
 
     @property
     def branch(self) -> nn.Module:
@@ -121,6 +154,8 @@ class MonotoneResidual(Transform):
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """y = x + g(x) and log|det dy/dx| per set, shape (B,)."""
         mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
+        if not self._verified:
+            self.verify_branch(inputs, mask)
         with trusted_inputs(), full_precision(inputs):  # see the module docstring
             z, logdet = self.residual(inputs, context=mask)
         a, scale_logdet = self._scale_logdet(inputs, mask)
@@ -131,6 +166,8 @@ class MonotoneResidual(Transform):
     def inverse(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """x with x + g(x) = inputs, and log|det dx/dy|."""
         mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
+        if not self._verified:
+            self.verify_branch(inputs, mask)
         a, scale_logdet = self._scale_logdet(inputs, mask)
         centroid = inputs - subtract_mean(inputs, mask)
         with trusted_inputs():
@@ -219,6 +256,8 @@ class InverseMonotoneResidual(Transform):
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """z with z + g(z) = inputs, and log|det dz/dx| = -log det(I + J_g(z))."""
         mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
+        if not self.block._verified:
+            self.block.verify_branch(inputs, mask)
         with trusted_inputs(), full_precision(inputs):  # a Newton solve
             return self._forward(inputs, mask)
 

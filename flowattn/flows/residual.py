@@ -19,6 +19,7 @@ from .logdet import (
     exact_logdet,
     jacobian_logdet,
     memory_efficient_logdet,
+    precise_series_logdet,
     roulette_logdet,
     series_logdet,
 )
@@ -87,9 +88,13 @@ class InvertibleResidual(Transform):
         memory does not grow with the number of terms.
 
     Evaluation mode (``.eval()``) always gives a deterministic, high-accuracy log-det: exact
-    where feasible, otherwise ``eval_n_terms`` terms with ``eval_n_samples`` probes drawn from a
-    generator seeded with ``eval_seed``. In training mode the returned log-det is the honest
-    estimate (its value), while its gradient is the chosen surrogate (Neumann or backprop).
+    where N D <= ``eval_exact_max_dim`` or the Jacobian is block-structured, otherwise
+    ``eval_n_terms`` terms with probes from a generator seeded with ``eval_seed``, drawn until
+    the standard error per degree of freedom is at most ``eval_max_error``
+    (:func:`~flowattn.flows.logdet.precise_series_logdet`); that estimate's variance is kept in
+    ``logdet_variance`` (``None`` after an exact log-det). In training mode the returned log-det
+    is the honest estimate (its value), while its gradient is the chosen surrogate (Neumann or
+    backprop).
 
     Arguments:
         branch: the contractive module g.
@@ -141,6 +146,9 @@ class InvertibleResidual(Transform):
         self.inverse_options = inverse
         self.causal = bool(causal)
         self.zero_com = bool(zero_com)
+        #: the variance (B,) of the latest log-det where it was estimated in evaluation mode
+        #: (the squared standard error of :func:`precise_series_logdet`), else ``None``
+        self.logdet_variance: Tensor | None = None
 
     # -- helpers -------------------------------------------------------------------------------
     @property
@@ -191,10 +199,11 @@ class InvertibleResidual(Transform):
         if callable(jacobian_fn) and not self.causal:  # the branch's closed form: one pass
             return jacobian_logdet(jacobian_fn(x, mask).to(x.dtype), mask, self.zero_com)
         return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph,
-                            vjp_fn=vjp_fn)
+                            chunk_size=_chunk_size(*x.shape), vjp_fn=vjp_fn)
 
     def _exact_feasible(self, n: int, d: int) -> bool:
-        max_dim = self.logdet_options.exact_max_dim
+        opt = self.logdet_options
+        max_dim = opt.exact_max_dim if self.training else opt.eval_exact_max_dim
         if callable(getattr(self.branch, "jacobian", None)) and not self.causal:
             return n * d <= 8 * max_dim  # no VJPs: only the determinant's cost
         return self.structure != "full" or n * d <= max_dim
@@ -205,6 +214,7 @@ class InvertibleResidual(Transform):
         zc = self.zero_com
         opt = self.logdet_options
         structure = "pointwise" if self.structure == "pointwise" else "full"
+        self.logdet_variance = None
         if not self.training:
             if self._exact_feasible(n, d):
                 return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
@@ -213,10 +223,13 @@ class InvertibleResidual(Transform):
 
             def eval_series(gx, x, cg, vjp_fn=None):
                 gen = torch.Generator(device=x.device).manual_seed(opt.eval_seed)
-                return series_logdet(
-                    gx, x, terms, mask, opt.eval_n_samples, opt.probe, "backprop", zc, gen, cg,
-                    vjp_fn=vjp_fn, structure=structure,
+                value, variance = precise_series_logdet(
+                    gx, x, terms, mask, zc, opt.probe, gen, cg, vjp_fn=vjp_fn,
+                    structure=structure, round_samples=opt.eval_n_samples,
+                    max_error=opt.eval_max_error, max_samples=opt.eval_max_samples,
                 )
+                self.logdet_variance = variance
+                return value
 
             return eval_series
         method = opt.method
@@ -350,6 +363,16 @@ class InvertibleResidual(Transform):
             f"inverse={self.inverse_options.method!r}, causal={self.causal}, "
             f"zero_com={self.zero_com}"
         )
+
+
+def _chunk_size(b: int, n: int, d: int) -> int:
+    """Basis vectors per batched VJP of the exact log-det: 256, fewer for large batches of sets.
+
+    A batched VJP through attention holds (vectors x B x N x N) weights; the chunk keeps that
+    near 2^22 numbers (16 MiB in float32) per tensor, so an evaluation batch of 256 sets of 128
+    elements does not need gigabytes.
+    """
+    return max(8, min(256, 2**22 // max(1, b * n * max(n, d))))
 
 
 def _terms_for_bound(bound: float) -> int:

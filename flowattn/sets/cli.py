@@ -40,7 +40,8 @@ def _fit(args: argparse.Namespace) -> int:
         split = summary.get("test_split", "test")
         name = "test NLL" if split == "test" else f"{split} NLL (the data have no test split)"
         line = (f"{name}: {summary['test_nll']:.4f} nats/set, "
-                f"{summary['test_nll_per_dim']:.4f} nats/dim ({summary['test_sets']} sets)")
+                f"{summary['test_nll_per_dim']:.4f} nats/dim ({summary['test_sets']} sets, "
+                f"{_logdet_note(summary.get('test_logdet'), summary.get('test_nll_per_dim_se'))})")
         if "true_nll" in summary:
             line += (f"; true NLL: {summary['true_nll']:.4f} nats/set, "
                      f"{summary['true_nll_per_dim']:.4f} nats/dim")
@@ -52,6 +53,15 @@ def _fit(args: argparse.Namespace) -> int:
     if args.json:
         print(json_line({k: v for k, v in summary.items() if k != "test"}))
     return EXIT_DIVERGED if summary["diverged"] else 0
+
+
+def _logdet_note(logdet: str | None, se: float | None) -> str:
+    """How the reported NLL's log-determinants were computed, with the standard error."""
+    if logdet == "exact":
+        return "exact log-det"
+    if se is None:
+        return "estimated log-det, standard error unknown"
+    return f"estimated log-det, standard error {se:.4f} nats/dim"
 
 
 def _load(args: argparse.Namespace):
@@ -84,7 +94,8 @@ def _eval(args: argparse.Namespace) -> int:
     result = evaluate(flow, data, batch_size=args.batch_size, device=device)
     result["convention"] = "E-NF (zero centre of mass)" if spec["zero_com"] else "full space"
     print(f"NLL: {result['nll']:.4f} nats/set, {result['nll_per_dim']:.4f} nats/dim "
-          f"over {result['num_sets']} sets ({result['convention']})")
+          f"over {result['num_sets']} sets ({result['convention']}; "
+          f"{_logdet_note(result['logdet'], result['nll_per_dim_se'])})")
     if args.json:
         print(json.dumps(result))
     return 0

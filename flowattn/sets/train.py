@@ -18,9 +18,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..data import SetData, load_dataset
-from ..errors import CheckpointError, ConfigError, NonFiniteError
+from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import set_dims
 from ..flows.builders import SetFlow
+from ..flows.residual import InvertibleResidual
 from ..training.checkpoint import read_checkpoint
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
@@ -51,17 +52,33 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     """Deterministic NLL of ``data`` under ``flow`` (evaluation mode: exact log-det if feasible).
 
     Returns NLL in nats per set (``nll``), per degree of freedom (``nll_per_dim``; (n - 1) D per
-    set in zero-centre-of-mass mode, the E-NF convention) and the number of sets.
+    set in zero-centre-of-mass mode, the E-NF convention), their standard errors from the
+    probes of estimated log-determinants (``nll_se``, ``nll_per_dim_se``: 0 where every
+    log-det is exact, ``None`` where a continuous flow estimates its divergence), ``logdet``
+    (``"exact"`` or ``"estimated"``) and the number of sets.
 
     Raises:
+        DataError: if a set has fewer than 2 elements in zero-centre-of-mass mode (its
+            (n - 1) D-dimensional space is a point: it has no density).
         NonFiniteError: if a log-likelihood is not finite.
     """
     was_training = flow.training
     flow.eval()
     device = device or next(flow.parameters()).device
     count = len(data) if limit is None else min(limit, len(data))
+    if flow.zero_com:
+        sizes = data.sizes()[:count]
+        if count and int(sizes.min()) < 2:
+            first = int(torch.nonzero(sizes < 2)[0, 0])
+            raise DataError(f"{data.name}: set {first} has {int(sizes[first])} element(s); in "
+                            "the zero-centre-of-mass space a set needs at least 2 (one element "
+                            "has no density in the (n - 1) D = 0-dimensional subspace)")
+    residuals = [m for m in flow.modules() if isinstance(m, InvertibleResidual)]
+    unknown = any(getattr(m, "eval_divergence", "exact") != "exact" for m in flow.modules())
     total_nll = torch.zeros((), dtype=torch.float64, device=device)
     total_dims = torch.zeros((), dtype=torch.float64, device=device)
+    total_var = torch.zeros((), dtype=torch.float64, device=device)
+    estimated = False
     for start in range(0, count, batch_size):
         index = torch.arange(start, min(start + batch_size, count))
         x, mask = _batch(data, index, device)
@@ -70,11 +87,19 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
             log_prob = flow.log_prob(x, mask)
         total_nll -= log_prob.double().sum()
         total_dims += set_dims(x, mask, flow.zero_com).double().sum()
+        for block in residuals:  # independent probes: the variances add
+            if block.logdet_variance is not None:
+                estimated = True
+                total_var += block.logdet_variance.double().sum()
     flow.train(was_training)
     nll, dims = float(total_nll), float(total_dims)  # one host sync for the whole split
     if not math.isfinite(nll):
         raise NonFiniteError(f"non-finite log-likelihood while evaluating {data.name}")
-    return {"nll": nll / count, "nll_per_dim": nll / dims, "num_sets": count}
+    se = None if unknown else math.sqrt(float(total_var))
+    return {"nll": nll / count, "nll_per_dim": nll / dims,
+            "nll_se": None if se is None else se / count,
+            "nll_per_dim_se": None if se is None else se / dims,
+            "logdet": "estimated" if (estimated or unknown) else "exact", "num_sets": count}
 
 
 def _data_spec(train: SetData) -> dict:
@@ -104,8 +129,12 @@ class SetsTask:
         self.train_data, self.val_data = splits["train"], splits["val"]
         self.test_data = splits.get("test", self.val_data)
         torch.manual_seed(config.train.seed)  # identical initial weights in every process
-        self.flow = build_flow(config.flow, self.train_data.dim, self.train_data.set_size,
-                               self.train_data.zero_com).to(dist.device)
+        flow = build_flow(config.flow, self.train_data.dim, self.train_data.set_size,
+                          self.train_data.zero_com)
+        # The data's offset and scale, from the training split (saved with the flow's state):
+        # the layers see standardised sets, the likelihood stays that of the raw data.
+        flow.standardise(self.train_data.x, self.train_data.mask)
+        self.flow = flow.to(dist.device)
         self.model = self.flow
         self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
 
@@ -143,7 +172,9 @@ class SetsTask:
         split = test.name.rsplit("/", 1)[-1] if "/" in test.name else "val"
         result = evaluate(self.flow, test)
         report = {"test": result, "test_split": split, "test_nll": result["nll"],
-                  "test_nll_per_dim": result["nll_per_dim"], "test_sets": result["num_sets"]}
+                  "test_nll_per_dim": result["nll_per_dim"], "test_sets": result["num_sets"],
+                  "test_nll_se": result["nll_se"], "test_nll_per_dim_se": result["nll_per_dim_se"],
+                  "test_logdet": result["logdet"]}
         true_nll = test.mean_true_nll()
         if true_nll is not None:
             dims = set_dims(test.x, test.mask, test.zero_com).double().mean().item()

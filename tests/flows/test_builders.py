@@ -277,7 +277,22 @@ def _layer(i, names):
 )
 def test_state_dict_keys_match_saved_checkpoints(make, expected):
     # Checkpoints store these keys: a renamed attribute or a reordered layer would orphan them.
-    assert sorted(make().state_dict()) == sorted(expected)
+    assert sorted(make().state_dict()) == sorted(expected + STANDARDISATION)
+
+
+def test_flows_saved_before_the_standardisation_load_as_unstandardised():
+    old = set_flow(dim=2, blocks=1, heads=1).state_dict()  # keeps the modules' versions
+    for key in [k for k in old if k.startswith("standardisation.")]:
+        del old[key]
+    flow = set_flow(dim=2, blocks=1, heads=1)
+    flow.standardise(torch.randn(16, 4, 2) * 5 + 3)
+    flow.load_state_dict(old)  # strict: the missing keys are the identity's
+    assert float(flow.standardisation.log_scale.abs().max()) == 0.0
+    assert float(flow.standardisation.shift.abs().max()) == 0.0
+
+
+STANDARDISATION = ["standardisation.initialized", "standardisation.log_scale",
+                   "standardisation.shift"]
 
 
 def test_state_dict_keys_of_a_flow_with_set_location():
@@ -288,4 +303,4 @@ def test_state_dict_keys_of_a_flow_with_set_location():
     assert location and all(k.startswith("centroid_flow._transforms.") for k in location)
     assert sorted(_layer(0, location) + _layer(1, ACTNORM)
                   + _layer(2, [f"{m}.{p}" for m in ("deviation", "mean") for p in LU])
-                  + _layer(3, [f"branch.{p}" for p in MLP])) == keys
+                  + _layer(3, [f"branch.{p}" for p in MLP]) + STANDARDISATION) == keys

@@ -421,3 +421,164 @@ def test_pointwise_blocks_give_the_same_estimate_and_gradients_as_full_products(
         assert (a is None) == (b is None)
         if a is not None:
             assert torch.allclose(a, b, rtol=1e-10, atol=1e-13)
+
+
+# -- estimators on a branch whose higher-order terms are large --------------------------------
+# A branch with rho(J) ~ 0.25 hides every term k >= 2 below the test's noise: a mutation of the
+# weights of those terms (no 1/P(n >= k) reweighting, a flipped sign, an index shifted by one)
+# would pass. These tests use a Jacobian with eigenvalues down to -0.8, where the terms of
+# sum_k (-1)^(k+1) tr(J^k) / k share their sign: k = 2 alone is more than a nat and the terms
+# beyond k = 4 add up to more than 0.4 (test_strong_branch_has_large_higher_order_terms).
+
+STRONG_EIGENVALUES = (-0.8, -0.75, -0.7, -0.6, 0.3, 0.5)
+
+
+class StrongLinearBranch(torch.nn.Module):
+    """g(x) = vec(x) W with W symmetric, eigenvalues ``STRONG_EIGENVALUES``: log det(I + W)
+    is sum log(1 + lambda), and d/dW log det(I + W) = (I + W)^-T."""
+
+    def __init__(self, seed: int = 0):
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        q, _ = torch.linalg.qr(torch.randn(6, 6, generator=gen, dtype=DT))
+        lam = torch.tensor(STRONG_EIGENVALUES, dtype=DT)
+        self.weight = torch.nn.Parameter(q @ torch.diag(lam) @ q.T)
+
+    def forward(self, x, mask=None, causal=False):
+        return (x.reshape(x.shape[0], -1) @ self.weight).reshape(x.shape)
+
+
+def _strong_exact():
+    return torch.log1p(torch.tensor(STRONG_EIGENVALUES, dtype=DT)).sum()
+
+
+def _partial_sums(branch, K):
+    """sum_{k<=K} (-1)^(k+1) tr(W^k) / k for K = 1..len: what a wrong weighting would give."""
+    lam = torch.linalg.eigvalsh(branch.weight.detach())
+    k = torch.arange(1, K + 1, dtype=DT)
+    terms = ((-1.0) ** (k + 1) / k).unsqueeze(1) * lam.unsqueeze(0) ** k.unsqueeze(1)
+    terms = terms.sum(1)
+    return terms, terms.cumsum(0)
+
+
+def test_strong_branch_has_large_higher_order_terms():
+    terms, partial = _partial_sums(StrongLinearBranch(), 40)
+    exact = _strong_exact()
+    assert (partial[-1] - exact).abs() < 1e-3  # the series converges to the log-det
+    assert terms[1].abs() > 1.0  # k = 2 (an even term): more than a nat
+    assert (exact - partial[3]).abs() > 0.4  # the terms beyond k = 4
+
+
+@pytest.mark.parametrize("lengths", ["sample", "batch"])
+def test_roulette_is_unbiased_where_higher_terms_are_large(lengths):
+    # Mutations this detects (each checked by hand): the 1/P(n >= k) weights removed, the sign
+    # of the even terms flipped, the tail probability taken at k - n_exact + 1 or k - n_exact -1.
+    branch = StrongLinearBranch(seed=1)
+    exact = _strong_exact()
+    x = torch.randn(1, 3, 2, dtype=DT)
+    gen = torch.Generator().manual_seed(11)
+    draws = []
+    for _ in range(300 if lengths == "batch" else 1):
+        gx, xr = _with_graph(branch, x.repeat(4000 if lengths == "sample" else 20, 1, 1))
+        est = roulette_logdet(gx, xr, 2, n_samples=4, distribution="geometric", param=0.3,
+                              lengths=lengths, generator=gen)
+        draws.append(est if lengths == "sample" else est.mean().reshape(1))
+    mean, se = _mean_and_se(torch.cat(draws))
+    assert (mean - exact).abs() < 4 * se, (float(mean), float(exact), float(se))
+    assert se < 0.1  # well below the effect of any of the mutations (> 0.5 nats)
+
+
+def test_truncated_series_value_is_the_partial_sum_where_higher_terms_are_large():
+    # Gaussian and Rademacher probes agree on E[v^T W^k v] = tr(W^k): the series' coefficient
+    # of every term is checked against the partial sum (a sign or an index off breaks it).
+    branch = StrongLinearBranch(seed=2)
+    x = torch.randn(1, 3, 2, dtype=DT)
+    _, partial = _partial_sums(branch, 6)
+    gx, xr = _with_graph(branch, x.repeat(4000, 1, 1))
+    gen = torch.Generator().manual_seed(12)
+    draws = series_logdet(gx, xr, 6, n_samples=16, generator=gen)
+    mean, se = _mean_and_se(draws)
+    assert (mean - partial[5]).abs() < 4 * se and se < 0.015
+    assert (partial[5] - partial[4]).abs() > 8 * se  # one term more or less is seen
+
+
+def _strong_exact_gradient(branch):
+    return torch.linalg.inv(torch.eye(6, dtype=DT) + branch.weight.detach()).T
+
+
+@pytest.mark.parametrize("grad", ["neumann", "backprop"])
+def test_roulette_gradient_is_unbiased_where_higher_terms_are_large(grad):
+    # The Neumann series u = sum_k k c_k (J^T)^(k-1) v: a coefficient k c_k replaced by c_k,
+    # or a power off by one, moves the expected gradient far beyond the noise.
+    branch = StrongLinearBranch(seed=3)
+    x = torch.randn(1, 3, 2, dtype=DT)
+    exact = _strong_exact_gradient(branch)
+    gen = torch.Generator().manual_seed(13)
+    draws = []
+    for _ in range(600):
+        gx, xr = _with_graph(branch, x)
+        est = roulette_logdet(gx, xr, 2, n_samples=4, grad=grad, param=0.3, generator=gen,
+                              create_graph=True)
+        draws.append(torch.autograd.grad(est.sum(), branch.weight)[0])
+    mean, se = _mean_and_se(torch.stack(draws))
+    # d log det / dW depends on x only through the probes: the exact gradient is (I + W)^-T
+    assert ((mean - exact).abs() < 4.5 * se + 1e-12).all(), (mean - exact).abs().max()
+    assert se.max() < 0.2 and exact.abs().max() > 1.0
+
+
+def test_neumann_series_gradient_matches_the_truncated_gradient_where_terms_are_large():
+    # E[Neumann gradient of n terms] = d/dW sum_{k<=n} c_k tr(W^k) = sum_k k c_k (W^(k-1))^T.
+    branch = StrongLinearBranch(seed=4)
+    x = torch.randn(1, 3, 2, dtype=DT)
+    w = branch.weight.detach()
+    target = torch.zeros(6, 6, dtype=DT)
+    power = torch.eye(6, dtype=DT)
+    for k in range(1, 7):
+        target += (-1) ** (k + 1) * power.T  # k c_k = (-1)^(k+1)
+        power = power @ w
+    gx, xr = _with_graph(branch, x.repeat(3000, 1, 1))
+    est = series_logdet(gx, xr, 6, n_samples=2, grad="neumann", probe="gaussian",
+                        generator=torch.Generator().manual_seed(14), create_graph=True)
+    per_set = torch.autograd.grad(est.sum() / 3000, branch.weight)[0]
+    # the mean over sets of one-probe-pair gradients; its noise is below 0.05 per entry here
+    assert (per_set - target).abs().max() < 0.1, (per_set - target).abs().max()
+    assert (target - _strong_exact_gradient(branch)).abs().max() > 0.3  # truncation is seen
+
+
+# -- evaluation: probes until the standard error is small -------------------------------------
+
+
+def test_precise_series_meets_its_standard_error_and_its_error_is_honest():
+    from flowattn.flows.logdet import precise_series_logdet
+
+    branch = DenseBranch(10, 4, c=0.7, seed=20)  # N D = 40
+    x = 0.3 * torch.randn(3, 10, 4, dtype=DT, generator=torch.Generator().manual_seed(20))
+    exact = brute_logdet(branch, x)[0]
+    values, variances = [], []
+    for seed in range(10):
+        gx, xr = _with_graph(branch, x)
+        value, variance = precise_series_logdet(
+            gx, xr, 30, generator=torch.Generator().manual_seed(seed), round_samples=8,
+            max_error=4e-3)
+        values.append(value)
+        variances.append(variance)
+    values, variances = torch.stack(values), torch.stack(variances)
+    assert (variances.sqrt() <= 4e-3 * 40).all()  # the target, per degree of freedom
+    # the reported variance is that of the estimate: the spread over seeds agrees with it
+    ratio = values.var(0) / variances.mean(0)
+    assert ((ratio > 0.15) & (ratio < 3.5)).all(), ratio
+    # unbiased up to a truncation far below the noise (40 * 0.7^31 / (31 * 0.3) per set)
+    assert ((values.mean(0) - exact).abs() < 4 * (variances.mean(0) / 10).sqrt()).all()
+
+
+def test_precise_series_stops_at_max_samples_and_reports_the_larger_error():
+    from flowattn.flows.logdet import precise_series_logdet
+
+    branch = DenseBranch(10, 2, c=0.7, seed=21)
+    x = 0.3 * torch.randn(2, 10, 2, dtype=DT, generator=torch.Generator().manual_seed(21))
+    gx, xr = _with_graph(branch, x)
+    _, variance = precise_series_logdet(gx, xr, 30, generator=torch.Generator().manual_seed(0),
+                                        round_samples=4, max_error=0.0, max_samples=10)
+    assert torch.isfinite(variance).all() and (variance > 0).all()
+    with pytest.raises(ValueError, match="round_samples"):
+        precise_series_logdet(gx, xr, 30, round_samples=0)

@@ -223,3 +223,41 @@ def test_a_branch_without_closed_form_jacobian_uses_the_vjp_path():
     torch.testing.assert_close(y, x + 2.0 * subtract_mean(x))
     torch.testing.assert_close(logdet, torch.full((2,), 9 * math.log(3.0), dtype=torch.float64))
     torch.testing.assert_close(block.inverse(y)[0], x, atol=1e-9, rtol=0)
+
+
+class _Field(torch.nn.Module):
+    """A branch with a symmetric Jacobian that breaks one invariance of a monotone branch."""
+
+    def __init__(self, kind):
+        super().__init__()
+        self.kind = kind
+
+    def spectrum(self):
+        return torch.tensor(-0.5, dtype=torch.float64), torch.tensor(2.0, dtype=torch.float64)
+
+    def forward(self, x, mask=None, causal=False):
+        if self.kind == "pointwise":  # sums to zero, but is not translation-invariant
+            out = 0.5 * torch.tanh(x)
+            return out - out.mean(1, keepdim=True)
+        return 0.5 * torch.tanh(x - x.mean(1, keepdim=True))  # invariant, but sum_i g_i != 0
+
+
+@pytest.mark.parametrize("kind,message", [("pointwise", "translation-invariant"),
+                                          ("offset", "sum to zero")])
+def test_a_branch_without_the_invariances_is_refused_on_the_first_call(kind, message):
+    block = MonotoneResidual(_Field(kind), logdet=EXACT).double()
+    x = randn(2, 4, 2) + 1.0
+    with pytest.raises(ValueError, match=message):
+        block(x)
+    with pytest.raises(ValueError, match=message):
+        block.inverse(x)
+
+
+def test_radial_branch_sums_to_zero_and_is_translation_invariant():
+    g = make(seed=3)
+    x, mask = randn(3, 5, 2, seed=4), MASK
+    out = g(x, mask=mask) * mask[..., None]
+    assert out.sum(1).abs().max() < 1e-12
+    moved = g(x + torch.tensor([3.0, -1.5], dtype=torch.float64), mask=mask) * mask[..., None]
+    assert (moved - out).abs().max() < 1e-12
+    MonotoneResidual(g, logdet=EXACT).verify_branch(x, mask)  # accepted

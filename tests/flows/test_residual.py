@@ -154,14 +154,27 @@ def test_inverse_that_cannot_converge_raises_through_the_block():
 def test_eval_mode_logdet_is_deterministic_and_accurate_when_exact_is_infeasible():
     torch.manual_seed(4)
     att = ContractiveL2MHA(4, 1, coeff=0.9).double()
-    logdet = LogDetOptions(exact_max_dim=8, eval_n_samples=64, eval_n_terms=30)
+    logdet = LogDetOptions(eval_exact_max_dim=8, eval_n_terms=30, eval_max_error=1e-3)
     block = InvertibleResidual(att, logdet=logdet).eval()
-    x = torch.randn(2, 5, 4, dtype=DT)  # N D = 20 > exact_max_dim: series in eval
+    x = torch.randn(2, 5, 4, dtype=DT)  # N D = 20 > eval_exact_max_dim: series in eval
     _, a = block(x)
     _, b = block(x)
     assert torch.equal(a, b)
+    se = block.logdet_variance.sqrt()
+    assert (se <= 1e-3 * 20).all()  # the standard error asked for, per degree of freedom
     exact = brute_logdet(block, x)
-    assert (a - exact).abs().max() < 0.05
+    assert ((a - exact).abs() < 4 * se).all(), (a - exact, se)
+
+
+def test_eval_mode_logdet_is_exact_up_to_n_d_512_and_reports_no_variance():
+    torch.manual_seed(4)
+    att = ContractiveL2MHA(4, 1, coeff=0.9).double()
+    block = InvertibleResidual(att).eval()  # default options
+    x = torch.randn(2, 20, 4, dtype=DT)  # N D = 80: 8 probes before, now exact
+    _, a = block(x)
+    assert block.logdet_variance is None
+    assert torch.allclose(a, brute_logdet(block, x), atol=1e-10, rtol=0)
+    assert LogDetOptions().eval_exact_max_dim == 512
 
 
 @pytest.mark.parametrize("logdet", ["series", "roulette"])
@@ -352,7 +365,7 @@ def test_mlp_block_with_its_own_products_matches_the_autograd_path_in_float64(
 
 
 def test_mlp_block_with_its_own_products_matches_in_eval_and_inverse():
-    own, other = _pair_of_blocks(lambda: LogDetOptions(exact_max_dim=4))  # eval: seeded series
+    own, other = _pair_of_blocks(lambda: LogDetOptions(exact_max_dim=4, eval_exact_max_dim=4))
     x = torch.randn(4, 5, 3, dtype=DT)
     outs = []
     for block in (own.eval(), other.eval()):
@@ -362,3 +375,41 @@ def test_mlp_block_with_its_own_products_matches_in_eval_and_inverse():
         outs.append((y, ld, x_back, ld_inv))
     for a, b in zip(*outs, strict=True):
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-13)
+
+
+class _Scaled(torch.nn.Module):
+    """g(x) = c x: Lipschitz c in every norm, and its projection P g attains ||P||_inf c."""
+
+    norm = "inf"
+
+    def __init__(self, c):
+        super().__init__()
+        self.c = c
+
+    def lipschitz_bound(self, n=None):
+        return torch.tensor(self.c, dtype=DT)
+
+    def forward(self, x, mask=None, causal=False):
+        return self.c * x
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 5, 8])
+def test_zero_com_factor_is_the_inf_norm_of_the_projection_and_is_attained(n):
+    from flowattn.flows.residual import branch_bound
+
+    d, c = 2, 0.3
+    # P = (I_n - 1 1^T / n) (x) I_D, built as a matrix: its inf-norm (largest row sum) exactly
+    proj = torch.kron(torch.eye(n, dtype=DT) - torch.full((n, n), 1.0 / n, dtype=DT),
+                      torch.eye(d, dtype=DT))
+    norm = float(torch.linalg.matrix_norm(proj, ord=float("inf")))
+    bound = branch_bound(_Scaled(c), n, zero_com=True)
+    if n == 1:  # P = 0: the branch's own bound is kept, a safe over-estimate
+        assert norm == 0.0 and bound == pytest.approx(c)
+        return
+    assert bound == pytest.approx(c * norm, rel=1e-12)  # = c 2 (n - 1) / n
+    # attained: the Jacobian of P g for g = c x has inf-norm exactly the certified bound
+    x = torch.randn(1, n, d, dtype=DT)
+    block = InvertibleResidual(_Scaled(c), zero_com=True, logdet=EXACT)
+    jac = torch.autograd.functional.jacobian(lambda v: block._g(v, None), x).reshape(n * d, -1)
+    assert float(torch.linalg.matrix_norm(jac, ord=float("inf"))) == pytest.approx(bound)
+    assert branch_bound(_Scaled(c), n, zero_com=False) == pytest.approx(c)
