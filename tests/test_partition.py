@@ -97,3 +97,17 @@ def test_entropy_floor_refuses_configurations_of_another_system_or_a_bad_block()
 def test_bad_annealing_options_are_refused_naming_the_setting(changes, match):
     with pytest.raises(InputError, match=match):
         AnnealingOptions(**changes)
+
+
+def test_entropy_floor_error_counts_correlated_blocks_once():
+    # every configuration repeated 5 times (a chain that did not move): the batch means over
+    # blocks of 5 give the error of the 40 distinct configurations, not of 200 draws
+    g = torch.Generator().manual_seed(3)
+    distinct = sample_standard_normal((40, 3, 2), zero_com=True, generator=g,
+                                      dtype=torch.float64)
+    x = distinct.repeat_interleave(5, 0)
+    energy = harmonic(1 / 3)
+    est = annealed_log_partition(energy, 3, 2, AnnealingOptions(chains=10, stages=2))
+    floor = entropy_floor(energy, x, est, block=5)
+    e = energy(distinct)
+    assert floor.mean_energy_error == pytest.approx((e.std() / math.sqrt(40)).item())

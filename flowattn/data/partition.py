@@ -266,7 +266,7 @@ def entropy_floor(
 # each system's configurations (DW4: pair distances 2.5 to 5.5; LJ13: its harmonic term).
 FLOOR_SETTINGS = {
     "dw4": AnnealingOptions(chains=2000, stages=2000, base_scale=2.0),
-    "lj13": AnnealingOptions(chains=1000, stages=5000, base_scale=1.0),
+    "lj13": AnnealingOptions(chains=1000, stages=20000, base_scale=1.0),
 }
 
 
