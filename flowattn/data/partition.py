@@ -288,8 +288,10 @@ def system_floor(
         DataError: a name that is not a built-in particle system.
 
     Examples:
-        >>> system_floor("lj13", stages=10, chains=20).configurations  # doctest: +SKIP
-        2000
+        >>> system_floor("argon")  # the floors need a known energy
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.DataError: 'argon' has no known energy: use one of dw4, lj13
     """
     from .registry import load_dataset
 

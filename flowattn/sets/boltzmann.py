@@ -34,7 +34,7 @@ from ..importance import kish_ess, log_mean_weight, self_normalised_mean
 
 __all__ = ["BoltzmannSample", "boltzmann_sample", "boltzmann_summary", "HARD_CORE"]
 
-HARD_CORE = 0.85  # a pair closer than this is inside LJ13's repulsive core (E_pair > 10)
+HARD_CORE = 0.85  # closer, an LJ13 pair's energy exceeds +3.4 (its minimum is -2 at r = 1)
 
 
 @dataclass
