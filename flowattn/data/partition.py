@@ -124,7 +124,8 @@ def annealed_log_partition(
         particles: n.
         dim: D.
         options: chains, stages, schedule, base width (:class:`AnnealingOptions`).
-        generator: a seeded CPU torch.Generator (default: seed 0).
+        generator: a seeded torch.Generator (default: CPU, seed 0); the chains run on its
+            device.
         dtype: of the computation (float64 by default).
         progress: show progress bars (pilot and weighted run).
 
@@ -143,8 +144,8 @@ def annealed_log_partition(
                          f"particles={particles}, dim={dim}")
     if generator is None:
         generator = torch.Generator().manual_seed(0)
-    pilot_generator = torch.Generator().manual_seed(
-        int(torch.randint(2**62, (), generator=generator)))
+    pilot_generator = torch.Generator(generator.device).manual_seed(
+        int(torch.randint(2**62, (), generator=generator, device=generator.device)))
     betas = torch.linspace(0, 1, options.stages + 1, dtype=dtype).pow(options.exponent)
     run = _Annealing(energy, particles, dim, options, betas, dtype, progress)
     _, _, _, steps = run(options.pilot_chains, pilot_generator, None)
@@ -327,14 +328,15 @@ class _Annealing:
         return -0.5 * x.pow(2).sum((-2, -1)) / s2 - 0.5 * self.dims * math.log(2 * math.pi * s2)
 
     def _noise(self, chains: int, generator: torch.Generator) -> Tensor:
-        z = torch.randn(chains, self.n, self.dim, generator=generator, dtype=self.dtype)
+        z = torch.randn(chains, self.n, self.dim, generator=generator, dtype=self.dtype,
+                        device=generator.device)
         return z - z.mean(1, keepdim=True)
 
     def __call__(self, chains: int, generator: torch.Generator, steps: Tensor | None):
         opt = self.options
         x = self.scale * self._noise(chains, generator)
         e, lq = self._energy(x), self._base_log_prob(x)
-        log_w = torch.zeros(chains, dtype=self.dtype)
+        log_w = torch.zeros(chains, dtype=self.dtype, device=x.device)
         step = 2.38 * self.scale / math.sqrt(self.dims)  # RWM's optimum for the base
         used = torch.empty(opt.stages, dtype=self.dtype)
         what = "pilot" if steps is None else "annealing"
@@ -344,12 +346,13 @@ class _Annealing:
             s = step if steps is None else steps[t - 1]
             used[t - 1] = s
             log_gamma = (1 - beta) * lq - beta * e
-            accepted = torch.zeros((), dtype=self.dtype)
+            accepted = torch.zeros((), dtype=self.dtype, device=x.device)
             for _ in range(opt.steps):
                 proposal = x + s * self._noise(chains, generator)
                 e_new, lq_new = self._energy(proposal), self._base_log_prob(proposal)
                 log_gamma_new = (1 - beta) * lq_new - beta * e_new
-                log_u = torch.rand(chains, generator=generator, dtype=self.dtype).log()
+                log_u = torch.rand(chains, generator=generator, dtype=self.dtype,
+                                   device=x.device).log()
                 accept = log_u < log_gamma_new - log_gamma  # NaN (both -inf) rejects
                 x = torch.where(accept[:, None, None], proposal, x)
                 e, lq = torch.where(accept, e_new, e), torch.where(accept, lq_new, lq)
