@@ -161,3 +161,16 @@ def test_floor_prints_the_entropy_floor_with_its_error(tmp_path, capsys, small_p
     assert result["error"] > 0 and result["nll_per_dim"] == pytest.approx(result["nll"] / 6)
     assert main(["sets", "floor", "--data", "gaussian-sets"]) == 2
     assert "no known energy" in capsys.readouterr().err
+
+
+def test_sample_energy_refuses_another_set_size_or_a_single_sample(tmp_path, capsys,
+                                                                   small_particles):
+    run = tiny_run(tmp_path, "dw4")
+    capsys.readouterr()
+    out = str(tmp_path / "s.npz")
+    assert main(["sets", "sample", "--checkpoint", str(run), "--num", "5", "--energy",
+                 "--set-size", "5", "--out", out]) == 2
+    assert "--set-size 5 with --energy: dw4 has 4 particles" in capsys.readouterr().err
+    assert main(["sets", "sample", "--checkpoint", str(run), "--num", "1", "--energy",
+                 "--out", out]) == 2
+    assert "--energy needs --num >= 2" in capsys.readouterr().err
