@@ -111,3 +111,17 @@ def test_entropy_floor_error_counts_correlated_blocks_once():
     floor = entropy_floor(energy, x, est, block=5)
     e = energy(distinct)
     assert floor.mean_energy_error == pytest.approx((e.std() / math.sqrt(40)).item())
+
+
+def test_ais_log_z_error_covers_the_truth_at_95_percent_over_independent_runs():
+    g = torch.Generator().manual_seed(0)
+    truth = harmonic_log_partition(3, 2, 1.0)
+    options = AnnealingOptions(chains=100, stages=10, pilot_chains=20)
+    z = []
+    for _ in range(200):
+        est = annealed_log_partition(harmonic(1.0), 3, 2, options, g)
+        z.append((est.log_z - truth) / est.log_z_error)
+    z = torch.tensor(z)
+    coverage = (z.abs() < 1.96).double().mean().item()
+    assert 0.92 <= coverage <= 0.98, coverage  # 95 % ± 2.6 binomial standard deviations
+    assert 0.8 < z.std().item() < 1.2
