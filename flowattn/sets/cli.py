@@ -1,4 +1,4 @@
-"""``flowattn sets fit | eval | sample``: density estimation on sets from the command line.
+"""``flowattn sets fit | eval | sample | floor``: density estimation on sets from the command line.
 
 The parsers are built without importing torch (``--help`` answers at once); each command
 imports what it runs.
@@ -111,12 +111,17 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--num must be positive, got {args.num}")
     if args.set_size is not None and args.set_size < 1:
         raise InputError(f"--set-size must be positive, got {args.set_size}")
+    if args.energy and args.num < 2:
+        raise InputError(f"--energy needs --num >= 2 (an error needs two weights), got "
+                         f"{args.num}")
     out = Path(args.out)
     if out.suffix != ".npz":
         raise InputError(f"--out must name a .npz file, got {out}")
     if not out.parent.is_dir():
         raise InputError(f"cannot write {out}: folder {out.parent} does not exist")
     flow, record, device = _load(args)
+    if args.energy:
+        return _sample_weighted(args, flow, record, device, out)
     set_size = args.set_size or record["data"]["set_size"]
     generator = torch.Generator(device=device).manual_seed(args.seed)
     with torch.no_grad():
@@ -128,8 +133,81 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def _particle_system(record: dict):
+    """The built-in particle system a checkpoint's flow was fitted to, or a one-line error."""
+    from ..data import PARTICLE_SYSTEMS
+
+    source = record["config"].data.data
+    if source not in PARTICLE_SYSTEMS or not record["data"]["zero_com"]:
+        known = ", ".join(sorted(PARTICLE_SYSTEMS))
+        raise DataError(f"--energy needs a flow fitted to a built-in particle system "
+                        f"({known}); this one was fitted to {source!r}, whose energy is "
+                        "unknown")
+    return PARTICLE_SYSTEMS[source]
+
+
+def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: Path) -> int:
+    import numpy as np
+    import torch
+
+    from ..files import atomic_write
+    from .boltzmann import boltzmann_sample, boltzmann_summary
+
+    system = _particle_system(record)
+    if args.set_size is not None and args.set_size != system.particles:
+        raise InputError(f"--set-size {args.set_size} with --energy: {system.name} has "
+                         f"{system.particles} particles")
+    flow = flow.double()  # weights in float64: exp(-E) / q spans many nats
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    sample = boltzmann_sample(flow, system.energy, args.num, system.particles, generator)
+    arrays = {name: getattr(sample, name).cpu().numpy()
+              for name in ("x", "log_w", "energy", "log_q")}
+    atomic_write(out, lambda handle: np.savez(handle, **arrays))
+    summary = boltzmann_summary(sample)
+    print(f"wrote {args.num} configurations of {system.name} to {out}, with log importance "
+          "weights log_w = -E - log q, energy and log_q")
+    print(f"Kish ESS: {summary['ess']:.4f} of the samples ({summary['ess_samples']:.1f} of "
+          f"{args.num})")
+    print(f"mean energy: {summary['mean_energy']:.3f} ± {summary['mean_energy_error']:.3f} "
+          f"reweighted (self-normalised, delta-method error); "
+          f"{summary['sample_mean_energy']:.3f} unweighted")
+    print(f"log Z: {summary['log_z']:.3f} ± {summary['log_z_error']:.3f} (mean weight)")
+    print(f"pairs closer than {summary['hard_core']}: in {summary['close_pairs']:.2%} of the "
+          f"samples; reweighted {summary['close_pairs_reweighted']:.2%} ± "
+          f"{summary['close_pairs_reweighted_error']:.2%}")
+    if summary["ess_samples"] < 30:
+        print(f"warning: only {summary['ess_samples']:.1f} effective samples: the reweighted "
+              "estimates and their errors are unreliable")
+    if args.json:
+        print(json.dumps({"system": system.name, "out": str(out), **summary}))
+    return 0
+
+
+def _floor(args: argparse.Namespace) -> int:
+    from ..data.partition import system_floor
+
+    floor = system_floor(args.data, chains=args.chains, stages=args.stages, seed=args.seed,
+                         progress=not args.no_progress)
+    z = floor.partition
+    print(f"{args.data}: log Z = {z.log_z:.3f} ± {z.log_z_error:.3f} (AIS, {z.chains} chains, "
+          f"ESS {z.ess:.3f}; weighted mean energy {z.mean_energy:.3f} ± "
+          f"{z.mean_energy_error:.3f})")
+    print(f"test split: mean energy {floor.mean_energy:.3f} ± {floor.mean_energy_error:.3f} "
+          f"over {floor.configurations} configurations")
+    print(f"entropy floor: {floor.nll:.3f} ± {floor.error:.3f} nats/configuration, "
+          f"{floor.nll_per_dim:.4f} nats/dim (E-NF convention)")
+    if args.json:
+        print(json.dumps({"data": args.data, "nll": floor.nll, "error": floor.error,
+                          "nll_per_dim": floor.nll_per_dim, "mean_energy": floor.mean_energy,
+                          "mean_energy_error": floor.mean_energy_error, "log_z": z.log_z,
+                          "log_z_error": z.log_z_error, "ess": z.ess,
+                          "ais_mean_energy": z.mean_energy,
+                          "ais_mean_energy_error": z.mean_energy_error}))
+    return 0
+
+
 def add_sets_subparsers(subparsers) -> None:
-    """Register ``sets`` and its commands ``fit``, ``eval`` and ``sample``."""
+    """Register ``sets`` and its commands ``fit``, ``eval``, ``sample`` and ``floor``."""
     sets = subparsers.add_parser("sets", help="density estimation on sets",
                                  description="Fit flows to collections of sets, score sets "
                                  "under them and sample new ones.")
@@ -166,5 +244,22 @@ def add_sets_subparsers(subparsers) -> None:
     sample.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
                         "%(default)s)")
+    sample.add_argument("--energy", action="store_true", help="particle systems (dw4, lj13): "
+                        "also write log importance weights -E - log q (float64) and report "
+                        "the ESS and reweighted estimates")
+    sample.add_argument("--json", action="store_true", help="with --energy: end with a JSON "
+                        "line of the estimates")
     sample.set_defaults(handler=_sample)
+
+    floor = commands.add_parser(
+        "floor", help="entropy floor of a particle system's test split",
+        description="The NLL a perfect model scores on the test split of dw4 or lj13: its mean "
+        "energy plus log Z by annealed importance sampling, with standard errors.")
+    floor.add_argument("--data", required=True, help="dw4 or lj13")
+    floor.add_argument("--chains", type=int, help="annealing chains (default: the system's)")
+    floor.add_argument("--stages", type=int, help="annealing stages (default: the system's)")
+    floor.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    floor.add_argument("--no-progress", action="store_true", help="no progress bars")
+    floor.add_argument("--json", action="store_true", help="end with a JSON line of the results")
+    floor.set_defaults(handler=_floor)
 

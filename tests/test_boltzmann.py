@@ -1,0 +1,176 @@
+"""Set flows as Boltzmann generators: importance weights, ``sample --energy``, ``floor``."""
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from nflows.transforms import IdentityTransform
+
+from flowattn.cli import main
+from flowattn.data import dw4_energy, load_npz
+from flowattn.data.partition import harmonic_log_partition
+from flowattn.errors import InputError
+from flowattn.flows import set_flow
+from flowattn.flows.builders import SetFlow
+from flowattn.sets import SetsRunConfig, fit, load_flow
+from flowattn.sets.boltzmann import BoltzmannSample, boltzmann_sample, boltzmann_summary
+
+
+def harmonic(stiffness):
+    def energy(x):
+        diff = x.unsqueeze(-2) - x.unsqueeze(-3)
+        return 0.25 * stiffness * diff.pow(2).sum((-3, -2, -1))
+    return energy
+
+
+def test_a_flow_equal_to_the_boltzmann_density_gets_equal_weights_and_the_exact_log_z():
+    # the identity flow in zero-CoM mode is N(0, I) on V, the Boltzmann density of the
+    # harmonic energy with k n = 1: every weight is Z, the ESS is 1
+    n, dim = 4, 3
+    flow = SetFlow(IdentityTransform(), dim, zero_com=True)
+    sample = boltzmann_sample(flow, harmonic(1 / n), 300, n, torch.Generator().manual_seed(0))
+    truth = harmonic_log_partition(n, dim, 1 / n)
+    torch.testing.assert_close(sample.log_w, torch.full((300,), truth), rtol=0, atol=1e-5)
+    summary = boltzmann_summary(sample)
+    assert summary["ess"] == pytest.approx(1)
+    assert summary["log_z"] == pytest.approx(truth, abs=1e-5)
+    # the reweighted mean energy is the sample mean, near equipartition d / 2
+    assert summary["mean_energy"] == pytest.approx(summary["sample_mean_energy"])
+    assert abs(summary["mean_energy"] - 4.5) < 3 * summary["mean_energy_error"]
+
+
+def test_weights_against_a_wider_target_recover_its_mean_energy_and_log_z():
+    # q = N(0, I) on V, p ∝ exp(-k/2 Σ_{i<j} ||x_i - x_j||^2) with k n = 0.8 (wider):
+    # E_p[E] = d / 2 and log Z in closed form, both within the reported errors
+    n, dim = 3, 2
+    k = 0.8 / n
+    flow = SetFlow(IdentityTransform(), dim, zero_com=True)
+    sample = boltzmann_sample(flow, harmonic(k), 4000, n, torch.Generator().manual_seed(1))
+    summary = boltzmann_summary(sample)
+    assert 0.5 < summary["ess"] < 1
+    assert abs(summary["mean_energy"] - 2.0) < 3 * summary["mean_energy_error"]
+    truth = harmonic_log_partition(n, dim, k)
+    assert abs(summary["log_z"] - truth) < 3 * summary["log_z_error"]
+
+
+def test_weights_of_a_trained_flow_are_minus_energy_minus_its_exact_log_density():
+    flow = set_flow(2, 1, 1, zero_com=True, norm="2", interaction="radial").double()
+    sample = boltzmann_sample(flow, dw4_energy, 16, 4, torch.Generator().manual_seed(0),
+                              batch_size=5)
+    assert sample.x.shape == (16, 4, 2)
+    torch.testing.assert_close(sample.x.sum(1), torch.zeros(16, 2, dtype=torch.float64),
+                               atol=1e-10, rtol=0)
+    flow.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(sample.log_w, -dw4_energy(sample.x) - flow.log_prob(sample.x))
+    assert flow.training is False
+
+
+def test_boltzmann_sample_refuses_a_flow_outside_the_zero_com_subspace():
+    flow = SetFlow(IdentityTransform(), 2, zero_com=False)
+    with pytest.raises(InputError, match="zero-centre-of-mass"):
+        boltzmann_sample(flow, dw4_energy, 4, 4)
+
+
+def test_close_pairs_are_counted_per_configuration():
+    x = torch.tensor([[[0.0, 0.0], [0.5, 0.0], [3.0, 0.0]],
+                      [[0.0, 0.0], [1.0, 0.0], [3.0, 0.0]]])
+    sample = BoltzmannSample(x, torch.zeros(2), torch.zeros(2), torch.tensor([0.0, -math.inf]))
+    summary = boltzmann_summary(sample)
+    assert summary["close_pairs"] == 0.5
+    assert summary["close_pairs_reweighted"] == 1.0  # all the weight is on the close one
+
+
+# --- the command line ------------------------------------------------------------------------
+
+SMALL = {"train": 64, "val": 32, "test": 40}
+
+
+@pytest.fixture
+def small_particles(monkeypatch, tmp_path):
+    """Built-in particle data in small splits, cached under a temporary home."""
+    from flowattn.data import PARTICLE_SYSTEMS, registry
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    for name in ("dw4", "gaussian-sets"):
+        monkeypatch.setitem(registry.DEFAULT_SIZES, name, dict(SMALL))
+    # a short sampler: these tests need configurations, not equilibrium
+    short = dataclasses.replace(PARTICLE_SYSTEMS["dw4"], burn_in=50, thin=2)
+    monkeypatch.setitem(PARTICLE_SYSTEMS, "dw4", short)
+
+
+def tiny_run(tmp_path: Path, data: str) -> Path:
+    """Two training steps of a one-block flow (no plots: they would take most of the time)."""
+    config = SetsRunConfig.build({"data": data, "blocks": 1, "hidden": 8, "steps": 2,
+                                  "batch_size": 8, "eval_every": 2, "checkpoint_every": 2,
+                                  "val_sets": 16, "warmup": 1, "radial_basis": 8})
+    out = tmp_path / f"run-{data}"
+    fit(config, out, progress=False, tensorboard=False, plots=False)
+    return out
+
+
+def test_sample_energy_writes_weights_beside_the_samples_and_reports_the_ess(
+        tmp_path, capsys, small_particles):
+    run = tiny_run(tmp_path, "dw4")
+    capsys.readouterr()
+    out = tmp_path / "samples.npz"
+    assert main(["sets", "sample", "--checkpoint", str(run), "--num", "50", "--energy",
+                 "--out", str(out), "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "Kish ESS" in printed and "reweighted" in printed and "closer than 0.85" in printed
+    result = json.loads(printed.strip().splitlines()[-1])
+    with np.load(out) as archive:
+        x, log_w = torch.from_numpy(archive["x"]), torch.from_numpy(archive["log_w"])
+        energy, log_q = torch.from_numpy(archive["energy"]), torch.from_numpy(archive["log_q"])
+    assert x.shape == (50, 4, 2) and x.dtype == torch.float64 and log_w.shape == (50,)
+    torch.testing.assert_close(energy, dw4_energy(x))
+    torch.testing.assert_close(log_w, -energy - log_q)
+    # log q is the flow's own density at the written samples
+    flow, _ = load_flow(run)
+    with torch.no_grad():
+        torch.testing.assert_close(log_q, flow.double().log_prob(x))
+    ess = (log_w.logsumexp(0) * 2 - (2 * log_w).logsumexp(0)).exp() / 50
+    assert result["ess"] == pytest.approx(ess.item())
+    assert result["system"] == "dw4" and 1 / 50 <= result["ess"] <= 1
+    assert load_npz(out).x.shape == (50, 4, 2)  # still an ordinary file of sets
+
+
+def test_sample_energy_on_data_without_an_energy_is_one_clear_line(tmp_path, capsys,
+                                                                   small_particles):
+    run = tiny_run(tmp_path, "gaussian-sets")
+    capsys.readouterr()
+    code = main(["sets", "sample", "--checkpoint", str(run), "--num", "5", "--energy",
+                 "--out", str(tmp_path / "s.npz")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1
+    assert "'gaussian-sets', whose energy is unknown" in err
+    assert not (tmp_path / "s.npz").exists()
+
+
+def test_floor_prints_the_entropy_floor_with_its_error(tmp_path, capsys, small_particles):
+    assert main(["sets", "floor", "--data", "dw4", "--chains", "100", "--stages", "20",
+                 "--no-progress", "--json"]) == 0
+    printed = capsys.readouterr().out
+    assert "entropy floor" in printed
+    result = json.loads(printed.strip().splitlines()[-1])
+    assert result["nll"] == pytest.approx(result["mean_energy"] + result["log_z"])
+    assert result["error"] > 0 and result["nll_per_dim"] == pytest.approx(result["nll"] / 6)
+    assert main(["sets", "floor", "--data", "gaussian-sets"]) == 2
+    assert "no known energy" in capsys.readouterr().err
+
+
+def test_sample_energy_refuses_another_set_size_or_a_single_sample(tmp_path, capsys,
+                                                                   small_particles):
+    run = tiny_run(tmp_path, "dw4")
+    capsys.readouterr()
+    out = str(tmp_path / "s.npz")
+    assert main(["sets", "sample", "--checkpoint", str(run), "--num", "5", "--energy",
+                 "--set-size", "5", "--out", out]) == 2
+    assert "--set-size 5 with --energy: dw4 has 4 particles" in capsys.readouterr().err
+    assert main(["sets", "sample", "--checkpoint", str(run), "--num", "1", "--energy",
+                 "--out", out]) == 2
+    assert "--energy needs --num >= 2" in capsys.readouterr().err
