@@ -67,7 +67,8 @@ class SetCoupling(Transform):
         parity: which features move: those with d % 2 == parity.
         hidden: width of the conditioner.
         blocks: attention blocks of the conditioner; 0 gives an element-wise coupling (each
-            element's parameters from its own b-features only: no interaction).
+            element's parameters from its own b-features only; elements then meet only through
+            the other layers of a flow).
         heads: attention heads (must divide ``hidden``).
         bins: spline bins.
         tail_bound: the spline's interval is [-tail_bound, tail_bound].

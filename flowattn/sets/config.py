@@ -89,7 +89,8 @@ class SetsFlow(Section):
     coupling_hidden: int | None = Field(None, ge=1, description="coupling: conditioner width "
                                         "(none: 64)")
     coupling_blocks: int | None = Field(None, ge=0, description="coupling: attention blocks "
-                                        "of each conditioner, 0 for no interaction (none: 2)")
+                                        "of each conditioner, 0: splines from each element's "
+                                        "own features (none: 2)")
     coupling_bins: int | None = Field(None, ge=1, description="coupling: spline bins "
                                       "(none: 8)")
 
