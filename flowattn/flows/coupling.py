@@ -164,7 +164,11 @@ def coupling_flow(
     Arguments:
         dim: feature width D (at least 2).
         layers: coupling layers.
-        hidden, blocks, heads, bins, tail_bound: those of every :class:`SetCoupling`.
+        hidden: conditioner width of every :class:`SetCoupling`.
+        blocks: attention blocks of every conditioner (0: element-wise couplings).
+        heads: attention heads (must divide ``hidden``).
+        bins: spline bins.
+        tail_bound: the splines act on [-tail_bound, tail_bound].
         location: start with a :class:`~flowattn.flows.SetLocation`.
         linear: an :class:`~flowattn.flows.EquivariantLinear` before every coupling (it also
             rotates the features, so that the split differs from layer to layer).
