@@ -167,8 +167,8 @@ def test_fit_refuses_to_overwrite_a_run_without_resume(tmp_path, capsys):
 def test_config_rejects_invalid_settings_naming_key_and_value():
     with pytest.raises(ConfigError, match=r"flow: coeff: Input should be less than 1 \(got 1.5\)"):
         SetsRunConfig.build({"coeff": 1.5})
-    with pytest.raises(ConfigError, match=r"flow: flow: Input should be 'resflow' or 'cnf' "
-                       r"\(got 'glow'\)"):
+    with pytest.raises(ConfigError, match=r"flow: flow: Input should be 'resflow', 'cnf' or "
+                       r"'coupling' \(got 'glow'\)"):
         SetsRunConfig.build({"flow": "glow"})
 
 

@@ -12,7 +12,9 @@ The layers of the package, each using only those below it:
   x + g(x) around a branch of :mod:`flowattn.branches` or :mod:`flowattn.attention`;
   :mod:`~flowattn.flows.layers` -- exact layers (ActNorm, equivariant linear, set location);
   :mod:`~flowattn.flows.continuous` -- continuous flows and their vector fields;
-* :mod:`~flowattn.flows.builders` -- :class:`SetFlow`, :func:`set_flow`, :func:`sequence_flow`.
+* :mod:`~flowattn.flows.builders` -- :class:`SetFlow`, :func:`set_flow`, :func:`sequence_flow`;
+  :mod:`~flowattn.flows.coupling` -- :class:`SetCoupling` (splines conditioned by attention
+  over the set) and :func:`coupling_flow`.
 
 Estimators, inverses and helpers are imported from their own modules
 (``from flowattn.flows.logdet import series_logdet``).
@@ -20,6 +22,7 @@ Estimators, inverses and helpers are imported from their own modules
 
 from .builders import SetFlow, sequence_flow, set_flow
 from .continuous import CNF, AttentionField, DotProductField, EGNNField
+from .coupling import SetCoupling, coupling_flow
 from .inverse import InverseOptions
 from .layers import ActNorm, EquivariantLinear, SetLocation
 from .logdet import LogDetOptions
@@ -38,6 +41,7 @@ __all__ = [
     "ActNorm",
     "EquivariantLinear",
     "SetLocation",
+    "SetCoupling",
     # continuous flows and their fields
     "CNF",
     "AttentionField",
@@ -47,4 +51,5 @@ __all__ = [
     "SetFlow",
     "set_flow",
     "sequence_flow",
+    "coupling_flow",
 ]

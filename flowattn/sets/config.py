@@ -20,6 +20,7 @@ __all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
            "resolved_interaction", "resolved_field", "legacy_settings"]
 
 INTERACTIONS = ("attention", "radial", "linear", "none")
+COUPLING_SETTINGS = ("coupling_layers", "coupling_hidden", "coupling_blocks", "coupling_bins")
 
 
 class SetsData(Section):
@@ -34,18 +35,21 @@ class SetsData(Section):
 
 
 class SetsFlow(Section):
-    """The flow: a residual flow of contractive blocks or a continuous flow.
+    """The flow: a residual flow of contractive blocks, a continuous flow or a coupling flow.
 
     ``interaction`` chooses how elements meet in the residual flow: contractive L2 attention,
     ``radial`` (an E(n)-equivariant pairwise interaction, for particles), or the baselines
     ``linear`` and ``none``; ``auto`` is ``radial`` for particle data (zero centre of mass) and
     ``attention`` otherwise. ``field`` chooses the vector field of a continuous flow:
     ``attention`` or ``egnn`` (:class:`~flowattn.flows.EGNNField`); ``auto`` is the graph
-    network for particles.
+    network for particles. ``coupling`` stacks :class:`~flowattn.flows.coupling.SetCoupling`
+    layers (element-wise splines conditioned by unconstrained attention over the set; exact
+    log-det and inverse), with ``coupling_*`` settings and ``heads``, ``location``.
     """
 
-    flow: Literal["resflow", "cnf"] = Field(
-        "resflow", description="resflow: invertible residual blocks; cnf: a continuous flow")
+    flow: Literal["resflow", "cnf", "coupling"] = Field(
+        "resflow", description="resflow: invertible residual blocks; cnf: a continuous flow; "
+        "coupling: set-coupling layers with spline transforms")
     interaction: Literal["auto", "attention", "radial", "linear", "none"] = Field(
         "auto", description="how elements interact in a resflow (auto: radial for particles, "
         "else attention)")
@@ -80,6 +84,15 @@ class SetsFlow(Section):
     divergence: Literal["auto", "exact", "hutchinson"] = Field(
         "auto", description="cnf: divergence in training (auto: exact when N D <= 64); "
         "evaluation is exact when N D <= 64")
+    coupling_layers: int | None = Field(None, ge=1, description="coupling: coupling layers "
+                                        "(none: 8)")
+    coupling_hidden: int | None = Field(None, ge=1, description="coupling: conditioner width "
+                                        "(none: 64)")
+    coupling_blocks: int | None = Field(None, ge=0, description="coupling: attention blocks "
+                                        "of each conditioner, 0: splines from each element's "
+                                        "own features (none: 2)")
+    coupling_bins: int | None = Field(None, ge=1, description="coupling: spline bins "
+                                      "(none: 8)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> SetsFlow:
@@ -93,12 +106,20 @@ class SetsFlow(Section):
                 raise ValueError(f"{name} is a setting of radial interactions: use it with "
                                  f"flow=resflow and interaction=radial (here {self.flow}, "
                                  f"{self.interaction})")
-        if self.flow == "resflow" and self.field != "auto":
+        if self.flow != "cnf" and self.field != "auto":
             raise ValueError(f"field={self.field!r} is a setting of continuous flows: use it "
                              "with flow=cnf")
         if self.flow == "cnf" and self.interaction not in ("auto", "attention"):
             raise ValueError(f"interaction={self.interaction!r} is a residual-flow setting: "
                              "use flow=resflow")
+        if self.flow == "coupling" and self.interaction != "auto":
+            raise ValueError(f"interaction={self.interaction!r} is a residual-flow setting: "
+                             "use flow=resflow (a coupling flow's interaction is its "
+                             "conditioner, coupling_blocks)")
+        for name in COUPLING_SETTINGS:
+            if self.flow != "coupling" and getattr(self, name) is not None:
+                raise ValueError(f"{name} is a setting of coupling flows: use it with "
+                                 f"flow=coupling (here {self.flow})")
         return self
 
 
@@ -175,7 +196,8 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
 
     Raises:
         ConfigError: for settings that do not fit the data (heads not dividing D, radial
-            settings where the interaction resolves to another one).
+            settings where the interaction resolves to another one, a coupling flow on
+            particles or on one-dimensional elements).
     """
     from nflows.transforms import CompositeTransform
 
@@ -183,6 +205,8 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     from ..flows.layers import SetLocation
     from ..flows.logdet import LogDetOptions
 
+    if flow.flow == "coupling":
+        return _build_coupling(flow, dim, zero_com)
     if dim % flow.heads != 0:
         raise ConfigError(f"heads={flow.heads} must divide the data dimension D={dim}")
     small = set_size * dim <= 64
@@ -233,3 +257,23 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     if not location:
         return SetFlow(cnf, dim, zero_com)
     return SetFlow(CompositeTransform([SetLocation(dim), cnf]), dim, zero_com)
+
+
+def _build_coupling(flow: SetsFlow, dim: int, zero_com: bool) -> Any:
+    from ..flows.coupling import coupling_flow
+
+    if zero_com:
+        raise ConfigError("flow=coupling does not support particle data (zero centre of mass): "
+                          "its splines move single coordinates off the zero-centre-of-mass "
+                          "subspace; use flow=resflow or flow=cnf")
+    if dim < 2:
+        raise ConfigError(f"flow=coupling splits the features of each element in two: it needs "
+                          f"elements of D >= 2, the data have D={dim}")
+    hidden = flow.coupling_hidden or 64
+    if hidden % flow.heads != 0:
+        raise ConfigError(f"heads={flow.heads} must divide the coupling conditioner's width "
+                          f"coupling_hidden={hidden}")
+    blocks = 2 if flow.coupling_blocks is None else flow.coupling_blocks
+    return coupling_flow(dim, layers=flow.coupling_layers or 8, hidden=hidden, blocks=blocks,
+                         heads=flow.heads, bins=flow.coupling_bins or 8,
+                         location=flow.location)
