@@ -22,30 +22,19 @@ SDPA backend, the only twice-differentiable kernel before ``attend``.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 from contextlib import ExitStack
 from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from machine import cpu_name
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import benchmark
 
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, dot_product, l2
 
 SHAPES = [(32, 128, 128, 8), (8, 512, 256, 8)]  # (B, N, D, H)
-
-
-def cpu_name() -> str:
-    """The CPU model from /proc/cpuinfo where there is one, else the platform's answer."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class Patched(torch.nn.Module):

@@ -29,23 +29,13 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
 import statistics
 import time
 
 import torch
+from machine import cpu_name
 
 from flowattn.attention import L2MHA
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def initial_inputs(module: L2MHA, n: int, restarts: int, generator: torch.Generator):

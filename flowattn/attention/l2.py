@@ -306,13 +306,17 @@ class L2MHA(nn.Module):
             y = merge_heads(self._reference(q, k, x, mask, causal, dropout)) @ self.w_o
         return check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[self.fused], scale)
 
+    def _tied_value_map(self) -> Tensor:
+        """(H, d, d): W^{Q,h T} W^{V,h} / sqrt(d), so that X A_h W^{V,h} = q_h times it."""
+        wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
+        return wq.transpose(1, 2) @ wv / math.sqrt(self.head_dim)
+
     def _fused(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor]:
         # SDPA's fused CPU kernel wants equal query and value widths (d + 1 here). Rather than
         # padding activations, the value and output weights get a zero column / row per head.
         h, d = self.heads, self.head_dim
         if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d)
-            wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
-            v = q @ F.pad(wq.transpose(1, 2) @ wv / math.sqrt(d), (0, 1))
+            v = q @ F.pad(self._tied_value_map(), (0, 1))
         else:
             v = x.unsqueeze(1) @ F.pad(self.head_weights(self.w_v), (0, 1))
         w_o = F.pad(self.w_o.reshape(h, d, self.dim), (0, 0, 0, 1)).reshape(h * (d + 1), -1)
@@ -352,8 +356,7 @@ class L2MHA(nn.Module):
 
     def _written_out(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor | None]:
         if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d), from uncentred q
-            wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
-            v = q @ (wq.transpose(1, 2) @ wv / math.sqrt(self.head_dim))
+            v = q @ self._tied_value_map()
         else:
             v = split_heads(x @ self.w_v, self.heads)
         p, scale = self._probabilities(q, k, mask, causal, on_first=causal)

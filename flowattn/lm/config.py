@@ -123,8 +123,8 @@ def _check(config: _Resolved) -> None:
     """Refuse combinations of (resolved) settings that cannot be built."""
     if config.model == "transformer" and config.dim % config.heads:
         raise ValueError(f"heads={config.heads} must divide dim={config.dim}")
-    offsets = getattr(config, "self_offset", 0) or getattr(config, "position_bias", 0)
-    if offsets and config.attention not in ("l2", "l2-tied", "contractive-l2"):
+    l2 = ("l2", "l2-tied", "contractive-l2")
+    if (config.self_offset or config.position_bias) and config.attention not in l2:
         raise ValueError(f"self_offset and position_bias are options of L2 attention (l2, "
                          f"l2-tied, contractive-l2), not of {config.attention!r} attention")
     if config.norm == "centernorm" and config.dim < 2:
