@@ -49,8 +49,8 @@ TIED_L2_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {
                                "init_scale": 1.0 / 16, "contractive_norm": "2,inf"},
 }
 
-Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Scale = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+_Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Scale = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
 class LMSettings(Section):
@@ -76,10 +76,10 @@ class LMSettings(Section):
                        "none"] | None = Field(
         None, description="attention type; none is the attention-free baseline (default: dp, "
         "contractive-l2 with --invertible)")
-    self_offset: Cap | Literal["auto"] = Field(
+    self_offset: _Cap | Literal["auto"] = Field(
         AUTO, description="cap of the learnt self-offsets of L2 attention (0: none; lets a "
         "token weight another above itself; auto: 4 for l2-tied and contractive-l2, else 0)")
-    position_bias: Cap | Literal["auto"] = Field(
+    position_bias: _Cap | Literal["auto"] = Field(
         AUTO, description="cap of the learnt relative-position bias of L2 attention (0: none; "
         "auto: 4 for l2-tied and contractive-l2, else 0)")
     max_distance: int = Field(64, ge=1, description="relative positions beyond this share one "
@@ -98,7 +98,7 @@ class LMSettings(Section):
     init: Literal["default", "glorot-l2", "lipschitz", "spectral", "auto"] = Field(
         AUTO, description="weight initialisation (default is GPT-2's; auto: glorot-l2 for "
         "l2-tied and contractive-l2, default otherwise)")
-    init_scale: Scale | Literal["auto"] = Field(
+    init_scale: _Scale | Literal["auto"] = Field(
         AUTO, description="scale s of L2 attention weights under --init glorot-l2 (auto: 1/2 "
         "for l2-tied, 1/4 for contractive-l2, 1/16 otherwise and with --invertible)")
     ff_mult: int = Field(4, ge=1, description="feed-forward hidden width as a multiple of D")
@@ -170,8 +170,10 @@ def _resolve(values: dict) -> dict:
     version = values.get("defaults_version", DEFAULTS_VERSION)
     if not isinstance(version, int) or isinstance(version, bool):
         version = DEFAULTS_VERSION  # refused by the field's own check
-    auto = auto_settings(values["attention"], invertible, values.get("model", "transformer"),
-                         version)
+    attention, model = values["attention"], values.get("model", "transformer")
+    if not (isinstance(attention, str) and isinstance(model, str)):
+        attention, model = "", ""  # refused by the fields' own checks
+    auto = auto_settings(attention, invertible, model, version)
     for key, value in auto.items():
         if values.get(key, AUTO) == AUTO:
             values[key] = value
