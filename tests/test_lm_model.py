@@ -279,7 +279,8 @@ def test_state_dict_keys_of_attention_and_norms_are_those_of_saved_checkpoints()
     assert {"blocks.0.attn.qkv.weight", "blocks.0.attn.out.weight"} <= keys
 
 
-@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True), dict(norm="none")])
+@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True), dict(norm="none"),
+                                dict(contractive_norm="inf"), dict(contractive_norm="2")])
 def test_invertible_model_certifies_every_branch_below_its_coefficient(kw):
     torch.manual_seed(0)
     model = TransformerLM(tiny(invertible=True, contractive_coeff=0.8, **kw)).double().eval()
@@ -400,8 +401,10 @@ def test_generation_is_reproducible_and_top_1_is_greedy():
     assert torch.equal(greedy, x)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True),
-                                dict(contractive_norm="2,inf", self_offset=2.0)])
+@pytest.mark.parametrize("kw", [dict(contractive_norm="inf", self_offset=0.0, position_bias=0.0),
+                                dict(weighted_residual=True),
+                                dict(contractive_norm="2,inf", self_offset=2.0)],
+                         ids=["inf-no-offsets", "default-weighted", "2,inf-offset-2"])
 def test_block_lipschitz_bounds_hold_for_and_are_nearly_met_by_the_measured_jacobians(kw):
     # attention branch: inf-norm over a causal sequence of T tokens; feed-forward branch:
     # 2-norm per token. Never exceeded (random and optimised inputs), and the optimiser gets
