@@ -18,16 +18,22 @@ Three studies, each writing a JSON file and printing a Markdown table:
   layer spreads its attention over 32 validation windows: the mean weight a token puts on
   itself, the mean largest weight on another token, and the share of rows (positions 1 to 63)
   where another token outweighs the token itself -- 0 % by construction for tied L2 attention
-  without logit offsets.
+  without logit offsets (``l2-tied-legacy``).
 * ``depth``: constant learning rate, no warm-up, 2 to 12 layers of post-norm Transformers
   with dot-product, tied-L2 and contractive-L2 attention (Kim et al. 2021, §5.4, Table 1):
-  divergences and the best validation loss per depth, with a plot.
+  divergences and the best validation loss per depth, with a plot. Its default rows are the
+  tied models with their former defaults (``--depth-variants``).
+
+Variants are named settings (``VARIANTS``): ``l2-tied``, ``contractive-l2`` and
+``invertible`` are today's defaults of those models; every variant measured before tied L2
+attention had defaults of its own spells out the settings it ran with, so that its name keeps
+meaning what was measured (``l2-tied-legacy`` etc. are the former defaults).
 
     python benchmarks/lm.py peer                     # ~3 min on two quiet cores
     python benchmarks/lm.py attention
     python benchmarks/lm.py ngram                    # ~30 s
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
-    python benchmarks/lm.py self-weight --variants l2-tied l2-tied-offsets
+    python benchmarks/lm.py self-weight --variants l2-tied-legacy l2-tied-offsets
     python benchmarks/lm.py depth --depths 2 4 6 8 10 12
     python benchmarks/lm.py all --quick              # a fast smoke run of everything
 """
@@ -65,45 +71,64 @@ NANOGPT = dict(
     schedule="cosine", warmup=100, min_lr=1e-4, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
     dropout=0.0, bias=False, eval_every=250, checkpoint_every=250,
 )
+# The settings of every model before tied L2 attention got defaults of its own
+# (defaults_version 1), spelt out: every variant measured before then keeps them, so that its
+# name still means what was measured (docs/benchmarks.md).
+OLD = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
+           contractive_norm="inf")
+OFFSETS = dict(self_offset=4.0, position_bias=4.0)
 VARIANTS = {
     "dp": dict(attention="dp"),
     "l2": dict(attention="l2"),
+    # today's defaults of tied L2 attention (flowattn.lm.config.TIED_L2_DEFAULTS)
     "l2-tied": dict(attention="l2-tied"),
     "contractive-l2": dict(attention="contractive-l2"),
+    "invertible": dict(invertible=True),
+    # the same models with the settings that were their defaults before
+    "l2-tied-legacy": dict(attention="l2-tied", **OLD),
+    "contractive-l2-legacy": dict(attention="contractive-l2", **OLD),
+    "invertible-legacy": dict(invertible=True, **OLD),
     # tied L2 attention with learnt, bounded logit offsets (self-offset and position bias <= 4)
-    "l2-tied-offsets": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0),
-    "contractive-l2-offsets": dict(attention="contractive-l2", self_offset=4.0,
-                                   position_bias=4.0),
+    "l2-tied-offsets": dict(attention="l2-tied", **{**OLD, **OFFSETS}),
+    "contractive-l2-offsets": dict(attention="contractive-l2", **{**OLD, **OFFSETS}),
     # the same with Kim et al.'s App. H initialisation scale of L2 attention weights
-    "l2-tied-glorot": dict(attention="l2-tied", init="glorot-l2"),
-    "l2-tied-offsets-glorot": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0,
-                                   init="glorot-l2"),
-    "l2-tied-offsets8-glorot": dict(attention="l2-tied", self_offset=8.0, position_bias=8.0,
-                                    init="glorot-l2"),
-    "l2-tied-offsets-glorot-s8": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0,
-                                      init="glorot-l2", init_scale=1 / 8),
-    "l2-tied-offsets-glorot-s4": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0,
-                                      init="glorot-l2", init_scale=1 / 4),
-    "l2-tied-offsets-glorot-s2": dict(attention="l2-tied", self_offset=4.0, position_bias=4.0,
-                                      init="glorot-l2", init_scale=1 / 2),
-    "l2-tied-offsets8-glorot-s4": dict(attention="l2-tied", self_offset=8.0, position_bias=8.0,
-                                       init="glorot-l2", init_scale=1 / 4),
-    "contractive-l2-mixed-s4": dict(attention="contractive-l2", self_offset=4.0,
-                                    position_bias=4.0, init="glorot-l2", init_scale=1 / 4,
-                                    contractive_norm="2,inf"),
-    "contractive-l2-offsets-glorot": dict(attention="contractive-l2", self_offset=4.0,
-                                          position_bias=4.0, init="glorot-l2"),
+    "l2-tied-glorot": dict(attention="l2-tied", **{**OLD, "init": "glorot-l2"}),
+    "l2-tied-offsets-glorot": dict(attention="l2-tied", **{**OLD, **OFFSETS,
+                                                           "init": "glorot-l2"}),
+    "l2-tied-offsets8-glorot": dict(attention="l2-tied", **{**OLD, "init": "glorot-l2",
+                                                            "self_offset": 8.0,
+                                                            "position_bias": 8.0}),
+    "l2-tied-offsets-glorot-s8": dict(attention="l2-tied", **{**OLD, **OFFSETS,
+                                                              "init": "glorot-l2",
+                                                              "init_scale": 1 / 8}),
+    "l2-tied-offsets-glorot-s4": dict(attention="l2-tied", **{**OLD, **OFFSETS,
+                                                              "init": "glorot-l2",
+                                                              "init_scale": 1 / 4}),
+    "l2-tied-offsets-glorot-s2": dict(attention="l2-tied", **{**OLD, **OFFSETS,
+                                                              "init": "glorot-l2",
+                                                              "init_scale": 1 / 2}),
+    "l2-tied-offsets8-glorot-s4": dict(attention="l2-tied", **{**OLD, "init": "glorot-l2",
+                                                               "init_scale": 1 / 4,
+                                                               "self_offset": 8.0,
+                                                               "position_bias": 8.0}),
+    "contractive-l2-mixed-s4": dict(attention="contractive-l2", **{**OLD, **OFFSETS,
+                                                                   "init": "glorot-l2",
+                                                                   "init_scale": 1 / 4,
+                                                                   "contractive_norm": "2,inf"}),
+    "contractive-l2-offsets-glorot": dict(attention="contractive-l2",
+                                          **{**OLD, **OFFSETS, "init": "glorot-l2"}),
     "scaled-cosine": dict(attention="scaled-cosine"),
     "none": dict(attention="none"),
-    "invertible": dict(invertible=True),
-    "invertible-offsets": dict(invertible=True, self_offset=4.0, position_bias=4.0),
-    "contractive-l2-mixed": dict(attention="contractive-l2", self_offset=4.0, position_bias=4.0,
-                                 init="glorot-l2", contractive_norm="2,inf"),
-    "invertible-mixed": dict(invertible=True, self_offset=4.0, position_bias=4.0,
-                             init="glorot-l2", contractive_norm="2,inf"),
+    "invertible-offsets": dict(invertible=True, **{**OLD, **OFFSETS}),
+    "contractive-l2-mixed": dict(attention="contractive-l2", **{**OLD, **OFFSETS,
+                                                                "init": "glorot-l2",
+                                                                "contractive_norm": "2,inf"}),
+    "invertible-mixed": dict(invertible=True, **{**OLD, **OFFSETS, "init": "glorot-l2",
+                                                 "contractive_norm": "2,inf"}),
     "lstm": dict(model="lstm"),
 }
-DEPTH_ATTENTIONS = ("dp", "l2-tied", "contractive-l2")
+# the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
+DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")
 
 
 def machine() -> dict:
@@ -306,38 +331,38 @@ def depth(args, base: dict) -> dict:
     base = {**base, "schedule": "constant", "warmup": 0, "min_lr": 0.0, "lr": args.depth_lr,
             "norm_position": args.depth_norm_position}
     results = {}
-    for name in DEPTH_ATTENTIONS:
+    for name in args.depth_variants:
         for layers in args.depths:
-            cfg = {**base, "attention": name, "layers": layers}
+            cfg = {**base, **VARIANTS[name], "layers": layers}
             s = run_one(f"{name} x{layers}", cfg, args.out / f"depth-{name}-{layers}",
                         args.reuse)
             results[f"{name}/{layers}"] = {
-                "attention": name, "layers": layers, "best_val_loss": s["best_val_loss"],
+                "variant": name, "layers": layers, "best_val_loss": s["best_val_loss"],
                 "val_loss": s["val_loss"], "diverged": s["diverged"],
                 "divergence": s["divergence"], "tokens_per_s": s["tokens_per_s"],
             }
     rows = []
-    for name in DEPTH_ATTENTIONS:
+    for name in args.depth_variants:
         row = [name]
         for layers in args.depths:
             r = results[f"{name}/{layers}"]
             cell = fmt(r["best_val_loss"], 3)
             row.append(cell + (" (diverged)" if r["diverged"] else ""))
         rows.append(row)
-    print(table(rows, ["attention"] + [f"{d} layers" for d in args.depths]))
-    plot_depth(results, args.depths, args.out / "depth.png", base)
+    print(table(rows, ["model"] + [f"{d} layers" for d in args.depths]))
+    plot_depth(results, args.depth_variants, args.depths, args.out / "depth.png", base)
     return {"study": "depth", "machine": machine(), "lr": args.depth_lr,
             "norm_position": args.depth_norm_position, "results": results}
 
 
-def plot_depth(results: dict, depths, path: Path, base: dict) -> None:
+def plot_depth(results: dict, names, depths, path: Path, base: dict) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for name, marker in zip(DEPTH_ATTENTIONS, "osD", strict=True):
+    for name, marker in zip(names, "osD^vP*X" * len(names), strict=False):
         rs = [results[f"{name}/{d}"] for d in depths]
         best = [r["best_val_loss"] if math.isfinite(r["best_val_loss"]) else math.nan for r in rs]
         line, = ax.plot(depths, best, marker=marker, label=name)
@@ -373,6 +398,8 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, help="heads (default 4)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--depths", nargs="+", type=int, default=[2, 4, 6, 8, 10, 12])
+    parser.add_argument("--depth-variants", nargs="+", default=list(DEPTH_VARIANTS),
+                        choices=list(VARIANTS), help="models of the depth study")
     parser.add_argument("--depth-lr", type=float, default=1e-3)
     parser.add_argument("--depth-norm-position", choices=("pre", "post"), default="post")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from flowattn.cli import main
 
@@ -173,3 +174,59 @@ def test_module_entry_point_runs_the_same_command_line():
     assert done.returncode == 0
     for command in ("train", "eval", "sample", "invert-check"):
         assert command in done.stdout
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
+    code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, "--print-config")
+    assert code == 0
+    for line in ("self_offset: auto", "position_bias: auto", "init: auto", "init_scale: auto",
+                 "contractive_norm: auto", "defaults_version: 2"):
+        assert f"  {line}\n" in stdout
+    code, stdout, _ = run(capsys, "lm", "train", "--attention", "l2-tied", "--self-offset", "2",
+                          "--init-scale", "auto", "--print-config", "json")
+    network = json.loads(stdout)["network"]
+    assert (network["self_offset"], network["init_scale"]) == (2.0, "auto")
+    with pytest.raises(SystemExit):
+        run(capsys, "lm", "train", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--self-offset X|auto" in text and "auto: 4 for l2-tied and contractive-l2" in text
+    assert "auto: 1/2 for l2-tied, 1/4 for contractive-l2" in text
+
+
+def test_a_bad_number_or_auto_setting_is_a_one_line_usage_error(corpus, tmp_path, capsys):
+    line = one_line_error(capsys, "lm", "train", "--data", corpus, "--init-scale", "big",
+                          "--out", tmp_path / "o")
+    assert "--init-scale expects a number or auto, got 'big'" in line
+    line = one_line_error(capsys, "lm", "train", "--data", corpus, "--self-offset", "-1",
+                          "--out", tmp_path / "o")
+    assert "self_offset: Input should be greater than or equal to 0 or 'auto' (got -1.0)" in line
+
+
+def test_eval_sample_and_invert_check_read_checkpoints_stored_before_version_2(
+    corpus, tmp_path, capsys
+):
+    # an invertible model trained with the settings that were the defaults then
+    out = tmp_path / "old"
+    old = ["--self-offset", "0", "--position-bias", "0", "--init", "default", "--init-scale",
+           "0.0625", "--contractive-norm", "inf"]
+    code, _, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--invertible", *old,
+                     "--steps", "4", "--eval-every", "4", "--out", out)
+    assert code == 0
+    commands = [["eval"], ["sample", "--prompt", "to be", "--max-new-tokens", "20"],
+                ["invert-check"]]
+    before = [last_json(run(capsys, "lm", *c, "--checkpoint", out, "--json")[1])
+              for c in commands]
+    path = out / "checkpoint.pt"
+    record = torch.load(path, weights_only=True)
+    for network in (record["config"]["network"], record["task"]["model_config"]):
+        for key in ("defaults_version", "self_offset", "position_bias", "init", "init_scale",
+                    "contractive_norm"):
+            del network[key]  # as flowattn stored them before these settings existed
+    torch.save(record, path)
+    after = [last_json(run(capsys, "lm", *c, "--checkpoint", out, "--json")[1])
+             for c in commands]
+    assert after == before
+    assert before[2]["passed"] and before[2]["max_branch_bound"] <= 0.9 + 1e-9

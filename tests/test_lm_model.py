@@ -8,7 +8,7 @@ import torch
 
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 from flowattn.errors import InverseNotConverged
-from flowattn.lm.config import ATTENTIONS, INITS, LMConfig
+from flowattn.lm.config import ATTENTIONS, INITS, LMConfig, LMRunConfig
 from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
     Block,
@@ -213,7 +213,9 @@ def test_lipschitz_init_follows_xu_et_al_bounds():
 def test_spectral_init_makes_every_linear_map_exactly_1_lipschitz(attention):
     torch.manual_seed(0)
     model = TransformerLM(tiny(attention=attention, init="spectral")).double()
-    weights = [p for n, p in model.blocks.named_parameters() if p.dim() == 2]
+    # the linear maps (the logit offsets' table of position biases is not one)
+    weights = [p for n, p in model.blocks.named_parameters()
+               if p.dim() == 2 and ".offsets." not in n]
     assert len(weights) >= 4 * len(model.blocks)
     for w in weights:
         assert abs(torch.linalg.matrix_norm(w, ord=2).item() - 1.0) < 1e-6
@@ -258,7 +260,8 @@ def test_channel_affine_is_the_identity_at_start_and_inverts_exactly():
 
 
 def test_state_dict_keys_of_attention_and_norms_are_those_of_saved_checkpoints():
-    keys = set(TransformerLM(tiny(invertible=True, layers=1)).state_dict())
+    plain = dict(self_offset=0.0, position_bias=0.0)  # the settings before defaults_version 2
+    keys = set(TransformerLM(tiny(invertible=True, layers=1, **plain)).state_dict())
     assert {
         "blocks.0.attn.attention.w_q",
         "blocks.0.attn.attention.w_v",
@@ -269,11 +272,15 @@ def test_state_dict_keys_of_attention_and_norms_are_those_of_saved_checkpoints()
         "blocks.0.norm_ff.log_scale",
     } <= keys
     assert not [k for k in keys if k.startswith("blocks.0.attn.") and "attention.w_" not in k]
+    offsets = set(TransformerLM(tiny(invertible=True, layers=1)).state_dict()) - keys
+    assert offsets == {"blocks.0.attn.attention.offsets.offset_logit",
+                       "blocks.0.attn.attention.offsets.position_logit"}
     keys = set(TransformerLM(tiny(layers=1)).state_dict())
     assert {"blocks.0.attn.qkv.weight", "blocks.0.attn.out.weight"} <= keys
 
 
-@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True), dict(norm="none")])
+@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True), dict(norm="none"),
+                                dict(contractive_norm="inf"), dict(contractive_norm="2")])
 def test_invertible_model_certifies_every_branch_below_its_coefficient(kw):
     torch.manual_seed(0)
     model = TransformerLM(tiny(invertible=True, contractive_coeff=0.8, **kw)).double().eval()
@@ -394,8 +401,10 @@ def test_generation_is_reproducible_and_top_1_is_greedy():
     assert torch.equal(greedy, x)
 
 
-@pytest.mark.parametrize("kw", [{}, dict(weighted_residual=True),
-                                dict(contractive_norm="2,inf", self_offset=2.0)])
+@pytest.mark.parametrize("kw", [dict(contractive_norm="inf", self_offset=0.0, position_bias=0.0),
+                                dict(weighted_residual=True),
+                                dict(contractive_norm="2,inf", self_offset=2.0)],
+                         ids=["inf-no-offsets", "default-weighted", "2,inf-offset-2"])
 def test_block_lipschitz_bounds_hold_for_and_are_nearly_met_by_the_measured_jacobians(kw):
     # attention branch: inf-norm over a causal sequence of T tokens; feed-forward branch:
     # 2-norm per token. Never exceeded (random and optimised inputs), and the optimiser gets
@@ -440,3 +449,81 @@ def test_logit_offsets_reach_the_l2_attention_of_the_lm_and_only_it():
         tiny(attention="dp", self_offset=1.0)
     with pytest.raises(ValueError, match="self_offset"):
         tiny(attention="l2-tied", self_offset=-1.0)
+
+
+# ----------------------------------------------------------------------------- defaults
+
+# The settings every model had before tied L2 attention got defaults of its own, written out.
+OLD_SETTINGS = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
+                    contractive_norm="inf")
+
+
+def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def _seeded(config: LMConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(config)
+
+
+@pytest.mark.parametrize("kw", [dict(attention="dp"), dict(attention="l2"),
+                                dict(attention="scaled-cosine"), dict(attention="none"),
+                                dict(model="lstm"), dict(norm_position="post")],
+                         ids=["dp", "l2", "scaled-cosine", "none", "lstm", "dp-post"])
+def test_defaults_of_every_other_model_build_the_model_of_the_old_explicit_settings(kw):
+    new = tiny(**kw)
+    assert {k: getattr(new, k) for k in OLD_SETTINGS} == OLD_SETTINGS
+    assert _same_state(_seeded(new), _seeded(tiny(**kw, **OLD_SETTINGS)))
+
+
+@pytest.mark.parametrize("kw, measured", [
+    (dict(attention="l2-tied"), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
+                                     init_scale=0.5, contractive_norm="inf")),
+    (dict(attention="contractive-l2"), dict(self_offset=4.0, position_bias=4.0,
+                                            init="glorot-l2", init_scale=0.25,
+                                            contractive_norm="2,inf")),
+    (dict(invertible=True), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
+                                 init_scale=1 / 16, contractive_norm="2,inf")),
+], ids=["l2-tied", "contractive-l2", "invertible"])
+def test_tied_l2_attention_defaults_to_its_measured_settings(kw, measured):
+    # the rows of docs/benchmarks.md: l2-tied-offsets-glorot-s2, contractive-l2-mixed-s4,
+    # invertible-mixed
+    new = tiny(**kw)
+    assert {k: getattr(new, k) for k in measured} == measured
+    assert _same_state(_seeded(new), _seeded(tiny(**kw, **measured)))
+    assert not _same_state(_seeded(new), _seeded(tiny(**kw, **OLD_SETTINGS)))
+    # defaults_version 1 (configs stored before version 2) means the old settings
+    old = tiny(**kw, defaults_version=1)
+    assert {k: getattr(old, k) for k in OLD_SETTINGS} == OLD_SETTINGS
+    assert _same_state(_seeded(old), _seeded(tiny(**kw, **OLD_SETTINGS)))
+
+
+def test_a_setting_given_explicitly_overrides_its_auto_value():
+    config = tiny(attention="l2-tied", self_offset=0.0, init="default")
+    assert (config.self_offset, config.position_bias, config.init) == (0.0, 4.0, "default")
+    assert tiny(attention="l2", init="glorot-l2").init_scale == 1 / 16
+    assert tiny(attention="l2-tied", init_scale="auto").init_scale == 0.5
+    with pytest.raises(ValueError, match="options of L2 attention"):
+        tiny(attention="dp", self_offset=4.0)
+
+
+def test_run_settings_keep_auto_and_the_model_settings_resolve_it():
+    # "auto" survives in the run's settings, so a flag changing the attention later in the
+    # chain (defaults, --config, flags) still gets that attention's defaults
+    run = LMRunConfig.build({"attention": "dp"}).updated({"attention": "l2-tied"})
+    assert run.network.self_offset == "auto" and run.network.init == "auto"
+    model = LMConfig(vocab_size=V, **run.network.to_dict())
+    assert (model.self_offset, model.init, model.init_scale) == (4.0, "glorot-l2", 0.5)
+    assert "auto" not in model.to_dict().values()
+    assert LMConfig.from_dict(model.to_dict()) == model
+
+
+def test_model_settings_stored_without_defaults_version_rebuild_the_old_model():
+    stored = tiny(attention="contractive-l2", **OLD_SETTINGS).to_dict()
+    del stored["defaults_version"]
+    for key in OLD_SETTINGS:  # also keys that older flowattn did not write at all
+        legacy = {k: v for k, v in stored.items() if k != key}
+        assert LMConfig.from_dict(legacy) == tiny(attention="contractive-l2",
+                                                  defaults_version=1)

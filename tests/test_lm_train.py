@@ -13,8 +13,9 @@ import torch
 
 import flowattn.lm.train as lm_train
 from flowattn.errors import CheckpointError, ConfigError, RunError
-from flowattn.lm.config import LMRunConfig
+from flowattn.lm.config import LMConfig, LMRunConfig
 from flowattn.lm.train import load_checkpoint, train
+from flowattn.training.run import plan_run
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = "the quick brown fox jumps over the lazy dog. " * 60
@@ -197,6 +198,93 @@ def test_checkpoints_of_format_version_1_still_load(corpus, tmp_path):
     assert torch.equal(model(x)[0], again(x)[0])
     with pytest.raises(RunError, match="format version 1"):
         train(out=old, resume=True)
+
+
+# ----------------------------------------------------------------------------- legacy rule
+
+# The settings every model had before tied L2 attention got defaults of its own (version 2).
+OLD_SETTINGS = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
+                    contractive_norm="inf")
+
+
+def as_stored_before_version_2(network: dict, drop: tuple[str, ...]) -> None:
+    """Network settings as flowattn stored them before defaults_version 2: no version, and
+    (for runs older still) without the keys ``drop``."""
+    for key in ("defaults_version", *drop):
+        del network[key]
+
+
+def store_as_before_version_2(out: Path, drop: tuple[str, ...] = ()) -> None:
+    path = out / "checkpoint.pt"
+    record = torch.load(path, weights_only=True)
+    as_stored_before_version_2(record["config"]["network"], drop)
+    as_stored_before_version_2(record["task"]["model_config"], drop)
+    torch.save(record, path)
+    config = json.loads((out / "config.json").read_text())
+    as_stored_before_version_2(config["network"], drop)
+    (out / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("drop", [(), tuple(OLD_SETTINGS)], ids=["old-values", "missing-keys"])
+@pytest.mark.parametrize("attention", ["l2-tied", "contractive-l2"])
+def test_runs_stored_before_the_tied_l2_defaults_load_score_and_resume_as_they_trained(
+    corpus, tmp_path, attention, drop
+):
+    kw = dict(attention=attention, schedule="constant", warmup=0, eval_every=4,
+              checkpoint_every=4, **OLD_SETTINGS)
+    straight = run(tiny(corpus, steps=8, **kw), tmp_path / "straight")
+    out = tmp_path / "old"
+    first = run(tiny(corpus, steps=4, **kw), out)
+    before, _, vocab = load_checkpoint(out)
+    store_as_before_version_2(out, drop)
+
+    model, record, _ = load_checkpoint(out)
+    assert {k: getattr(model.config, k) for k in OLD_SETTINGS} == OLD_SETTINGS
+    assert model.config.defaults_version == 1
+    x = vocab.encode("the quick brown ")[None]
+    assert torch.equal(model(x)[0], before(x)[0])
+    ids = vocab.encode(TEXT)
+    loss = lm_train.evaluate(model, ids[int(0.9 * len(ids)):], 16, 4, torch.device("cpu"))
+    assert loss == pytest.approx(first["val_loss"], rel=1e-6)
+
+    resumed = train(out=out, resume=True, flags={"steps": 8}, progress=False,
+                    tensorboard=False)
+    assert resumed["step"] == 8 and resumed["val_loss"] == straight["val_loss"]
+    a, b = (torch.load(tmp_path / d / "checkpoint.pt", weights_only=True)
+            for d in ("straight", "old"))
+    assert a["model"].keys() == b["model"].keys()
+    assert all(torch.equal(t, b["model"][name]) for name, t in a["model"].items())
+
+
+def test_a_run_stopped_before_its_first_checkpoint_restarts_with_its_old_defaults(
+    corpus, tmp_path
+):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text(json.dumps({"format": "flowattn-run", "kind": "lm",
+                                              "data": {}}))
+    config = tiny(corpus, attention="l2-tied").to_dict()
+    as_stored_before_version_2(config["network"], tuple(OLD_SETTINGS))
+    (out / "config.json").write_text(json.dumps(config))
+    plan = plan_run(out, "lm", LMRunConfig, resume=True)
+    assert plan.checkpoint is None and plan.config.network.defaults_version == 1
+    model = LMConfig(vocab_size=5, **plan.config.network.to_dict())
+    assert {k: getattr(model, k) for k in OLD_SETTINGS} == OLD_SETTINGS
+
+
+def test_resume_refuses_settings_that_no_longer_build_the_checkpoints_model(corpus, tmp_path):
+    out = tmp_path / "run"
+    run(tiny(corpus, attention="contractive-l2", steps=2, eval_every=2, checkpoint_every=2),
+        out)
+    path = out / "checkpoint.pt"
+    record = torch.load(path, weights_only=True)
+    assert record["config"]["network"]["contractive_norm"] == "auto"
+    assert record["task"]["model_config"]["contractive_norm"] == "2,inf"
+    record["config"]["network"]["contractive_norm"] = "2"  # what another "auto" could mean
+    torch.save(record, path)
+    with pytest.raises(CheckpointError, match=r"contractive_norm \('2,inf' in the checkpoint, "
+                                              r"'2' now\)"):
+        train(out=out, resume=True, flags={"steps": 4}, progress=False, tensorboard=False)
 
 
 # ----------------------------------------------------------------------------- distributed

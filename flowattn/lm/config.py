@@ -8,14 +8,16 @@ when the object is built; errors name the key and the value.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import model_validator
 
 from ..training.config import Field, RunConfig, Section, TrainSettings
 
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
-           "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS"]
+           "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
+           "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "auto_settings"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -25,6 +27,31 @@ MODELS = ("transformer", "lstm")
 FORMATS = ("auto", "text", "ptb-char")
 DEFAULT_CORPUS = "builtin:pydoc-topics"
 
+AUTO = "auto"
+DEFAULTS_VERSION = 2  # 2: tied L2 attention has defaults of its own (stored configs carry it)
+# What "auto" means for every model but tied L2 attention, and for every model under
+# defaults_version 1 (the settings written before version 2 existed).
+PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "init": "default",
+                                  "init_scale": 1.0 / 16, "contractive_norm": "inf"}
+# What "auto" means for tied L2 attention under defaults_version 2, by (attention, invertible):
+# the best measured row of each (benchmarks/lm.py variants; docs/benchmarks.md, "Letting tied
+# attention read other tokens"), validation nats/char at nanoGPT's CPU budget against the
+# plain defaults:
+TIED_L2_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {
+    # l2-tied-offsets-glorot-s2: 1.9403 (plain: 2.4116)
+    ("l2-tied", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
+                         "init_scale": 1.0 / 2, "contractive_norm": "inf"},
+    # contractive-l2-mixed-s4: 2.2052 (plain: 2.4823)
+    ("contractive-l2", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
+                                "init_scale": 1.0 / 4, "contractive_norm": "2,inf"},
+    # invertible-mixed: 2.4512 (plain: 2.4824)
+    ("contractive-l2", True): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
+                               "init_scale": 1.0 / 16, "contractive_norm": "2,inf"},
+}
+
+_Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+_Scale = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
 
 class LMSettings(Section):
     """Hyper-parameters of a character language model.
@@ -33,6 +60,11 @@ class LMSettings(Section):
     the settings a model is built from) to defaults that depend on ``invertible``:
     contractive-l2 attention and a channel affine map (``actnorm``) inside the invertible
     stack, dot-product attention and LayerNorm otherwise; ``residual_alpha`` to 1 / layers.
+    ``self_offset``, ``position_bias``, ``init``, ``init_scale`` and ``contractive_norm`` left
+    as ``"auto"`` resolve to what :func:`auto_settings` gives for the attention: measured
+    defaults for tied L2 attention, the plain ones (no offsets, GPT-2 initialisation) for
+    every other model. ``defaults_version`` fixes which table ``"auto"`` means, so that a
+    stored config always rebuilds the model it trained.
     """
 
     block_size: int = Field(64, ge=1, description="context length T")
@@ -44,11 +76,12 @@ class LMSettings(Section):
                        "none"] | None = Field(
         None, description="attention type; none is the attention-free baseline (default: dp, "
         "contractive-l2 with --invertible)")
-    self_offset: float = Field(0.0, ge=0, allow_inf_nan=False, description="cap of the learnt "
-                               "self-offsets of L2 attention (0: none; lets a token weight "
-                               "another above itself)")
-    position_bias: float = Field(0.0, ge=0, allow_inf_nan=False, description="cap of the learnt "
-                                 "relative-position bias of L2 attention (0: none)")
+    self_offset: _Cap | Literal["auto"] = Field(
+        AUTO, description="cap of the learnt self-offsets of L2 attention (0: none; lets a "
+        "token weight another above itself; auto: 4 for l2-tied and contractive-l2, else 0)")
+    position_bias: _Cap | Literal["auto"] = Field(
+        AUTO, description="cap of the learnt relative-position bias of L2 attention (0: none; "
+        "auto: 4 for l2-tied and contractive-l2, else 0)")
     max_distance: int = Field(64, ge=1, description="relative positions beyond this share one "
                               "position bias")
     norm: Literal["layernorm", "centernorm", "actnorm", "none"] | None = Field(
@@ -62,10 +95,12 @@ class LMSettings(Section):
                                     "alpha learnable per channel")
     residual_alpha: float | None = Field(None, description="initial alpha (none: 1 / layers, "
                                          "Qi et al. 2023, Thm 2)")
-    init: Literal["default", "glorot-l2", "lipschitz", "spectral"] = Field(
-        "default", description="weight initialisation")
-    init_scale: float = Field(1.0 / 16, gt=0, description="scale s of L2 attention weights "
-                              "under --init glorot-l2")
+    init: Literal["default", "glorot-l2", "lipschitz", "spectral", "auto"] = Field(
+        AUTO, description="weight initialisation (default is GPT-2's; auto: glorot-l2 for "
+        "l2-tied and contractive-l2, default otherwise)")
+    init_scale: _Scale | Literal["auto"] = Field(
+        AUTO, description="scale s of L2 attention weights under --init glorot-l2 (auto: 1/2 "
+        "for l2-tied, 1/4 for contractive-l2, 1/16 otherwise and with --invertible)")
     ff_mult: int = Field(4, ge=1, description="feed-forward hidden width as a multiple of D")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability")
     bias: bool = Field(False, description="biases in linear layers and norms")
@@ -75,15 +110,20 @@ class LMSettings(Section):
                              "states is invertible")
     contractive_coeff: float = Field(0.9, gt=0, lt=1, description="Lipschitz coefficient of "
                                      "contractive branches")
-    contractive_norm: Literal["inf", "2,inf", "2"] = Field(
-        "inf", description="norm in which contractive attention is certified (2,inf: the "
-        "largest token's 2-norm, no sqrt(D) of the inf-norm)")
+    contractive_norm: Literal["inf", "2,inf", "2", "auto"] = Field(
+        AUTO, description="norm in which contractive attention is certified (2,inf: the "
+        "largest token's 2-norm, no sqrt(D) of the inf-norm; auto: 2,inf for contractive-l2, "
+        "inf otherwise)")
     ortho_attention: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                    "weights (lambda)")
     ortho_ff: float = Field(0.0, ge=0, description="orthogonality loss on feed-forward weights "
                             "(lambda)")
     ortho_affinity: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                   "matrices (lambda)")
+    defaults_version: int = Field(
+        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 2, tied L2 "
+        "attention's measured defaults; 1, the plain ones for every model, as before version 2 "
+        "(a stored config without this key is version 1)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> LMSettings:
@@ -98,12 +138,45 @@ class _Resolved:
         self.__dict__.update(values)
 
 
+def auto_settings(attention: str, invertible: bool = False, model: str = "transformer",
+                  version: int = DEFAULTS_VERSION) -> dict[str, Any]:
+    """What the ``"auto"`` settings of a model resolve to.
+
+    Version 2 (:data:`DEFAULTS_VERSION`): for tied L2 attention (``l2-tied``, and
+    ``contractive-l2`` alone or inside the invertible stack) the best measured row of
+    :data:`TIED_L2_DEFAULTS`: logit offsets with caps 4 (a token can weight another above
+    itself), Kim et al. (2021, App. H)'s ``glorot-l2`` initialisation with the scale s measured
+    best at width 128, and for contractive attention the ``2,inf`` certificate. Every other
+    model, and every model under version 1 (configs stored before version 2), gets
+    :data:`PLAIN_DEFAULTS`: no offsets, GPT-2 initialisation, the inf-norm certificate.
+
+    Examples:
+        >>> auto_settings("l2-tied")["init_scale"], auto_settings("dp")["init"]
+        (0.5, 'default')
+        >>> auto_settings("l2-tied", version=1) == PLAIN_DEFAULTS
+        True
+    """
+    if version >= 2 and model == "transformer":
+        return dict(TIED_L2_DEFAULTS.get((attention, bool(invertible)), PLAIN_DEFAULTS))
+    return dict(PLAIN_DEFAULTS)
+
+
 def _resolve(values: dict) -> dict:
-    """Settings with the ``None`` defaults that depend on others filled in."""
+    """Settings with the ``None`` and ``"auto"`` defaults that depend on others filled in."""
     values = dict(values)
     invertible = values.get("invertible", False) is True
     if values.get("attention") is None:
         values["attention"] = "contractive-l2" if invertible else "dp"
+    version = values.get("defaults_version", DEFAULTS_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool):
+        version = DEFAULTS_VERSION  # refused by the field's own check
+    attention, model = values["attention"], values.get("model", "transformer")
+    if not (isinstance(attention, str) and isinstance(model, str)):
+        attention, model = "", ""  # refused by the fields' own checks
+    auto = auto_settings(attention, invertible, model, version)
+    for key, value in auto.items():
+        if values.get(key, AUTO) == AUTO:
+            values[key] = value
     if values.get("norm") is None:
         values["norm"] = "actnorm" if invertible else "layernorm"
     if values.get("final_norm") is None:
@@ -153,10 +226,16 @@ class LMConfig(LMSettings):
     """:class:`LMSettings` for a vocabulary of ``vocab_size`` token ids: what a model is built
     from.
 
+    Every ``None`` and ``"auto"`` setting is resolved here, so :meth:`to_dict` holds the
+    values the model was built with.
+
     Examples:
         >>> config = LMConfig(vocab_size=65, invertible=True)
-        >>> config.attention, config.norm, config.final_norm
-        ('contractive-l2', 'actnorm', 'layernorm')
+        >>> config.attention, config.norm, config.final_norm, config.contractive_norm
+        ('contractive-l2', 'actnorm', 'layernorm', '2,inf')
+        >>> tied = LMConfig(vocab_size=65, attention="l2-tied")
+        >>> tied.self_offset, tied.position_bias, tied.init, tied.init_scale
+        (4.0, 4.0, 'glorot-l2', 0.5)
     """
 
     vocab_size: int = Field(ge=1, description="number of token ids")
@@ -167,9 +246,18 @@ class LMConfig(LMSettings):
         return _resolve(values) if isinstance(values, dict) else values
 
     @classmethod
-    def from_dict(cls, values: dict) -> LMConfig:
-        """Inverse of :meth:`to_dict`, with errors naming the key and the value."""
-        return cls.parse(values, "model configuration")
+    def from_dict(cls, values: Mapping[str, Any]) -> LMConfig:
+        """Inverse of :meth:`to_dict`, with errors naming the key and the value.
+
+        A dict without ``defaults_version`` was stored before version 2: its missing settings
+        take the plain defaults it was trained with (:data:`PLAIN_DEFAULTS`), not today's.
+        """
+        return cls.parse(_stored(values), "model configuration")
+
+
+def _stored(values: Mapping[str, Any]) -> dict:
+    """Network settings as an earlier flowattn stored them: no ``defaults_version`` means 1."""
+    return {"defaults_version": 1, **values}
 
 
 class LMData(Section):
@@ -211,3 +299,19 @@ class LMRunConfig(RunConfig):
     data: LMData = LMData()
     network: LMSettings = LMSettings()
     train: LMTrain = LMTrain()
+
+    @classmethod
+    def from_stored(cls, values: Mapping[str, Any], source: str = "") -> LMRunConfig:
+        """The settings of a run as its checkpoint or ``config.json`` stored them.
+
+        A config stored before ``defaults_version`` existed is version 1: its ``"auto"`` and
+        missing network settings resolve as they did when it trained (:func:`auto_settings`).
+
+        Examples:
+            >>> old = LMRunConfig.from_stored({"network": {"attention": "l2-tied"}})
+            >>> LMConfig(vocab_size=65, **old.network.to_dict()).self_offset
+            0.0
+        """
+        nested = cls.nest(values, source or "stored settings")
+        nested["network"] = _stored(nested.get("network", {}))
+        return cls.parse(nested, source)

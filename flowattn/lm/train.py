@@ -220,6 +220,8 @@ def train(
         if plan.checkpoint is not None:
             vocab = CharVocab.from_dict(plan.checkpoint["task"]["vocab"])
         task = LMTask(plan.config, ctx, vocab)
+        if plan.checkpoint is not None:
+            _check_same_model(task.model_config, plan.checkpoint)
         if ctx.is_main:
             for line in task.describe():
                 print(line, flush=True)
@@ -230,6 +232,19 @@ def train(
         raise
     summary["val_bpc"] = summary["val_loss"] / math.log(2)
     return summary
+
+
+def _check_same_model(config: LMConfig, checkpoint: dict) -> None:
+    """Refuse to resume if the run's settings no longer build the checkpoint's model (a
+    stored config whose ``"auto"`` settings would resolve otherwise today)."""
+    stored = LMConfig.from_dict(checkpoint["task"]["model_config"]).to_dict()
+    now = config.to_dict()
+    changed = {k: (v, now[k]) for k, v in stored.items() if now[k] != v}
+    if changed:
+        listed = "; ".join(f"{k} ({a!r} in the checkpoint, {b!r} now)"
+                           for k, (a, b) in changed.items())
+        raise CheckpointError(f"{checkpoint['path']}: the run's settings build another model "
+                              f"than the one it trained: {listed}")
 
 
 def _finished(plan) -> dict:

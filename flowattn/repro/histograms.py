@@ -81,11 +81,12 @@ def trained_attention(kind: str, config: HistogramConfig) -> tuple[nn.Module, di
     Returns:
         (the attention module in float64 and evaluation mode, the training summary).
     """
-    from ..lm.config import LMRunConfig
+    from ..lm.config import PLAIN_DEFAULTS, LMRunConfig
     from ..lm.train import load_checkpoint, train
 
     with tempfile.TemporaryDirectory() as folder:
         cfg = LMRunConfig.build({
+            **PLAIN_DEFAULTS,  # the paper's models: no logit offsets, s = 1/16, inf-norm
             "data": config.train_data,
             "layers": 1,
             "dim": config.dim,

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA
 from ..errors import InputError
+from ..lm.config import PLAIN_DEFAULTS
 from ..lm.model import LMConfig, TransformerLM
 from .common import ReproResult, finish_result, new_figure, save_figure
 
@@ -119,6 +120,7 @@ def _lm_step(attention: str, layers: int, config: RuntimeConfig, generator: torc
             dim=config.dim,
             heads=config.heads,
             attention=attention,
+            **PLAIN_DEFAULTS,  # Table 2's models: no logit offsets
         )
     )
     optimiser = torch.optim.AdamW(model.parameters(), lr=1e-3)

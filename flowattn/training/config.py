@@ -80,10 +80,20 @@ class Section(BaseModel):
 
 
 def _describe(error: ValidationError, prefix: str = "") -> str:
-    """One line for a pydantic error: the key (dotted), the reason and the offending value."""
-    first = error.errors()[0]
-    key = ".".join(str(part) for part in first["loc"])
+    """One line for a pydantic error: the key (dotted), the reason and the offending value.
+
+    A setting that takes a number or a word (``"auto"``) fails once per alternative; the line
+    names the setting once and both alternatives.
+    """
+    errors = error.errors()
+    first = errors[0]
+    path = _setting_path(first["loc"])
+    key = ".".join(str(part) for part in path)
     message = first["msg"]
+    same = [e for e in errors[1:] if _setting_path(e["loc"]) == path]
+    words = [e["ctx"]["expected"] for e in same if e["type"] == "literal_error"]
+    if words and first["type"] != "literal_error":
+        message += f" or {words[0]}"
     if first["type"] == "extra_forbidden":
         message = "unknown setting"
     elif first["type"] in ("value_error", "assertion_error"):
@@ -92,8 +102,15 @@ def _describe(error: ValidationError, prefix: str = "") -> str:
     shown = "input" in first and not isinstance(first["input"], dict)
     if shown and first["type"] not in ("missing", "model_type", "value_error"):
         line += f" (got {first['input']!r})"
-    more = error.error_count() - 1
+    more = error.error_count() - 1 - len(same)
     return line + (f"; and {more} more problem(s)" if more else "")
+
+
+def _setting_path(loc: tuple) -> tuple:
+    """An error's location without pydantic's tags of union alternatives (``literal['auto']``,
+    ``constrained-float``)."""
+    return tuple(part for part in loc if not (isinstance(part, str) and (
+        part.startswith(("literal[", "constrained-")) or part in ("float", "int", "str"))))
 
 
 class RunConfig(Section):
@@ -143,6 +160,15 @@ class RunConfig(Section):
     def build(cls, values: Mapping[str, Any] | None = None, source: str = ""):
         """Validate ``values`` (flat or nested) into a config; errors name the key and value."""
         return cls.parse(cls.nest(values or {}, source or "settings"), source)
+
+    @classmethod
+    def from_stored(cls, values: Mapping[str, Any], source: str = ""):
+        """The settings an earlier run stored (its checkpoint or ``config.json``).
+
+        The same as :meth:`build` here; a command whose defaults changed overrides it so that a
+        stored config means what it meant when its run trained.
+        """
+        return cls.build(values, source)
 
     def flat(self) -> dict:
         """``leaf name -> value`` over every section."""
@@ -195,8 +221,40 @@ def _options(annotation) -> tuple[Any, bool]:
     """``(inner type, optional)`` of ``X`` or ``X | None``."""
     if get_origin(annotation) in (Union, types.UnionType):
         args = [a for a in get_args(annotation) if a is not type(None)]
-        return (args[0] if len(args) == 1 else annotation), True
+        optional = len(args) < len(get_args(annotation))
+        return (args[0] if len(args) == 1 else annotation), optional
     return annotation, False
+
+
+def _number_or_words(annotation) -> tuple[type, tuple[str, ...]] | None:
+    """``(int or float, words)`` of a setting typed ``number | Literal[words]``, else None."""
+    if get_origin(annotation) not in (Union, types.UnionType):
+        return None
+    kinds, words = [], []
+    for arg in get_args(annotation):
+        if get_origin(arg) is Literal:
+            words.extend(get_args(arg))
+        elif get_origin(arg) is typing.Annotated:
+            kinds.append(get_args(arg)[0])
+        else:
+            kinds.append(arg)
+    if len(kinds) == 1 and kinds[0] in (int, float) and words:
+        return kinds[0], tuple(words)
+    return None
+
+
+def _parse_number_or_words(kind, words: tuple[str, ...], flag: str):
+    def convert(text: str):
+        if text in words:
+            return text
+        try:
+            return kind(text)
+        except ValueError:
+            name = {int: "an integer", float: "a number"}[kind]
+            raise argparse.ArgumentTypeError(
+                f"{flag} expects {name} or {' or '.join(words)}, got {text!r}") from None
+
+    return convert
 
 
 def _parse(kind, optional: bool, flag: str):
@@ -245,7 +303,13 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
             help_text = help_text.replace("%", "%%")
             inner, optional = _options(info.annotation)
             common = dict(dest=name, default=argparse.SUPPRESS, help=help_text)
-            if inner is bool:
+            number_or_words = _number_or_words(inner)
+            if number_or_words is not None:
+                kind, words = number_or_words
+                metavar = ("N" if kind is int else "X") + "|" + "|".join(words)
+                group.add_argument(flag, type=_parse_number_or_words(kind, words, flag),
+                                   metavar=metavar, **common)
+            elif inner is bool:
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
             elif get_origin(inner) is Literal:
                 # "none" is a value of its own where the choices name it (e.g. norm "none"),

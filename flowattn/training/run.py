@@ -203,7 +203,7 @@ def plan_run(
             raise RunError(f"{out} already holds a run (checkpoint at step {record['step']}): "
                            "pass --resume to continue it, or choose another --out")
         check_resumable(record)
-        stored = config_class.build(record["config"], f"{checkpoint_file}")
+        stored = config_class.from_stored(record["config"], f"{checkpoint_file}")
         config = stored.updated(overrides, "resume") if overrides else stored
         _check_changes(stored, config, int(record["step"]))
         data = fingerprint(config) if fingerprint else {}
@@ -216,7 +216,8 @@ def plan_run(
     if resume and not restart:
         raise RunError(f"no run to resume in {out} (no {CHECKPOINT}): start it without --resume")
     if resume:  # interrupted before its first checkpoint: its stored settings, from step 0
-        stored = config_class.build(read_config_file(out / CONFIG_FILE), str(out / CONFIG_FILE))
+        stored = config_class.from_stored(read_config_file(out / CONFIG_FILE),
+                                          str(out / CONFIG_FILE))
         config = stored.updated(overrides, "resume") if overrides else stored
         _check_changes(stored, config, 0)
         notes.append(f"{out} holds no checkpoint yet: the run starts again from step 0")
