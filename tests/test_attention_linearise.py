@@ -136,3 +136,23 @@ def test_linearise_refuses_untied_attention_and_attention_dropout():
         L2MHA(4, 2, dropout=0.1).train().linearise(x)
     with pytest.raises(InputError, match="width"):
         ContractiveL2MHA(4, 2).linearise(torch.randn(2, 3, 5))
+
+
+def test_linearise_carries_the_logit_factor_of_down_scaled_queries(monkeypatch):
+    """With the overflow limit lowered, ordinary inputs take the down-scaled path (queries
+    divided by s, logits multiplied by r = min(s^2, cap)) while the softmax stays soft: the
+    factor r / s of the product is then visible, and must match autograd's."""
+    import flowattn.attention.l2 as l2
+
+    monkeypatch.setattr(l2, "square_safe_limit", lambda *args, **kwargs: 0.125)
+    torch.manual_seed(11)
+    f = ContractiveL2MHA(8, 2, coeff=0.9).double()
+    x, mask = _inputs(12, True, d=8)
+    out, vjp = f.linearise(x, mask)
+    ref = f(x, mask)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
+    p = f.attention_probabilities(x, mask)
+    assert float(p.detach().max()) < 0.99  # not saturated: the logit term of the Jacobian counts
+    w = torch.randn(*x.shape, dtype=DT)
+    (auto,) = torch.autograd.grad(ref, x, w)
+    assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
