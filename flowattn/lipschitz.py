@@ -100,6 +100,13 @@ def lambertw0(x: Tensor | float, iterations: int = 8) -> Tensor:
     return torch.where(x == 0, torch.zeros_like(w), w)
 
 
+@functools.lru_cache(maxsize=4096)
+def _phi_inverse_of_count(n: int) -> float:
+    """phi^{-1}(n - 1) for one count n >= 1, as a float (cached: the bounds of attention on sets
+    of one size reuse it on every call)."""
+    return float(phi_inverse(float(n - 1)))
+
+
 def phi_inverse(n_minus_one: Tensor | float) -> Tensor:
     """phi^{-1}(N - 1) = W_0((N - 1) / e), where phi(x) = x exp(x + 1) (Kim et al. 2021, Thm 3.2).
 
@@ -266,9 +273,12 @@ def l2_attention_bound(
             f"inconsistent weight shapes: w_q {tuple(w_q.shape)}, w_v {tuple(w_v.shape)}, "
             f"w_o {tuple(w_o.shape)}"
         )
-    n = torch.as_tensor(n, device=w_q.device)
-    if (n < 1).any():
+    # Counts given as numbers (or host tensors) are checked and turned into the constants on
+    # the host, then moved: no read back from the weights' device.
+    n_host = torch.as_tensor(n)
+    if (n_host < 1).any():
         raise InputError(f"sequence length must be >= 1, got {n}")
+    n = n_host.to(w_q.device)
     if margin is not None:
         if method != "tight":
             raise InputError(
@@ -278,7 +288,10 @@ def l2_attention_bound(
         margin = torch.as_tensor(margin, dtype=w_q.dtype, device=w_q.device).expand(heads)
         c = logit_margin_constant(n.unsqueeze(-1), margin)  # (..., H)
         return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin)
-    w0 = phi_inverse((n - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
+    if n_host.dim() == 0:  # one count: its constant from a cache, no Halley iterations
+        w0 = torch.tensor(_phi_inverse_of_count(int(n_host)), dtype=w_q.dtype, device=w_q.device)
+    else:
+        w0 = phi_inverse((n_host - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
     if method == "thm3.2":
         return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
     c = w0.unsqueeze(-1).expand(*w0.shape, heads)

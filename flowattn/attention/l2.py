@@ -142,6 +142,16 @@ def _times_narrow(a: Tensor, b: Tensor) -> Tensor:
     return (b.transpose(-1, -2) @ a.transpose(-1, -2)).transpose(-1, -2)
 
 
+def split_heads_batched(x: Tensor, heads: int) -> Tensor:
+    """(..., B, N, H d) -> (..., B, H, N, d): :func:`split_heads` with leading dimensions."""
+    return x.unflatten(-1, (heads, -1)).transpose(-3, -2)
+
+
+def merge_heads_batched(x: Tensor) -> Tensor:
+    """(..., B, H, N, d) -> (..., B, N, H d): :func:`merge_heads` with leading dimensions."""
+    return x.transpose(-3, -2).flatten(-2)
+
+
 class L2MHA(nn.Module):
     r"""L2 multi-head self-attention (Kim et al. 2021, eq. (8) and F(X) of §3.2).
 
@@ -422,29 +432,34 @@ class L2MHA(nn.Module):
         with _cached(self):
             w_q = self.w_q
             value_map = self._tied_value_map()  # (H, d, d)
-        q = split_heads(x @ w_q, self.heads)
-        v = q @ value_map  # X A_h W^{V,h}, from the uncentred q
+        # X A_h W^{V,h} = q_h M_h for all heads at once: x W^Q blockdiag(M_1, ..., M_H)
+        value_weight = w_q @ torch.block_diag(*value_map.unbind(0))
+        heads, d = self.heads, self.head_dim
+        q = split_heads(x @ w_q, heads)
+        v = split_heads(x @ value_weight, heads)
         p, centred, r, scale = self._centred_probabilities(q, q, mask, causal, on_first=causal)
-        y = merge_heads(_times_narrow(p, v)) @ self.w_o
+        attended = _times_narrow(p, v)  # P V, (B, H, N, d)
+        y = merge_heads(attended) @ self.w_o
         y = check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[True], scale)
-        factor = 2.0 / math.sqrt(self.head_dim)
+        factor = -2.0 / math.sqrt(d)
         if r is not None:  # logits r (-||q'_i - q'_j||^2), q' = (q - centre) / s
             factor = factor * r / scale
         present = None if mask is None else mask.unsqueeze(-1).to(x.dtype)
-        w_o_t, w_q_t, value_map_t = self.w_o.t(), w_q.t(), value_map.transpose(-1, -2)
-        heads = self.heads
+        w_o_t, w_q_t, value_weight_t = self.w_o.t(), w_q.t(), value_weight.t()
         v_t = v.transpose(-1, -2)
+        # [q', 1]^T: one product with it gives S q' and the row sums of S together
+        centred_t = torch.cat([centred, torch.ones_like(centred[..., :1])], -1).transpose(-1, -2)
 
         def vjp(w: Tensor) -> Tensor:
             g = w if present is None else w * present
-            dy = (g @ w_o_t).unflatten(-1, (heads, -1)).transpose(-3, -2)  # (..., B, H, N, d)
-            dp = dy @ v_t
-            dl = p * (dp - (dp * p).sum(-1, keepdim=True))
-            sym = dl + dl.transpose(-1, -2)
-            dq = _times_narrow(p.transpose(-1, -2), dy) @ value_map_t - factor * (
-                sym.sum(-1, keepdim=True) * centred - _times_narrow(sym, centred)
-            )
-            return dq.transpose(-3, -2).flatten(-2) @ w_q_t
+            dy = split_heads_batched(g @ w_o_t, heads)  # (..., B, H, N, d)
+            # dL = P * (dP - rowsum(dP * P)), dP = dY V^T; rowsum(dP * P)_i = dY_i . (P V)_i
+            dl = p * (dy @ v_t - (dy * attended).sum(-1, keepdim=True))
+            # sum_j S_ij (q_i - q_j) with S = dL + dL^T, from [q', 1]^T dL^T and [q', 1]^T dL
+            both = (centred_t @ dl.transpose(-1, -2) + centred_t @ dl).transpose(-1, -2)
+            dq = factor * (centred * both[..., d:] - both[..., :d])
+            dv = _times_narrow(p.transpose(-1, -2), dy)  # P^T dY
+            return merge_heads_batched(dv) @ value_weight_t + merge_heads_batched(dq) @ w_q_t
 
         return y, vjp
 
