@@ -156,3 +156,25 @@ def test_linearise_carries_the_logit_factor_of_down_scaled_queries(monkeypatch):
     w = torch.randn(*x.shape, dtype=DT)
     (auto,) = torch.autograd.grad(ref, x, w)
     assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("norm", ["inf", 2, "2,inf"])
+@pytest.mark.parametrize("masked, causal", [(False, False), (True, False), (False, True),
+                                            (True, True)])
+def test_contractive_divides_each_row_by_the_bound_for_its_own_number_of_keys(norm, masked,
+                                                                               causal):
+    """The bound is looked up in a table over the counts 1..N: it must be the bound of each
+    row's own count (each set's present count in the 2-norm)."""
+    torch.manual_seed(13)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, norm=norm).double()
+    x, mask = _inputs(14, masked, n=7)
+    present = torch.ones(3, 7, dtype=torch.bool) if mask is None else mask
+    if f.norm == "2":
+        counts = present.sum(1, keepdim=True).expand(3, 7)
+    elif causal:
+        counts = torch.where(present, present.long().cumsum(1), 1)
+    else:
+        counts = torch.where(present, present.sum(1, keepdim=True), 1)
+    bound = torch.stack([f.attention.lipschitz_bound(int(k), f.norm) for k in counts.flatten()])
+    expected = 0.9 * f.attention(x, mask, causal) / bound.reshape(3, 7, 1)
+    assert torch.allclose(f(x, mask, causal), expected, rtol=1e-13, atol=1e-15)
