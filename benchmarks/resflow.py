@@ -373,13 +373,32 @@ def _attention_branch() -> ContractiveL2MHA:
     return ContractiveL2MHA(dim=3, heads=1, coeff=0.9)
 
 
-def _our_attention_flow(blocks: int = 4, generator: torch.Generator | None = None):
+class AutogradBranch(nn.Module):
+    """A branch without its closed-form ``linearise``: the block then takes autograd VJPs of
+    its output (and a double backward for the Neumann gradient)."""
+
+    def __init__(self, branch: nn.Module):
+        super().__init__()
+        self.branch = branch
+        self.norm = branch.norm
+
+    def forward(self, x, mask=None, causal=False):
+        return self.branch(x, mask, causal)
+
+    def lipschitz_bound(self, n):
+        return self.branch.lipschitz_bound(n)
+
+
+def _our_attention_flow(blocks: int = 4, generator: torch.Generator | None = None,
+                        closed_form: bool = True):
     """``blocks`` InvertibleResidual blocks with ContractiveL2MHA(3, 1, 0.9) branches, with the
-    set section's log-det options; the data checked once, then the blocks trust them."""
+    set section's log-det options; the data checked once, then the blocks trust them.
+    ``closed_form=False`` hides the branch's ``linearise`` (autograd products)."""
     generator = torch.Generator().manual_seed(0) if generator is None else generator
     logdet = LogDetOptions("roulette", n_exact_terms=2, grad="neumann", generator=generator)
+    wrap = (lambda b: b) if closed_form else AutogradBranch
     model = nn.ModuleList(
-        InvertibleResidual(_attention_branch(), logdet=logdet) for _ in range(blocks)
+        InvertibleResidual(wrap(_attention_branch()), logdet=logdet) for _ in range(blocks)
     ).train()
 
     def log_prob(x):
@@ -487,7 +506,8 @@ def bench_set_reference(quick: bool, reference: str | None = None,
           "geometric roulette (2 exact terms) + Neumann gradient, float32\n")
     steps = steps or (10 if quick else 50)
     torch.manual_seed(0)
-    configs = [("flowattn", *_our_attention_flow())]
+    configs = [("flowattn", *_our_attention_flow()),
+               ("flowattn, autograd products", *_our_attention_flow(closed_form=False))]
     if reference:
         check_set_reference_logdets(reference, 200 if quick else 2000)
         configs.append((SET_REFERENCE, *_reference_attention_flow(reference)))
