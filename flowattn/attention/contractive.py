@@ -44,7 +44,7 @@ class ContractiveAttention(nn.Module):
         batch, length = x.shape[:2]
         if mask is None and (self.norm == "2" or not causal):
             return self.attention.lipschitz_bound(length, self.norm).reshape(1, 1, 1)
-        table = self.attention.lipschitz_bound(torch.arange(1, length + 1), self.norm)  # (N,)
+        table = self.attention.lipschitz_bound(range(1, length + 1), self.norm)  # (N,)
         if self.norm == "2":
             return table[mask.sum(1) - 1][:, None, None]
         n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
