@@ -178,3 +178,21 @@ def test_contractive_divides_each_row_by_the_bound_for_its_own_number_of_keys(no
     bound = torch.stack([f.attention.lipschitz_bound(int(k), f.norm) for k in counts.flatten()])
     expected = 0.9 * f.attention(x, mask, causal) / bound.reshape(3, 7, 1)
     assert torch.allclose(f(x, mask, causal), expected, rtol=1e-13, atol=1e-15)
+
+
+def test_linearise_raises_on_overflow_like_the_forward_pass():
+    """x W overflowing float32: NonFiniteError, as from the forward pass, never NaN."""
+    from flowattn.errors import NonFiniteError
+
+    torch.manual_seed(15)
+    f = ContractiveL2MHA(4, 2, coeff=0.9)
+    with torch.no_grad():
+        f.attention.w_q.mul_(10.0)
+    gen = torch.Generator().manual_seed(16)
+    x = (torch.rand(2, 5, 4, generator=gen) * 2 - 1) * 1e38
+    for call in (f, f.linearise):
+        with pytest.raises(NonFiniteError, match="overflowed"):
+            call(x)
+    out, vjp = f.linearise(x * 1e-8)  # 1e30: down-scaled, finite, the forward's values
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, f(x * 1e-8), rtol=1e-4, atol=1e-6)

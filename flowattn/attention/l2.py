@@ -90,7 +90,8 @@ def _temperature_cap(head_dim: int) -> float:
 
 
 def _centred_and_scaled(
-    q: Tensor, k: Tensor, centre: Tensor, mask: Tensor | None, tied: bool
+    q: Tensor, k: Tensor, centre: Tensor, mask: Tensor | None, tied: bool,
+    always: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Queries and keys (B, H, N, d) centred on ``centre`` and brought into the range where
     squared distances are finite, with the factor that restores the logits.
@@ -106,6 +107,10 @@ def _centred_and_scaled(
     resolves -- which r = cap reproduces. Padded elements' q' and k' are set to 0: their rows
     are discarded and no present query sees them, so their values must not enter s. s is
     infinite or NaN where the centring itself overflowed (check it: the kernel may hide NaN).
+
+    ``always=True`` skips the test and always returns s and r (both 1 for ordinary inputs, where
+    dividing and multiplying by them is exact): the same values without reading anything back
+    to the host.
     """
     q = q - centre
     if mask is not None:
@@ -122,11 +127,12 @@ def _centred_and_scaled(
     # computation, and where that overflows the module raises NonFiniteError.
     dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
     limit = square_safe_limit(dtype, head_dim + 1, spare=cap)
-    largest = q.detach().abs().amax()
-    if not tied:
-        largest = torch.maximum(largest, k.detach().abs().amax())
-    if bool(largest <= limit):  # (False for NaN)
-        return q, k, None, None
+    if not always:
+        largest = q.detach().abs().amax()
+        if not tied:
+            largest = torch.maximum(largest, k.detach().abs().amax())
+        if bool(largest <= limit):  # (False for NaN)
+            return q, k, None, None
     magnitude = q.detach().abs().amax(dim=(-2, -1), keepdim=True)
     if not tied:
         magnitude = torch.maximum(magnitude, k.detach().abs().amax(dim=(-2, -1), keepdim=True))
@@ -348,11 +354,12 @@ class L2MHA(nn.Module):
         p, _, _, scale = self._centred_probabilities(q, k, mask, causal, on_first)
         return p, scale
 
-    def _centred_probabilities(self, q, k, mask, causal, on_first: bool):
+    def _centred_probabilities(self, q, k, mask, causal, on_first: bool, always: bool = False):
         """(P, q', r, s) with q' the centred (and down-scaled) queries of
-        :func:`_centred_and_scaled` and the logits r (-||q'_i - k'_j||^2) / sqrt(d) (+ offsets)."""
+        :func:`_centred_and_scaled` (``always`` passed on) and the logits
+        r (-||q'_i - k'_j||^2) / sqrt(d) (+ offsets)."""
         centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
-        q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
+        q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied, always)
         sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
         logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
         if r is not None:
@@ -420,13 +427,14 @@ class L2MHA(nn.Module):
         heads, d = self.heads, self.head_dim
         q = split_heads(x @ w_q, heads)
         v = split_heads(x @ value_weight, heads)
-        p, centred, r, scale = self._centred_probabilities(q, q, mask, causal, on_first=causal)
+        # The down-scaling factors always (1 for ordinary inputs): no host read to decide.
+        p, centred, r, scale = self._centred_probabilities(q, q, mask, causal, on_first=causal,
+                                                           always=True)
         attended = _times_narrow(p, v)  # P V, (B, H, N, d)
         y = merge_heads(attended) @ self.w_o
         y = check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[True], scale)
-        factor = -2.0 / math.sqrt(d)
-        if r is not None:  # logits r (-||q'_i - q'_j||^2), q' = (q - centre) / s
-            factor = factor * r / scale
+        # logits r (-||q'_i - q'_j||^2) with q' = (q - centre) / s
+        factor = (-2.0 / math.sqrt(d)) * r / scale
         present = None if mask is None else mask.unsqueeze(-1).to(x.dtype)
         w_o_t, w_q_t, value_weight_t = self.w_o.t(), w_q.t(), value_weight.t()
         v_t = v.transpose(-1, -2)
