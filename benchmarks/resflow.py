@@ -6,6 +6,7 @@ Run from the repository root:
     python benchmarks/resflow.py --quick    # small settings, a minute or so on 2 CPU cores
     python benchmarks/resflow.py --sections training --reference /path/to/residual-flows
     python benchmarks/resflow.py --sections training set --before /path/to/older/flowattn
+    python benchmarks/resflow.py --sections set-reference --reference /path/to/residual-flows
 
 Every section prints a Markdown table. Sections can be selected with --sections.
 """
