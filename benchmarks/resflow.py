@@ -6,6 +6,7 @@ Run from the repository root:
     python benchmarks/resflow.py --quick    # small settings, a minute or so on 2 CPU cores
     python benchmarks/resflow.py --sections training --reference /path/to/residual-flows
     python benchmarks/resflow.py --sections training set --before /path/to/older/flowattn
+    python benchmarks/resflow.py --sections set-reference --reference /path/to/residual-flows
 
 Every section prints a Markdown table. Sections can be selected with --sections.
 """
@@ -31,6 +32,7 @@ from flowattn.branches import LipschitzMLP
 from flowattn.flows.inverse import anderson_inverse, fixed_point_inverse
 from flowattn.flows.logdet import LogDetOptions, exact_logdet, roulette_logdet, series_logdet
 from flowattn.flows.residual import InvertibleResidual
+from flowattn.validation import check_sets, trusted_inputs
 
 
 class NearLinearBranch(nn.Module):
@@ -364,6 +366,158 @@ def bench_set_step(quick: bool, before: str | None = None, steps: int | None = N
     step_table(times, "flowattn before" if before else "flowattn")
 
 
+# ------------------------------------------------------------------------------ set, reference
+SET_REFERENCE = "Residual Flows reference code"
+
+
+def _attention_branch() -> ContractiveL2MHA:
+    return ContractiveL2MHA(dim=3, heads=1, coeff=0.9)
+
+
+class AutogradBranch(nn.Module):
+    """A branch without its closed-form ``linearise``: the block then takes autograd VJPs of
+    its output (and a double backward for the Neumann gradient)."""
+
+    def __init__(self, branch: nn.Module):
+        super().__init__()
+        self.branch = branch
+        self.norm = branch.norm
+
+    def forward(self, x, mask=None, causal=False):
+        return self.branch(x, mask, causal)
+
+    def lipschitz_bound(self, n):
+        return self.branch.lipschitz_bound(n)
+
+
+def _our_attention_flow(blocks: int = 4, generator: torch.Generator | None = None,
+                        closed_form: bool = True):
+    """``blocks`` InvertibleResidual blocks with ContractiveL2MHA(3, 1, 0.9) branches, with the
+    set section's log-det options; the data checked once, then the blocks trust them.
+    ``closed_form=False`` hides the branch's ``linearise`` (autograd products)."""
+    generator = torch.Generator().manual_seed(0) if generator is None else generator
+    logdet = LogDetOptions("roulette", n_exact_terms=2, grad="neumann", generator=generator)
+    wrap = (lambda b: b) if closed_form else AutogradBranch
+    model = nn.ModuleList(
+        InvertibleResidual(wrap(_attention_branch()), logdet=logdet) for _ in range(blocks)
+    ).train()
+
+    def log_prob(x):
+        h, total = x, x.new_zeros(x.shape[0])
+        with _checked_sets(x):
+            for block in model:
+                h, ld = block(h)
+                total = total + ld
+        return _set_base_log_prob(h) + total
+
+    return model, log_prob
+
+
+def _checked_sets(x):
+    """Check a batch of sets once, then trust it (as ``SetFlow.log_prob`` does)."""
+    check_sets(x)
+    return trusted_inputs()
+
+
+def _set_base_log_prob(z):
+    """log N(z; 0, I) summed over the N D coordinates of each set, (B,)."""
+    return -0.5 * (z**2).sum(dim=(1, 2)) - 0.5 * z[0].numel() * math.log(2 * math.pi)
+
+
+class TrustedBranch(nn.Module):
+    """A flowattn branch as the Residual Flows code calls it, tensor in and tensor out, run
+    inside ``trusted_inputs`` as ``InvertibleResidual`` runs its branch (the data are checked
+    once where they enter, for both implementations)."""
+
+    def __init__(self, branch: nn.Module):
+        super().__init__()
+        self.branch = branch
+
+    def forward(self, x):
+        with trusted_inputs():
+            return self.branch(x)
+
+
+def _reference_attention_flow(path: str, blocks: int = 4, neumann: bool = True):
+    """The same blocks in the Residual Flows code: its ``iResBlock`` (geometric roulette with 2
+    exact terms, one probe, Neumann gradient, no gradient in the forward pass) around the same
+    ContractiveL2MHA branch. iResBlock flattens each sample, x.view(B, -1), for its probes and
+    traces, so on (B, N, D) its log-det is over all N D coordinates."""
+    sys.path.insert(0, path)
+    import resflows.layers as layers  # noqa: PLC0415
+
+    model = layers.SequentialFlow([
+        layers.iResBlock(TrustedBranch(_attention_branch()), n_dist="geometric", n_samples=1,
+                         neumann_grad=neumann, grad_in_forward=False)
+        for _ in range(blocks)
+    ]).train()
+
+    def log_prob(x):
+        with _checked_sets(x):
+            z, delta = model(x, x.new_zeros(x.shape[0], 1))
+        return _set_base_log_prob(z) - delta.squeeze(1)
+
+    return model, log_prob
+
+
+def check_set_reference_logdets(path: str, draws: int = 2000) -> None:
+    """Both implementations estimate the same exact log-det: one block with the same branch
+    weights on 4 sets of N = 4, D = 3 in float64, ``draws`` training-mode estimates each, against
+    the exact value (flowattn's exact path). The reference's Neumann estimator returns the value
+    of its gradient surrogate, sum_k (-1)^k c_k v^T J^(k+1) v (no 1/(k+1)), which is not a log-det
+    estimate; its plain estimator (``neumann_grad=False``) is, and is shown as well."""
+    torch.manual_seed(3)
+    ours, _ = _our_attention_flow(1, torch.Generator().manual_seed(5))
+    ours = ours.double()
+    x = torch.randn(4, 4, 3, dtype=torch.float64)
+    with torch.no_grad():
+        exact = InvertibleResidual(ours[0].branch, logdet=LogDetOptions("exact")).train()(x)[1]
+    import numpy as np  # noqa: PLC0415  (the reference draws its lengths from numpy)
+
+    np.random.seed(5)
+    rows = []
+    for name, neumann in (("flowattn (Neumann gradient)", None),
+                          (f"{SET_REFERENCE}, neumann_grad=False", False),
+                          (f"{SET_REFERENCE}, neumann_grad=True", True)):
+        if neumann is None:
+            block = ours[0]
+        else:
+            block = _reference_attention_flow(path, 1, neumann)[0].double().chain[0]
+            block.nnet.branch.load_state_dict(ours[0].branch.state_dict())
+        est = []
+        for _ in range(draws):
+            if neumann is None:
+                est.append(block(x)[1].detach())
+            else:
+                est.append(-block(x, x.new_zeros(4, 1))[1].detach().squeeze(1))
+        est = torch.stack(est)
+        mean, se = est.mean(0), est.std(0) / draws**0.5
+        rows.append([name] + [f"{m:.4f} ± {s:.4f}" for m, s in zip(mean.tolist(), se.tolist(),
+                                                                       strict=True)])
+    rows.append(["exact"] + [f"{v:.4f}" for v in exact.tolist()])
+    print(f"Log-det of one block (the same weights) on 4 sets of N=4, D=3, float64, training "
+          f"mode: mean ± standard error of {draws} roulette estimates, and the exact value\n")
+    table(["estimate", "set 1", "set 2", "set 3", "set 4"], rows)
+
+
+def bench_set_reference(quick: bool, reference: str | None = None,
+                        steps: int | None = None) -> None:
+    print("### Set-flow training step against the Residual Flows code: 4 residual blocks with "
+          "ContractiveL2MHA(dim=3, heads=1, coeff=0.9) branches, 64 sets of N=32, D=3, "
+          "geometric roulette (2 exact terms) + Neumann gradient, float32\n")
+    steps = steps or (10 if quick else 50)
+    torch.manual_seed(0)
+    configs = [("flowattn", *_our_attention_flow()),
+               ("flowattn, autograd products", *_our_attention_flow(closed_form=False))]
+    if reference:
+        check_set_reference_logdets(reference, 200 if quick else 2000)
+        configs.append((SET_REFERENCE, *_reference_attention_flow(reference)))
+    torch.manual_seed(1)
+    data = torch.randn(64, 32, 3)
+    times = time_steps(configs, data, steps)
+    step_table(times, SET_REFERENCE if reference else "flowattn")
+
+
 # ------------------------------------------------------------------------------ torch.compile
 def bench_compile(quick: bool, steps: int | None = None) -> None:
     print("### torch.compile: the residual-flow training step (as above) compiled against eager\n")
@@ -391,6 +545,7 @@ SECTIONS = {
     "inverse": bench_inverse,
     "training": bench_training_step,
     "set": bench_set_step,
+    "set-reference": bench_set_reference,
     "compile": bench_compile,
 }
 
@@ -416,6 +571,8 @@ def main() -> None:
             bench_training_step(args.quick, args.reference, args.before, args.steps)
         elif name == "set":
             bench_set_step(args.quick, args.before, args.steps)
+        elif name == "set-reference":
+            bench_set_reference(args.quick, args.reference, args.steps)
         elif name == "compile":
             bench_compile(args.quick, args.steps)
         else:

@@ -100,6 +100,14 @@ def lambertw0(x: Tensor | float, iterations: int = 8) -> Tensor:
     return torch.where(x == 0, torch.zeros_like(w), w)
 
 
+@torch.compiler.disable  # a host-side constant: not traced
+@functools.lru_cache(maxsize=4096)
+def _phi_inverse_of_count(n: int) -> float:
+    """phi^{-1}(n - 1) for one count n >= 1, as a float (cached: the bounds of attention on sets
+    of one size reuse it on every call)."""
+    return float(phi_inverse(float(n - 1)))
+
+
 def phi_inverse(n_minus_one: Tensor | float) -> Tensor:
     """phi^{-1}(N - 1) = W_0((N - 1) / e), where phi(x) = x exp(x + 1) (Kim et al. 2021, Thm 3.2).
 
@@ -192,7 +200,7 @@ class PowerIteration(nn.Module):
 
 
 def l2_attention_bound(
-    n: int | Tensor,
+    n: int | range | Tensor,
     w_q: Tensor,
     w_v: Tensor,
     w_o: Tensor,
@@ -232,8 +240,9 @@ def l2_attention_bound(
 
     ``norm="2,inf"`` is the mixed norm max_i ||x_i||_2 over the elements of a set (tight method
     only). With masking (App. G) the bound holds with N the number of keys a row sees, so ``n``
-    may be a tensor of per-row counts; the result then has its shape. Differentiable in the
-    weights.
+    may be a tensor of per-row counts; the result then has its shape. A ``range`` of counts
+    gives the bound for each (a table to look rows up in), computed without reading any tensor
+    back. Differentiable in the weights.
 
     ``margin`` (tight method only) certifies attention whose logits carry a constant offset
     beyond the distance term: l_ij = -||z_i - z_j||^2 + b_h(i, j) with
@@ -266,9 +275,22 @@ def l2_attention_bound(
             f"inconsistent weight shapes: w_q {tuple(w_q.shape)}, w_v {tuple(w_v.shape)}, "
             f"w_o {tuple(w_o.shape)}"
         )
-    n = torch.as_tensor(n, device=w_q.device)
-    if (n < 1).any():
-        raise InputError(f"sequence length must be >= 1, got {n}")
+    # Counts given as numbers (or host tensors) are checked and turned into the constants on
+    # the host, then moved: no read back from the weights' device.
+    w0_of_count = None
+    if isinstance(n, (int, range)):  # checked, and the constants from a cache: no tensor read
+        counts = [n] if isinstance(n, int) else list(n)
+        if not counts or min(counts) < 1:
+            raise InputError(f"sequence length must be >= 1, got {n}")
+        w0_of_count = [_phi_inverse_of_count(k) for k in counts]
+        if isinstance(n, int):
+            w0_of_count = w0_of_count[0]
+        n_host = torch.tensor(n if isinstance(n, int) else counts)
+    else:
+        n_host = torch.as_tensor(n)
+        if (n_host < 1).any():
+            raise InputError(f"sequence length must be >= 1, got {n}")
+    n = n_host.to(w_q.device)
     if margin is not None:
         if method != "tight":
             raise InputError(
@@ -277,12 +299,15 @@ def l2_attention_bound(
             )
         margin = torch.as_tensor(margin, dtype=w_q.dtype, device=w_q.device).expand(heads)
         c = logit_margin_constant(n.unsqueeze(-1), margin)  # (..., H)
-        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin)
-    w0 = phi_inverse((n - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
+        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host)
+    if w0_of_count is not None:
+        w0 = torch.tensor(w0_of_count, dtype=w_q.dtype, device=w_q.device)
+    else:
+        w0 = phi_inverse((n_host - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
     if method == "thm3.2":
         return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
     c = w0.unsqueeze(-1).expand(*w0.shape, heads)
-    tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm)
+    tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, counts=n_host)
     if norm == "2,inf":
         return tight
     # both are certificates, so their minimum is one: never looser than the paper's
@@ -381,7 +406,7 @@ def _pairwise_spectral(a: Tensor, b: Tensor | None = None) -> Tensor:
 
 def _tight_l2_attention_bound(
     n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str,
-    margin: Tensor | None = None,
+    margin: Tensor | None = None, counts: Tensor | None = None,
 ) -> Tensor:
     """The tight certificate with c (..., H), Lemma F.2's constant of each head; ``margin``
     (H,) the logit margins (only the 2-norm's column constant reads it, on the host)."""
@@ -407,7 +432,8 @@ def _tight_l2_attention_bound(
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
     top = 0.0 if margin is None else float(margin.detach().max())
-    column = l2_core_column_constant(n, top).to(device=c.device, dtype=c.dtype)
+    column = l2_core_column_constant(n if counts is None else counts, top)
+    column = column.to(device=c.device, dtype=c.dtype)
     sqrt_n = torch.sqrt(n.to(c.dtype))
     kappa = torch.minimum(sqrt_n * row, torch.sqrt(row * column))
     return torch.minimum(kappa * weights, sqrt_n * mixed)

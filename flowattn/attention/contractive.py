@@ -32,22 +32,36 @@ class ContractiveAttention(nn.Module):
         """coeff * F(x) / bound: in the 2-norm the bound of each set; in the inf- and mixed
         norms that of each block row i for its own number of keys n_i (Kim et al., App. G)."""
         y = self.attention(x, mask, causal)  # validates the input
-        batch, length = x.shape[:2]
-        if self.norm == "2":
-            n = torch.full((batch,), length, device=x.device) if mask is None else mask.sum(1)
-            denominator = self.attention.lipschitz_bound(n, 2)[:, None, None]
-        else:
-            n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
-            denominator = self.attention.lipschitz_bound(n, self.norm).unsqueeze(-1)
-        return self.coeff * y / denominator
+        return self.coeff * y / self._denominator(x, mask, causal)
 
-    def _classic_dropout(self, y: Tensor) -> Tensor:
+    def _denominator(self, x: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """F's certified bound, (B, 1, 1) in the 2-norm or per block row (B, N, 1) otherwise
+        ((1, 1, 1) where every row sees all N elements).
+
+        The bound depends on the weights and on a row's number of keys n in {1, ..., N} only:
+        it is evaluated once per possible count (or once for N) and looked up, not once per row,
+        and the counts never leave the device."""
+        batch, length = x.shape[:2]
+        if mask is None and (self.norm == "2" or not causal):
+            return self.attention.lipschitz_bound(length, self.norm).reshape(1, 1, 1)
+        table = self.attention.lipschitz_bound(range(1, length + 1), self.norm)  # (N,)
+        if self.norm == "2":
+            return table[mask.sum(1) - 1][:, None, None]
+        n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
+        return table[n - 1].unsqueeze(-1)
+
+    def _dropout_mask(self, y: Tensor) -> Tensor | None:
+        """The factor of :meth:`_classic_dropout` (a 0/1 mask, or 1 - p), None without dropout."""
         p = self.output_dropout
         if p == 0.0:
-            return y
+            return None
         if self.training:
-            return y * (torch.rand_like(y) >= p).to(y.dtype)
-        return y * (1.0 - p)
+            return (torch.rand_like(y) >= p).to(y.dtype)
+        return torch.full_like(y, 1.0 - p)
+
+    def _classic_dropout(self, y: Tensor) -> Tensor:
+        keep = self._dropout_mask(y)
+        return y if keep is None else y * keep
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""

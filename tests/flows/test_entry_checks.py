@@ -125,3 +125,21 @@ def test_a_training_step_reads_no_tensor_back_but_the_entry_check():
 
     reads = _host_reads(lambda: flow.log_prob(x).mean().backward())
     assert sum(reads.values()) == 1 and all("validation.py" in k for k in reads), reads
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_attention_blocks_read_back_only_their_overflow_check(masked):
+    """An attention residual's certificate reads nothing back (its counts stay on the host),
+    nor does the down-scaling of huge queries; each attention block reads one value: whether
+    its output is finite."""
+    torch.manual_seed(0)
+    flow = set_flow(dim=3, blocks=2, heads=1, logdet=SERIES)
+    x = torch.randn(4, 5, 3)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 1, 0], [1, 0, 0, 0, 0]],
+                        dtype=torch.bool) if masked else None
+    flow.log_prob(x, mask)  # ActNorm's data-dependent initialisation
+
+    reads = _host_reads(lambda: flow.log_prob(x, mask).mean().backward())
+    entry = 2 if masked else 1  # finiteness, and the mask's empty-set test
+    assert sum(reads.values()) == entry + 2, reads  # and 1 per attention block
+    assert all(k.startswith("validation.py") for k in reads), reads

@@ -413,3 +413,77 @@ def test_zero_com_factor_is_the_inf_norm_of_the_projection_and_is_attained(n):
     jac = torch.autograd.functional.jacobian(lambda v: block._g(v, None), x).reshape(n * d, -1)
     assert float(torch.linalg.matrix_norm(jac, ord=float("inf"))) == pytest.approx(bound)
     assert branch_bound(_Scaled(c), n, zero_com=False) == pytest.approx(c)
+
+
+class _AttentionAutogradOnly(torch.nn.Module):
+    """The same attention branch without ``linearise``: the block takes autograd VJPs."""
+
+    def __init__(self, attention):
+        super().__init__()
+        self.attention = attention
+        self.norm = attention.norm
+
+    def forward(self, x, mask=None, causal=False):
+        return self.attention(x, mask, causal)
+
+    def lipschitz_bound(self, n=None):
+        return self.attention.lipschitz_bound(n)
+
+
+@pytest.mark.parametrize(
+    "method, grad, lengths, n_samples, zero_com, masked, causal",
+    [
+        ("roulette", "neumann", "batch", 1, False, False, False),
+        ("roulette", "neumann", "sample", 2, False, True, False),
+        ("roulette", "neumann", "batch", 1, False, True, True),
+        ("roulette", "backprop", "batch", 1, True, True, False),
+        ("series", "neumann", "batch", 3, True, False, False),
+        ("series", "backprop", "batch", 1, False, True, True),
+        ("exact", "neumann", "batch", 1, False, True, False),
+        ("exact", "neumann", "batch", 1, False, True, True),
+    ],
+)
+def test_attention_block_with_closed_form_products_matches_the_autograd_path_in_float64(
+    method, grad, lengths, n_samples, zero_com, masked, causal
+):
+    """ContractiveL2MHA's closed-form products change how the log-det's Jacobian products
+    are computed, not their values: with the same probes and lengths (one generator seed) the
+    log-det, the outputs and every gradient (the Neumann one included) agree with autograd."""
+    import copy
+
+    torch.manual_seed(21)
+    attention = ContractiveL2MHA(3, 1, coeff=0.9, self_offset=1.0).double()
+    results = []
+    for branch in (attention, _AttentionAutogradOnly(copy.deepcopy(attention))):
+        options = _seeded(method, grad, lengths, n_samples)
+        block = InvertibleResidual(branch, logdet=options, causal=causal, zero_com=zero_com)
+        torch.manual_seed(22)
+        x = torch.randn(5, 6, 3, dtype=DT, requires_grad=True)
+        mask = torch.rand(5, 6) < 0.7 if masked else None
+        if masked:
+            mask[:, :2] = True
+        y, ld = block(x, context=mask)
+        loss = (y**2).sum() - ld.sum() + (ld**2).sum()
+        grads = torch.autograd.grad(loss, [x, *block.parameters()], allow_unused=True)
+        results.append((y, ld, grads))
+    (y1, ld1, g1), (y2, ld2, g2) = results
+    assert torch.allclose(y1, y2, rtol=1e-12, atol=1e-14)
+    assert torch.allclose(ld1, ld2, rtol=1e-10, atol=1e-12)
+    assert any(g is not None and g.abs().sum() > 0 for g in g1[1:])
+    for a, b in zip(g1, g2, strict=True):
+        a = torch.zeros(()) if a is None else a
+        b = torch.zeros(()) if b is None else b
+        assert torch.allclose(a, b, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_block_exact_logdet_from_closed_form_products_is_the_brute_force_value(causal):
+    torch.manual_seed(23)
+    block = InvertibleResidual(ContractiveL2MHA(4, 2, coeff=0.9), logdet=EXACT,
+                               causal=causal).double().train()
+    x = torch.randn(3, 5, 4, dtype=DT)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
+    with torch.no_grad():
+        _, ld = block(x, context=mask)
+    # the brute force takes the present prefix of each set, unmasked
+    assert torch.allclose(ld, brute_logdet(block, x, mask), rtol=1e-10, atol=1e-12)

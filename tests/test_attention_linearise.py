@@ -1,0 +1,198 @@
+"""Closed-form vector-Jacobian products of tied L2 attention (``linearise``), in float64."""
+
+import pytest
+import torch
+
+from flowattn.attention import L2MHA, ContractiveL2MHA
+from flowattn.errors import InputError
+
+DT = torch.float64
+
+
+def _inputs(seed, masked, b=3, n=6, d=4):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, n, d, dtype=DT, generator=gen).requires_grad_(True)
+    mask = None
+    if masked:
+        mask = torch.rand(b, n, generator=gen) < 0.6
+        mask[:, 1] = True
+    return x, mask
+
+
+def _autograd_vjps(out, x, w):
+    return torch.stack([torch.autograd.grad(out, x, wi, retain_graph=True)[0] for wi in w])
+
+
+CASES = [
+    # (module kwargs, heads, masked, causal)
+    ({}, 1, False, False),
+    ({}, 2, False, False),
+    ({}, 2, True, False),
+    ({}, 2, False, True),
+    ({}, 4, True, True),
+    ({"self_offset": 1.5}, 2, True, False),
+    ({"self_offset": 0.5, "position_bias": 1.0}, 2, True, True),
+    ({"parametrization": "orthogonal"}, 2, True, False),
+    ({"norm": 2}, 2, True, False),
+    ({"norm": "2,inf"}, 1, False, True),
+    ({"certificate": "thm3.2"}, 2, True, True),
+]
+
+
+@pytest.mark.parametrize("kwargs, heads, masked, causal", CASES)
+def test_contractive_linearise_gives_forward_and_the_autograd_vjp(kwargs, heads, masked, causal):
+    torch.manual_seed(heads)
+    f = ContractiveL2MHA(4, heads, coeff=0.9, **kwargs).double()
+    if "self_offset" in kwargs or "position_bias" in kwargs:
+        with torch.no_grad():  # offsets away from their initial values
+            for p in f.attention.offsets.parameters():
+                p.add_(torch.randn_like(p))
+    x, mask = _inputs(heads + 10 * masked + 20 * causal, masked)
+    out, vjp = f.linearise(x, mask, causal)
+    ref = f(x, mask, causal)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
+    w = torch.randn(2, *x.shape, dtype=DT)  # a leading batch of vectors
+    auto = _autograd_vjps(ref, x, w)
+    assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
+    assert torch.allclose(vjp(w[0]), auto[0], rtol=1e-11, atol=1e-13)  # no leading dimension
+
+
+@pytest.mark.parametrize("masked, causal", [(False, False), (True, True)])
+def test_l2mha_linearise_gives_the_autograd_vjp_of_both_paths(masked, causal):
+    torch.manual_seed(3)
+    x, mask = _inputs(4, masked)
+    for fused in (True, False):
+        attn = L2MHA(4, 2, fused=fused).double()
+        with torch.no_grad():
+            attn.w_q.mul_(2.0)  # sharper attention: larger logit terms in the Jacobian
+        out, vjp = attn.linearise(x, mask, causal)
+        ref = attn(x, mask, causal)
+        assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
+        w = torch.randn(*x.shape, dtype=DT)
+        (auto,) = torch.autograd.grad(ref, x, w)
+        assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
+
+
+def test_linearise_with_training_output_dropout_is_the_vjp_of_its_own_output():
+    torch.manual_seed(5)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, output_dropout=0.3).double().train()
+    x, mask = _inputs(6, True)
+    out, vjp = f.linearise(x, mask)
+    assert (out == 0).any()  # some outputs dropped
+    w = torch.randn(*x.shape, dtype=DT)
+    (auto,) = torch.autograd.grad(out, x, w)
+    assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
+    f.eval()  # classic dropout at evaluation: the factor 1 - p
+    out, vjp = f.linearise(x, mask)
+    ref = f(x, mask)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
+    (auto,) = torch.autograd.grad(ref, x, w)
+    assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("masked, causal", [(False, False), (True, False), (True, True)])
+def test_linearise_product_is_differentiable_like_a_double_backward(masked, causal):
+    """d/d(x, theta) of u^T J v from the closed form equals autograd's double backward: the
+    Neumann gradient of a log-det needs exactly this."""
+    torch.manual_seed(7)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, self_offset=1.0).double()
+    x, mask = _inputs(8, masked)
+    u, v = torch.randn(2, *x.shape, dtype=DT)
+    wrt = [x, *f.parameters()]
+    _, vjp = f.linearise(x, mask, causal)
+    mine = torch.autograd.grad((vjp(u) * v).sum(), wrt, allow_unused=True)
+    (first,) = torch.autograd.grad(f(x, mask, causal), x, u, create_graph=True)
+    double = torch.autograd.grad((first * v).sum(), wrt, allow_unused=True)
+    for a, b, t in zip(mine, double, wrt, strict=True):
+        a = torch.zeros_like(t) if a is None else a
+        b = torch.zeros_like(t) if b is None else b
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+def test_linearise_on_down_scaled_huge_inputs_matches_autograd_in_float32():
+    """Inputs whose squared distances would overflow float32 take the down-scaled logits
+    (factor r / s in the product); the product still equals autograd's."""
+    torch.manual_seed(9)
+    f = ContractiveL2MHA(4, 2, coeff=0.9)
+    gen = torch.Generator().manual_seed(10)
+    x = (torch.randn(2, 5, 4, generator=gen) * torch.tensor([1e-9, 1e19]).view(2, 1, 1))
+    x.requires_grad_(True)
+    out, vjp = f.linearise(x)
+    ref = f(x)
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-6 * float(ref.detach().abs().max()))
+    w = torch.randn(2, 5, 4, generator=gen)
+    (auto,) = torch.autograd.grad(ref, x, w)
+    mine = vjp(w)
+    assert torch.isfinite(mine).all()
+    assert torch.allclose(mine, auto, rtol=1e-3, atol=1e-5 * float(auto.abs().max()))
+
+
+def test_linearise_refuses_untied_attention_and_attention_dropout():
+    x = torch.randn(2, 3, 4)
+    with pytest.raises(InputError, match="tied"):
+        L2MHA(4, 2, tied=False).linearise(x)
+    with pytest.raises(InputError, match="dropout"):
+        L2MHA(4, 2, dropout=0.1).train().linearise(x)
+    with pytest.raises(InputError, match="width"):
+        ContractiveL2MHA(4, 2).linearise(torch.randn(2, 3, 5))
+
+
+def test_linearise_carries_the_logit_factor_of_down_scaled_queries(monkeypatch):
+    """With the overflow limit lowered, ordinary inputs take the down-scaled path (queries
+    divided by s, logits multiplied by r = min(s^2, cap)) while the softmax stays soft: the
+    factor r / s of the product is then visible, and must match autograd's."""
+    import flowattn.attention.l2 as l2
+
+    monkeypatch.setattr(l2, "square_safe_limit", lambda *args, **kwargs: 0.125)
+    torch.manual_seed(11)
+    f = ContractiveL2MHA(8, 2, coeff=0.9).double()
+    x, mask = _inputs(12, True, d=8)
+    out, vjp = f.linearise(x, mask)
+    ref = f(x, mask)
+    assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
+    p = f.attention_probabilities(x, mask)
+    assert float(p.detach().max()) < 0.99  # not saturated: the logit term of the Jacobian counts
+    w = torch.randn(*x.shape, dtype=DT)
+    (auto,) = torch.autograd.grad(ref, x, w)
+    assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("norm", ["inf", 2, "2,inf"])
+@pytest.mark.parametrize("masked, causal", [(False, False), (True, False), (False, True),
+                                            (True, True)])
+def test_contractive_divides_each_row_by_the_bound_for_its_own_number_of_keys(norm, masked,
+                                                                               causal):
+    """The bound is looked up in a table over the counts 1..N: it must be the bound of each
+    row's own count (each set's present count in the 2-norm)."""
+    torch.manual_seed(13)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, norm=norm).double()
+    x, mask = _inputs(14, masked, n=7)
+    present = torch.ones(3, 7, dtype=torch.bool) if mask is None else mask
+    if f.norm == "2":
+        counts = present.sum(1, keepdim=True).expand(3, 7)
+    elif causal:
+        counts = torch.where(present, present.long().cumsum(1), 1)
+    else:
+        counts = torch.where(present, present.sum(1, keepdim=True), 1)
+    bound = torch.stack([f.attention.lipschitz_bound(int(k), f.norm) for k in counts.flatten()])
+    expected = 0.9 * f.attention(x, mask, causal) / bound.reshape(3, 7, 1)
+    assert torch.allclose(f(x, mask, causal), expected, rtol=1e-13, atol=1e-15)
+
+
+def test_linearise_raises_on_overflow_like_the_forward_pass():
+    """x W overflowing float32: NonFiniteError, as from the forward pass, never NaN."""
+    from flowattn.errors import NonFiniteError
+
+    torch.manual_seed(15)
+    f = ContractiveL2MHA(4, 2, coeff=0.9)
+    with torch.no_grad():
+        f.attention.w_q.mul_(10.0)
+    gen = torch.Generator().manual_seed(16)
+    x = (torch.rand(2, 5, 4, generator=gen) * 2 - 1) * 1e38
+    for call in (f, f.linearise):
+        with pytest.raises(NonFiniteError, match="overflowed"):
+            call(x)
+    out, vjp = f.linearise(x * 1e-8)  # 1e30: down-scaled, finite, the forward's values
+    assert torch.isfinite(out).all()
+    assert torch.allclose(out, f(x * 1e-8), rtol=1e-4, atol=1e-6)
