@@ -96,7 +96,8 @@ def _centred_and_scaled(
 
     Returns (q', k', r, s). Where every centred coordinate lies within
     :func:`square_safe_limit` (all ordinary inputs: one reduction decides), q' = q - centre,
-    k' = k - centre and r = s = None: the plain computation. Otherwise q' = (q - centre)/s and
+    k' = k - centre and r = s = None: the plain computation (eager code only; compiled code
+    takes the general form below, where s = r = 1 gives the same values). Otherwise q' = (q - centre)/s and
     k' = (k - centre)/s, with s >= 1 a power of two per set and head (1 for the sets within the
     limit), and r = min(s^2, cap) with ``cap`` from :func:`_temperature_cap`.
     -r ||q'_i - k'_j||^2 equals the true -||q_i - k_j||^2 whenever s^2 <= cap (every power of
@@ -121,11 +122,14 @@ def _centred_and_scaled(
     # computation, and where that overflows the module raises NonFiniteError.
     dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
     limit = square_safe_limit(dtype, head_dim + 1, spare=cap)
-    largest = q.detach().abs().amax()
-    if not tied:
-        largest = torch.maximum(largest, k.detach().abs().amax())
-    if bool(largest <= limit):  # (False for NaN)
-        return q, k, None, None
+    if not torch.compiler.is_compiling():
+        largest = q.detach().abs().amax()
+        if not tied:
+            largest = torch.maximum(largest, k.detach().abs().amax())
+        if bool(largest <= limit):  # (False for NaN)
+            return q, k, None, None
+    # Compiled code always comes here (the test above is a host sync, which would split the
+    # graph): for the sets within the limit s = r = 1, so it computes the plain values exactly.
     magnitude = q.detach().abs().amax(dim=(-2, -1), keepdim=True)
     if not tied:
         magnitude = torch.maximum(magnitude, k.detach().abs().amax(dim=(-2, -1), keepdim=True))
