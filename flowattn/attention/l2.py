@@ -97,9 +97,10 @@ def _centred_and_scaled(
     Returns (q', k', r, s). Where every centred coordinate lies within
     :func:`square_safe_limit` (all ordinary inputs: one reduction decides), q' = q - centre,
     k' = k - centre and r = s = None: the plain computation (eager code only; compiled code
-    takes the general form below, where s = r = 1 gives the same values). Otherwise q' = (q - centre)/s and
-    k' = (k - centre)/s, with s >= 1 a power of two per set and head (1 for the sets within the
-    limit), and r = min(s^2, cap) with ``cap`` from :func:`_temperature_cap`.
+    takes the general form below, where s = r = 1 gives the same values). Otherwise
+    q' = (q - centre)/s and k' = (k - centre)/s, with s >= 1 a power of two per set and head
+    (1 for the sets within the limit), and r = min(s^2, cap) with ``cap`` from
+    :func:`_temperature_cap`.
     -r ||q'_i - k'_j||^2 equals the true -||q_i - k_j||^2 whenever s^2 <= cap (every power of
     two scaling is exact); beyond, the true logits are beyond the dtype's range and their
     softmax is saturated -- one-hot on the nearest key at every difference the dtype
@@ -347,16 +348,25 @@ class L2MHA(nn.Module):
     ) -> tuple[Tensor, Tensor | None]:
         """P (B, H, N, N) from the written-out logits -||q_i - k_j||^2 / sqrt(d) (+ offsets),
         q and k centred on the first present key (``on_first``, as the fused path does under a
-        causal mask) or the mean key; and the down-scaling factor (or None)."""
+        causal mask) or the mean key; and the down-scaling factor (or None).
+
+        The distances are ||q_i||^2 - 2 q_i.k_j + ||k_j||^2, in that order (the attention
+        matrices stay those of earlier versions bit for bit), with as few passes over the
+        (B, H, N, N) logits as that allows: the offsets meet the hidden keys' -inf on their own
+        (H, N, N) table before they are added."""
         centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
         q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
-        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
-        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
+        sq = torch.sub(q.pow(2).sum(-1, keepdim=True), q @ k.transpose(-1, -2), alpha=2)
+        logits = (sq + k.pow(2).sum(-1).unsqueeze(-2)) * (-1.0 / math.sqrt(self.head_dim))
         if r is not None:
             logits = logits * r
-        if self.offsets is not None:
-            logits = logits + self.offsets(q.shape[2], q.device, logits.dtype)
-        return masked_softmax(logits, mask, causal), scale
+        if self.offsets is None:
+            return masked_softmax(logits, mask, causal), scale
+        extra = self.offsets(q.shape[2], q.device, logits.dtype)
+        allowed = attention_mask(mask, causal, q.shape[2], q.device)
+        if allowed is not None:
+            extra = extra.masked_fill(~allowed, -math.inf)
+        return torch.softmax(logits + extra, dim=-1), scale
 
     def _written_out(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor | None]:
         if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d), from uncentred q
