@@ -13,7 +13,9 @@ Three studies, each writing a JSON file and printing a Markdown table:
   of training steps (so that a changing machine load hits every model alike), with its ratio
   to dot-product attention.
 * ``ngram``: only the n-gram rows.
-* ``throughput``: only the interleaved timing of training steps, for ``--variants``.
+* ``throughput``: only the interleaved timing of training steps, for ``--variants``;
+  ``--compile`` times each model also through ``torch.compile``, ``--nanogpt PATH`` adds
+  nanoGPT's ``GPT`` (imported from a checkout at PATH) in the same configuration.
 * ``self-weight``: for finished ``attention`` runs of ``--variants`` (in ``--out``), how each
   layer spreads its attention over 32 validation windows: the mean weight a token puts on
   itself, the mean largest weight on another token, and the share of rows (positions 1 to 63)
@@ -27,6 +29,7 @@ Three studies, each writing a JSON file and printing a Markdown table:
     python benchmarks/lm.py attention
     python benchmarks/lm.py ngram                    # ~30 s
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
+    python benchmarks/lm.py throughput --compile --nanogpt ../nanoGPT --variants dp l2-tied
     python benchmarks/lm.py self-weight --variants l2-tied l2-tied-offsets
     python benchmarks/lm.py depth --depths 2 4 6 8 10 12
     python benchmarks/lm.py all --quick              # a fast smoke run of everything
