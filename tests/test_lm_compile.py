@@ -80,7 +80,7 @@ def test_compiled_l2_attention_scales_huge_inputs_down_like_the_eager_one(offset
     torch.manual_seed(2)
     eager = L2MHA(16, 2, tied=True, **offsets)
     compiled = torch.compile(copy.deepcopy(eager))
-    for magnitude in (1.0, 1e20):
+    for magnitude in (1.0, 1e17, 1e18, 1e20):  # s = 1, 2, 4 and beyond the cap, per head
         x = (magnitude * torch.randn(2, 6, 16)).requires_grad_()
         results = []
         for attention in (eager, compiled):
