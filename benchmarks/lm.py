@@ -13,7 +13,9 @@ Three studies, each writing a JSON file and printing a Markdown table:
   of training steps (so that a changing machine load hits every model alike), with its ratio
   to dot-product attention.
 * ``ngram``: only the n-gram rows.
-* ``throughput``: only the interleaved timing of training steps, for ``--variants``.
+* ``throughput``: only the interleaved timing of training steps, for ``--variants``;
+  ``--compile`` times each model also through ``torch.compile``, ``--nanogpt PATH`` adds
+  nanoGPT's ``GPT`` (imported from a checkout at PATH) in the same configuration.
 * ``self-weight``: for finished ``attention`` runs of ``--variants`` (in ``--out``), how each
   layer spreads its attention over 32 validation windows: the mean weight a token puts on
   itself, the mean largest weight on another token, and the share of rows (positions 1 to 63)
@@ -33,6 +35,7 @@ meaning what was measured (``l2-tied-legacy`` etc. are the former defaults).
     python benchmarks/lm.py attention
     python benchmarks/lm.py ngram                    # ~30 s
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
+    python benchmarks/lm.py throughput --compile --nanogpt ../nanoGPT --variants dp l2-tied
     python benchmarks/lm.py self-weight --variants l2-tied-legacy l2-tied-offsets
     python benchmarks/lm.py depth --depths 2 4 6 8 10 12
     python benchmarks/lm.py all --quick              # a fast smoke run of everything
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -50,14 +54,18 @@ import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from machine import cpu_name
 
 from flowattn.lm.config import LMConfig, LMRunConfig
 from flowattn.lm.data import eval_windows, get_batch, load_corpus
 from flowattn.lm.model import attention_probabilities, build_model
 from flowattn.lm.train import load_checkpoint, train
+from flowattn.training.loop import parameter_groups
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -168,40 +176,103 @@ def run_one(name: str, cfg: dict, out: Path, reuse: bool) -> dict:
     return summary
 
 
-def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int) -> dict:
+@dataclass
+class Timed:
+    """One timed row: a model, the callable a training step runs it through (the model, or
+    its ``torch.compile`` wrapper) and its optimiser."""
+
+    name: str
+    mode: str  # "eager" or "compiled"
+    model: torch.nn.Module
+    forward: Callable
+    optimizer: torch.optim.Optimizer
+    compile_s: float = 0.0  # the first (warm-up) batch of steps, compilation included
+
+
+def _optimizer(model: torch.nn.Module, base: dict) -> torch.optim.Optimizer:
+    """AdamW as the training loop builds it (matrices decay, vectors do not; nanoGPT's rule)."""
+    return torch.optim.AdamW(parameter_groups(model, base["weight_decay"]), lr=base["lr"],
+                             betas=(0.9, base["beta2"]))
+
+
+def load_nanogpt(path: Path):
+    """nanoGPT's ``model.py`` from a checkout at ``path``, imported as a module (not copied)."""
+    file = Path(path) / "model.py"
+    if not file.is_file():
+        raise SystemExit(f"--nanogpt {path}: no model.py there (a checkout of "
+                         "github.com/karpathy/nanoGPT is expected)")
+    spec = importlib.util.spec_from_file_location("nanogpt_model", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def nanogpt_model(module, base: dict, vocab_size: int) -> torch.nn.Module:
+    """nanoGPT's ``GPT`` in the configuration of ``base`` (bias and dropout as ours)."""
+    config = module.GPTConfig(block_size=base["block_size"], vocab_size=vocab_size,
+                              n_layer=base["layers"], n_head=base["heads"], n_embd=base["dim"],
+                              dropout=base["dropout"], bias=base["bias"])
+    with contextlib.redirect_stdout(sys.stderr):  # it prints its parameter count
+        return module.GPT(config)
+
+
+def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int,
+                           compile: bool = False, nanogpt: Path | None = None) -> list[dict]:
     """Median training tokens/s of each variant over ``rounds`` interleaved rounds of ``steps``
-    optimiser steps (forward, backward, clipping and AdamW update) on Tiny Shakespeare batches."""
+    optimiser steps (forward, backward, clipping and AdamW update) on Tiny Shakespeare batches.
+
+    With ``compile``, every model is timed twice, eagerly and through ``torch.compile(model)``;
+    with ``nanogpt`` (a nanoGPT checkout), nanoGPT's ``GPT`` in the same configuration joins
+    the rounds. Returns one dict per row: ``name``, ``mode``, ``tokens_per_s``, ``params`` and
+    ``compile_s`` (the warm-up, compilation included)."""
     corpus = load_corpus(base["data"])
-    models, optimisers = {}, {}
+    vocab = corpus.vocab.size
+    models: dict[str, torch.nn.Module] = {}
     for name in names:
         torch.manual_seed(0)
         network = LMRunConfig.build({**base, **VARIANTS[name]}).network
-        models[name] = build_model(LMConfig(vocab_size=corpus.vocab.size,
-                                            **network.to_dict())).train()
-        optimisers[name] = torch.optim.AdamW(models[name].parameters(), lr=1e-4)
+        models[name] = build_model(LMConfig(vocab_size=vocab, **network.to_dict())).train()
+    if nanogpt is not None:
+        torch.manual_seed(0)
+        models["nanoGPT"] = nanogpt_model(load_nanogpt(nanogpt), base, vocab).train()
+    rows = [Timed(n, "eager", m, m, _optimizer(m, base)) for n, m in models.items()]
+    if compile:
+        rows += [Timed(n, "compiled", m, torch.compile(m), _optimizer(m, base))
+                 for n, m in models.items()]
     generator = torch.Generator().manual_seed(0)
-    batches = [get_batch(corpus.train, base["block_size"], base["batch_size"], generator)
+    batches = [tuple(t.contiguous() for t in  # nanoGPT views targets, as its batches allow
+                     get_batch(corpus.train, base["block_size"], base["batch_size"], generator))
                for _ in range(steps)]
 
-    def step(name: str) -> float:
-        model, opt = models[name], optimisers[name]
+    def step(row: Timed) -> float:
         start = time.perf_counter()
         for x, y in batches:
-            _, losses = model(x, y)
-            opt.zero_grad(set_to_none=True)
-            losses["loss"].backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            _, loss = row.forward(x, y)
+            loss = loss["loss"] if isinstance(loss, dict) else loss  # nanoGPT: the loss itself
+            row.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(row.model.parameters(), 1.0)
+            row.optimizer.step()
         return time.perf_counter() - start
 
-    for name in names:  # warm-up
-        step(name)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(rounds):
-        for name in names:
-            times[name].append(step(name))
+    for row in rows:  # warm-up (and compilation)
+        print(f"warming up {row.name} ({row.mode}) ...", file=sys.stderr, flush=True)
+        row.compile_s = step(row)
+    times: dict[int, list[float]] = {i: [] for i in range(len(rows))}
+    for r in range(rounds):
+        print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
+        for i, row in enumerate(rows):
+            times[i].append(step(row))
     tokens = steps * base["batch_size"] * base["block_size"]
-    return {name: tokens / statistics.median(t) for name, t in times.items()}
+    return [{"name": row.name, "mode": row.mode,
+             "tokens_per_s": tokens / statistics.median(times[i]),
+             "params": sum(p.numel() for p in row.model.parameters()),
+             "compile_s": row.compile_s, "seconds": times[i]} for i, row in enumerate(rows)]
+
+
+def rates(rows: list[dict], mode: str = "eager") -> dict[str, float]:
+    """``name -> tokens/s`` of the rows of one mode."""
+    return {r["name"]: r["tokens_per_s"] for r in rows if r["mode"] == mode}
 
 
 def table(rows: list[list], header: list[str]) -> str:
@@ -299,7 +370,7 @@ def attention(args, base: dict) -> dict:
     timed = {}
     if args.rounds > 0:
         print("timing interleaved training steps ...", file=sys.stderr, flush=True)
-        timed = interleaved_throughput(base, names, args.rounds, args.timing_steps)
+        timed = rates(interleaved_throughput(base, names, args.rounds, args.timing_steps))
     dp_rate = timed.get("dp")
     rows = []
     for n in names:
@@ -320,11 +391,29 @@ def attention(args, base: dict) -> dict:
 
 def throughput(args, base: dict) -> dict:
     names = args.variants
-    timed = interleaved_throughput(base, names, max(args.rounds, 1), args.timing_steps)
-    rows = [[n, f"{timed[n]:.0f}", f"{timed[n] / timed[names[0]]:.2f}"] for n in names]
-    print(table(rows, ["model", "tokens/s (interleaved)", f"× {names[0]}"]))
-    return {"study": "throughput", "machine": machine(), "throughput": timed,
-            "rounds": args.rounds, "timing_steps": args.timing_steps}
+    rows = interleaved_throughput(base, names, max(args.rounds, 1), args.timing_steps,
+                                  compile=args.compile, nanogpt=args.nanogpt)
+    reference = "dp" if "dp" in names else names[0]
+    modes = ("eager", "compiled") if args.compile else ("eager",)
+    by_mode = {mode: rates(rows, mode) for mode in modes}
+    lines = []
+    for row in rows:
+        same = by_mode[row["mode"]]
+        rate = row["tokens_per_s"]
+        lines.append([row["name"], row["mode"], f"{rate:.0f}", f"{rate / same[reference]:.2f}",
+                      f"{rate / same['nanoGPT']:.2f}" if "nanoGPT" in same else "—",
+                      f"{rate / by_mode['eager'][row['name']]:.2f}",
+                      f"{row['compile_s']:.0f}", f"{row['params']:,}"])
+    print(table(lines, ["model", "mode", "tokens/s (interleaved)", f"× {reference}",
+                        "× nanoGPT", "× eager", "first step batch (s)", "params"]))
+    below = [f"{r['name']} ({r['mode']})" for r in rows if r["name"] not in (reference, "nanoGPT")
+             and r["tokens_per_s"] < THROUGHPUT_TARGET * by_mode[r["mode"]][reference]]
+    print(f"\nbelow {THROUGHPUT_TARGET}× {reference} in the same mode: "
+          f"{', '.join(below) if below else 'none'}")
+    return {"study": "throughput", "machine": {**machine(), "cpu": cpu_name()}, "rows": rows,
+            "rounds": args.rounds, "timing_steps": args.timing_steps, "compile": args.compile,
+            "nanogpt": str(args.nanogpt) if args.nanogpt else None,
+            "throughput_ratio_target": THROUGHPUT_TARGET, "below_target": below}
 
 
 def depth(args, base: dict) -> dict:
@@ -404,6 +493,10 @@ def main(argv=None) -> int:
     parser.add_argument("--depth-norm-position", choices=("pre", "post"), default="post")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--timing-steps", type=int, default=20)
+    parser.add_argument("--compile", action="store_true",
+                        help="throughput: also time every model through torch.compile")
+    parser.add_argument("--nanogpt", type=Path, metavar="PATH",
+                        help="throughput: also time nanoGPT's GPT from the checkout at PATH")
     parser.add_argument("--reuse", action="store_true", help="reuse finished runs in --out")
     parser.add_argument("--seed", type=int, default=1337, help="seed of every run")
     args = parser.parse_args(argv)

@@ -98,9 +98,11 @@ def _centred_and_scaled(
 
     Returns (q', k', r, s). Where every centred coordinate lies within
     :func:`square_safe_limit` (all ordinary inputs: one reduction decides), q' = q - centre,
-    k' = k - centre and r = s = None: the plain computation. Otherwise q' = (q - centre)/s and
-    k' = (k - centre)/s, with s >= 1 a power of two per set and head (1 for the sets within the
-    limit), and r = min(s^2, cap) with ``cap`` from :func:`_temperature_cap`.
+    k' = k - centre and r = s = None: the plain computation (eager code only; compiled code
+    takes the general form below, where s = r = 1 gives the same values). Otherwise
+    q' = (q - centre)/s and k' = (k - centre)/s, with s >= 1 a power of two per set and head
+    (1 for the sets within the limit), and r = min(s^2, cap) with ``cap`` from
+    :func:`_temperature_cap`.
     -r ||q'_i - k'_j||^2 equals the true -||q_i - k_j||^2 whenever s^2 <= cap (every power of
     two scaling is exact); beyond, the true logits are beyond the dtype's range and their
     softmax is saturated -- one-hot on the nearest key at every difference the dtype
@@ -127,12 +129,14 @@ def _centred_and_scaled(
     # computation, and where that overflows the module raises NonFiniteError.
     dtype = torch.float32 if q.dtype == torch.float16 else q.dtype
     limit = square_safe_limit(dtype, head_dim + 1, spare=cap)
-    if not always:
+    if not (always or torch.compiler.is_compiling()):
         largest = q.detach().abs().amax()
         if not tied:
             largest = torch.maximum(largest, k.detach().abs().amax())
         if bool(largest <= limit):  # (False for NaN)
             return q, k, None, None
+    # Compiled code always comes here (the test above is a host sync, which would split the
+    # graph): for the sets within the limit s = r = 1, so it computes the plain values exactly.
     magnitude = q.detach().abs().amax(dim=(-2, -1), keepdim=True)
     if not tied:
         magnitude = torch.maximum(magnitude, k.detach().abs().amax(dim=(-2, -1), keepdim=True))
@@ -357,16 +361,25 @@ class L2MHA(nn.Module):
     def _centred_probabilities(self, q, k, mask, causal, on_first: bool, always: bool = False):
         """(P, q', r, s) with q' the centred (and down-scaled) queries of
         :func:`_centred_and_scaled` (``always`` passed on) and the logits
-        r (-||q'_i - k'_j||^2) / sqrt(d) (+ offsets)."""
+        r (-||q'_i - k'_j||^2) / sqrt(d) (+ offsets).
+
+        The distances are ||q_i||^2 - 2 q_i.k_j + ||k_j||^2, in that order (the attention
+        matrices stay those of earlier versions bit for bit), with as few passes over the
+        (B, H, N, N) logits as that allows: the offsets meet the hidden keys' -inf on their own
+        (H, N, N) table before they are added."""
         centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
         q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied, always)
-        sq = q.pow(2).sum(-1, keepdim=True) - 2 * q @ k.transpose(-1, -2)
-        logits = -(sq + k.pow(2).sum(-1).unsqueeze(-2)) * (1.0 / math.sqrt(self.head_dim))
+        sq = torch.sub(q.pow(2).sum(-1, keepdim=True), q @ k.transpose(-1, -2), alpha=2)
+        logits = (sq + k.pow(2).sum(-1).unsqueeze(-2)) * (-1.0 / math.sqrt(self.head_dim))
         if r is not None:
             logits = logits * r
-        if self.offsets is not None:
-            logits = logits + self.offsets(q.shape[2], q.device, logits.dtype)
-        return masked_softmax(logits, mask, causal), q, r, scale
+        if self.offsets is None:
+            return masked_softmax(logits, mask, causal), q, r, scale
+        extra = self.offsets(q.shape[2], q.device, logits.dtype)
+        allowed = attention_mask(mask, causal, q.shape[2], q.device)
+        if allowed is not None:
+            extra = extra.masked_fill(~allowed, -math.inf)
+        return torch.softmax(logits + extra, dim=-1), q, r, scale
 
     def _written_out(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor | None]:
         if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d), from uncentred q

@@ -274,10 +274,23 @@ class LMData(Section):
                             "scores the whole split")
 
 
-LMTrain = TrainSettings.with_defaults(
-    "LMTrain", steps=2000, batch_size=12, lr=1e-3, schedule="cosine", warmup=100, min_lr=1e-4,
-    beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0, divergence_factor=2.0,
-    eval_every=250, checkpoint_every=250, log_every=10, seed=1337, device="auto")
+class LMTrain(TrainSettings.with_defaults(
+        "LMTrainDefaults", steps=2000, batch_size=12, lr=1e-3, schedule="cosine", warmup=100,
+        min_lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
+        divergence_factor=2.0, eval_every=250, checkpoint_every=250, log_every=10, seed=1337,
+        device="auto")):
+    """The shared training settings with the language model's defaults, and ``compile``.
+
+    ``compile`` trains through ``torch.compile(model)``, a wrapper that shares the model's
+    parameters: the checkpoint holds the model's own state dict, the same with and without it.
+
+    Examples:
+        >>> LMTrain().compile, LMTrain(compile=True).compile
+        (False, True)
+    """
+
+    compile: bool = Field(False, description="train through torch.compile(model) (on CPU it "
+                          "needs a C++ compiler); the checkpoint is the same with and without")
 
 
 class LMRunConfig(RunConfig):
@@ -293,7 +306,7 @@ class LMRunConfig(RunConfig):
     """
 
     RESUMABLE: ClassVar[frozenset[str]] = frozenset(
-        {"steps", "device", "threads", "eval_every", "checkpoint_every", "log_every",
+        {"steps", "device", "threads", "compile", "eval_every", "checkpoint_every", "log_every",
          "eval_iters"})
 
     data: LMData = LMData()

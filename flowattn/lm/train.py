@@ -21,6 +21,7 @@ from torch import nn
 
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..training.checkpoint import read_checkpoint
+from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
 from ..training.run import data_fingerprint, plan_run
@@ -28,7 +29,7 @@ from .config import DEFAULT_CORPUS, LMConfig, LMRunConfig
 from .data import CharCorpus, CharVocab, check_block_size, eval_windows, get_batch, load_corpus
 from .model import build_model
 
-__all__ = ["LMTask", "train", "evaluate", "load_checkpoint"]
+__all__ = ["LMTask", "train", "evaluate", "load_checkpoint", "eager_state_dict"]
 
 
 class LMTask:
@@ -53,6 +54,12 @@ class LMTask:
         self.model_config = LMConfig(vocab_size=self.corpus.vocab.size, **net.to_dict())
         torch.manual_seed(train.seed)  # identical initial weights in every process
         self.model = build_model(self.model_config).to(dist.device)
+        if train.compile:
+            # The loop trains through the compiled wrapper, which shares the model's parameters,
+            # and saves self.model's state dict: the checkpoint's keys are those of an eager run
+            # (no "_orig_mod." prefix). Validation and sampling stay eager.
+            check_compilable(dist.device)
+            self.forward_module = torch.compile(self.model)
 
     def describe(self) -> list[str]:
         net = self.model_config
@@ -165,12 +172,27 @@ def load_checkpoint(path: str | Path,
             task = record["task"]
         config = LMConfig.from_dict(task["model_config"])
         model = build_model(config).to(device)
-        model.load_state_dict(record["model"])
+        model.load_state_dict(eager_state_dict(record["model"]))
     except (KeyError, TypeError, RuntimeError) as err:
         raise CheckpointError(f"{record['path']} does not hold a language model this flowattn "
                               f"can rebuild: {str(err).splitlines()[0][:200]}") from None
     record = {**record, "corpus": task["corpus"], "model_config": config}
     return model.eval(), record, CharVocab.from_dict(task["vocab"])
+
+
+def eager_state_dict(state: Mapping[str, Any]) -> dict:
+    """``state`` with the ``_orig_mod.`` prefix that ``torch.compile(model).state_dict()``
+    puts before every key removed: the state dict of the model itself.
+
+    Checkpoints written by :func:`train` never carry the prefix (the loop saves the model, not
+    its compiled wrapper); this lets a state dict saved from a compiled wrapper load as well.
+
+    Examples:
+        >>> sorted(eager_state_dict({"_orig_mod.head.weight": 1, "tok_emb.weight": 2}))
+        ['head.weight', 'tok_emb.weight']
+    """
+    prefix = "_orig_mod."
+    return {key.removeprefix(prefix): value for key, value in state.items()}
 
 
 def _fingerprint(config: LMRunConfig) -> dict:

@@ -1,14 +1,20 @@
-"""Which device a run uses: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``, checked before any work."""
+"""Which device a run uses: ``cpu``, ``cuda``, ``cuda:N`` or ``auto``, checked before any work;
+and whether ``torch.compile`` can build kernels for it."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 
 import torch
 
 from ..errors import ConfigError
 
-__all__ = ["resolve_device"]
+__all__ = ["resolve_device", "cpp_compiler", "check_compilable", "NO_COMPILER"]
+
+NO_COMPILER = ("torch.compile on CPU (inductor) builds C++ kernels: no C++ compiler (g++, "
+               "clang++ or $CXX) was found")
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:
@@ -46,3 +52,23 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
         raise ConfigError(f"device cuda:{index} was asked for, but this machine has "
                           f"{torch.cuda.device_count()} GPU(s)")
     return torch.device("cuda", index)
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would use on the CPU ($CXX, g++ or clang++), or None."""
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+
+
+def check_compilable(device: torch.device) -> None:
+    """Refuse ``torch.compile`` where it cannot build kernels: on the CPU without a C++
+    compiler (the error would otherwise come from deep inside the first compiled call).
+
+    Raises:
+        ConfigError: naming the missing compiler and the way out.
+
+    Examples:
+        >>> check_compilable(torch.device("cuda"))  # GPU kernels need no C++ compiler
+    """
+    if device.type == "cpu" and cpp_compiler() is None:
+        raise ConfigError(f"--compile: {NO_COMPILER}; install one (e.g. apt-get install g++) "
+                          "or train without --compile")

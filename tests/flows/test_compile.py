@@ -2,8 +2,6 @@
 eager outputs and gradients."""
 
 import copy
-import os
-import shutil
 
 import pytest
 import torch
@@ -18,20 +16,12 @@ from flowattn.attention import (
 from flowattn.branches import LipschitzMLP
 from flowattn.flows import InvertibleResidual, LogDetOptions, set_flow
 from flowattn.flows.continuous import AttentionField, DotProductField, EGNNField
-
-
-def _cpp_compiler():
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
-
+from flowattn.training.device import NO_COMPILER, cpp_compiler
 
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated"),  # in torch
-    pytest.mark.skipif(
-        _cpp_compiler() is None,
-        reason="torch.compile on CPU (inductor) builds C++ kernels: no C++ compiler (g++, "
-        "clang++ or $CXX) was found",
-    ),
+    pytest.mark.skipif(cpp_compiler() is None, reason=NO_COMPILER),
 ]
 
 DT = torch.float64
