@@ -5,7 +5,10 @@ Data are checked once, where they enter: the outermost call (``SetFlow.log_prob`
 transform or attention module called directly) runs :func:`check_sets`, then runs its layers
 inside :func:`trusted_inputs`, where :func:`check_sets` returns at once. The checks cost a host
 synchronisation each (the finiteness and empty-set tests read a value back), so a flow of many
-layers pays for them once per call instead of once per layer.
+layers pays for them once per call instead of once per layer. Overflow checks of layers
+(:func:`check_output`) are deferred the same way: inside the context a layer only notes that
+its output would have been checked, and the entry point checks its own results once, after its
+layers ran (:func:`check_deferred`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ __all__ = [
     "check_finite",
     "check_precision",
     "check_output",
+    "check_deferred",
     "trusted_inputs",
     "inputs_trusted",
     "present_counts",
@@ -35,6 +39,7 @@ class _Trust(threading.local):
     attribute, not a ContextVar, so that ``torch.compile`` traces it without a graph break."""
 
     trusted = False
+    deferred = False  # a layer inside the context skipped its overflow check
 
 
 _TRUST = _Trust()
@@ -57,6 +62,8 @@ def trusted_inputs() -> Iterator[None]:
     """
     previous = _TRUST.trusted
     _TRUST.trusted = True
+    if not previous:
+        _TRUST.deferred = False
     try:
         yield
     finally:
@@ -94,7 +101,15 @@ def check_output(
     Otherwise the computation overflowed (the inputs are checked where they enter), and a
     :class:`~flowattn.errors.NonFiniteError` says so, with the input's magnitude, the dtype and
     ``cause``, the likely place, instead of letting NaN or Inf travel on silently.
+
+    Inside :func:`trusted_inputs` (a layer of a flow whose entry point checked the data) the
+    check is deferred: nothing is read back here, and the entry point checks its results with
+    :func:`check_deferred` once, after all its layers ran (under ``torch.compile`` the check
+    runs here, as outside the context).
     """
+    if _TRUST.trusted and not torch.compiler.is_compiling():
+        _TRUST.deferred = True
+        return y
     if _all_finite(y) if intermediate is None else _all_finite(y, intermediate):
         return y
     largest = x.detach().abs().amax().item()
@@ -104,6 +119,26 @@ def check_output(
         f"values up to {largest:.3g} in {str(x.dtype).removeprefix('torch.')}{where}; scale "
         "the input down or compute in float64"
     )
+
+
+def check_deferred(x: Tensor, name: str, *results: Tensor) -> None:
+    """At an entry point, after its layers ran inside :func:`trusted_inputs`: if one of them
+    deferred its overflow check (:func:`check_output`), check the entry's ``results`` computed
+    from the finite input ``x`` once, and raise :class:`~flowattn.errors.NonFiniteError` naming
+    ``name`` if they hold NaN or Inf. Nested entry points (still inside the context) leave the
+    check to the outermost one; without a deferred check nothing is read back.
+    """
+    if _TRUST.trusted or not _TRUST.deferred:
+        return
+    _TRUST.deferred = False
+    if not _all_finite(*results):
+        largest = x.detach().abs().amax().item()
+        raise NonFiniteError(
+            f"{name} overflowed: its result holds NaN or Inf although its input is finite, "
+            f"with values up to {largest:.3g} in {str(x.dtype).removeprefix('torch.')} (an "
+            "attention layer's x W is the likely place); scale the input down or compute in "
+            "float64"
+        )
 
 
 def check_sets(

@@ -12,6 +12,7 @@ from torch import Tensor, nn
 from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
 from ..errors import InputError
 from ..validation import (
+    check_deferred,
     check_precision,
     check_sets,
     inputs_trusted,
@@ -97,13 +98,17 @@ class SetFlow(nn.Module):
         with trusted_inputs():  # checked once, in _prepare; the layers trust their caller
             u, scale_logdet = self.standardisation(x, context=mask)
             z, logdet = self.transform(u, context=mask)
-        return z, scale_logdet + logdet
+        logdet = scale_logdet + logdet
+        check_deferred(x, "SetFlow", z, logdet)
+        return z, logdet
 
     def _inverse(self, z: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         with trusted_inputs():
             u, logdet = self.transform.inverse(z, context=mask)
             x, scale_logdet = self.standardisation.inverse(u, context=mask)
-        return x, logdet + scale_logdet
+        logdet = logdet + scale_logdet
+        check_deferred(z, "SetFlow", x, logdet)
+        return x, logdet
 
     def _prepare(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         mask = check_sets(x, mask, dim=self.dim)

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from ..attention import DotProductMHA
 from ..errors import InputError
-from ..validation import check_sets, present_weights, trusted_inputs
+from ..validation import check_deferred, check_sets, present_weights, trusted_inputs
 from .builders import SetFlow
 from .geometry import full_precision, mask_from_context
 from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
@@ -126,6 +126,7 @@ class SetCoupling(Transform):
         x = inputs if mask is None else inputs * w  # padded values never enter
         with trusted_inputs():  # checked here, once
             widths, heights, derivatives = self._spline_parameters(x, mask)
+        check_deferred(inputs, "SetCoupling", widths, heights, derivatives)
         with full_precision(x):  # the spline and its log-det in the data's precision
             moved, logabsdet = unconstrained_rational_quadratic_spline(
                 x[..., self.moved], widths, heights, derivatives, inverse=inverse,

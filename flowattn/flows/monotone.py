@@ -29,7 +29,7 @@ from nflows.transforms import Transform
 from torch import Tensor, nn
 
 from ..errors import InputError, InverseNotConverged
-from ..validation import check_sets, present_weights, trusted_inputs
+from ..validation import check_deferred, check_sets, present_weights, trusted_inputs
 from .geometry import full_precision, mask_from_context, project, subtract_mean
 from .logdet import LogDetOptions, jacobian_logdet, residual_matrix
 from .residual import InvertibleResidual
@@ -158,6 +158,7 @@ class MonotoneResidual(Transform):
             self.verify_branch(inputs, mask)
         with trusted_inputs(), full_precision(inputs):  # see the module docstring
             z, logdet = self.residual(inputs, context=mask)
+        check_deferred(inputs, "MonotoneResidual", z, logdet)
         a, scale_logdet = self._scale_logdet(inputs, mask)
         centroid = z - subtract_mean(z, mask)
         y = centroid + a * (z - centroid)
@@ -172,6 +173,7 @@ class MonotoneResidual(Transform):
         centroid = inputs - subtract_mean(inputs, mask)
         with trusted_inputs():
             x, logdet = self.residual.inverse(centroid + (inputs - centroid) / a, context=mask)
+        check_deferred(inputs, "MonotoneResidual", x, logdet)
         return x, logdet - scale_logdet
 
 
@@ -259,7 +261,9 @@ class InverseMonotoneResidual(Transform):
         if not self.block._verified:
             self.block.verify_branch(inputs, mask)
         with trusted_inputs(), full_precision(inputs):  # a Newton solve
-            return self._forward(inputs, mask)
+            z, logdet = self._forward(inputs, mask)
+        check_deferred(inputs, "InverseMonotoneResidual", z, logdet)
+        return z, logdet
 
     def _forward(self, inputs: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         z_star = self._solve(inputs, mask).detach()

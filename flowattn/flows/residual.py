@@ -11,7 +11,13 @@ from torch import Tensor, nn
 
 from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
-from ..validation import check_precision, check_sets, inputs_trusted, trusted_inputs
+from ..validation import (
+    check_deferred,
+    check_precision,
+    check_sets,
+    inputs_trusted,
+    trusted_inputs,
+)
 from .geometry import full_precision, mask_from_context, project
 from .inverse import InverseOptions, residual_inverse
 from .logdet import (
@@ -263,6 +269,7 @@ class InvertibleResidual(Transform):
             check_precision(x_in, self.branch, name="inputs")
         with trusted_inputs():  # the branch trusts its caller
             y, logdet = self._checked_forward(x_in, mask)
+        check_deferred(x_in, "InvertibleResidual", y, logdet)
         return (y.squeeze(1) if flat else y), logdet
 
     def _checked_forward(self, x_in: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -319,6 +326,7 @@ class InvertibleResidual(Transform):
         # evaluated in bfloat16 is not smooth at the solver's tolerance.
         with frozen_power_iteration(), trusted_inputs(), full_precision(y_in):
             x, logdet = self._inverse(y_in, mask, flat, x0)
+        check_deferred(y_in, "InvertibleResidual", x, logdet)
         return (x.squeeze(1) if flat else x), logdet
 
     def _inverse(self, y_in: Tensor, mask: Tensor | None, flat: bool, x0: Tensor | None):

@@ -11,7 +11,7 @@ from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
 from ...errors import InputError, ODESolverError
-from ...validation import check_finite, check_sets, trusted_inputs
+from ...validation import check_deferred, check_finite, check_sets, trusted_inputs
 from ..base import sample_standard_normal, standard_normal_log_prob
 from ..geometry import PROBES, project, sample_probes, subtract_mean
 from .divergence import exact_divergence, hutchinson_divergence
@@ -430,6 +430,7 @@ class CNF(Transform):
             self._check_centred(inputs, mask)
         with trusted_inputs():  # checked here: the field trusts the solver's states
             out = self._solve(inputs, mask, reverse=False, regularise=self.regularise)
+        check_deferred(inputs, "CNF", out[0], out[1])
         out = (_keep_padding(out[0], inputs, mask),) + out[1:]
         if self.regularise:
             self.kinetic_energy, self.jacobian_frobenius = out[2], out[3]
@@ -446,6 +447,7 @@ class CNF(Transform):
             self._check_centred(inputs, mask)
         with trusted_inputs():
             out = self._solve(inputs, mask, reverse=True, regularise=False)
+        check_deferred(inputs, "CNF", out[0], out[1])
         return _keep_padding(out[0], inputs, mask), out[1]
 
     # ------------------------------------------------------------------ densities
