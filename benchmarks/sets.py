@@ -11,11 +11,12 @@ N D vector of a set, trained on a fresh random element order per batch for the w
 of the flowattn variant run before it on the same data (or ``--baseline-seconds``), keeping its
 best validation state, and scored on the same test split under its symmetrisation over
 ``--orders`` random element orders. Sets of several sizes are skipped for it (a flow on vectors
-has one length; the row says so). Every run uses the same budget and seed; the table reports NLL per
-degree of freedom next to the true value where it is known (synthetic sets) or the published
-reference (DW4: 7.48 per configuration for the E(n)-equivariant flow; LJ13: the ~16.9 floor),
-and, for synthetic sets, the best NLL of any model of i.i.d. elements (the exact one-element
-marginal applied to every element): what a flow gains below it comes from interactions.
+has one length; the row says so). Every run uses the same budget and seed; the table reports
+NLL per degree of freedom next to the true value where it is known (synthetic sets) or the
+published reference (DW4: 7.48 per configuration for the E(n)-equivariant flow; LJ13: the
+~16.9 floor), and, for synthetic sets, the best NLL of any model of i.i.d. elements (the exact
+one-element marginal applied to every element): what a flow gains below it comes from
+interactions.
 
     python benchmarks/sets.py                                     # synthetic sets, all variants
     python benchmarks/sets.py --data shape-sets shape-sets-varsize repulsive-sets \
@@ -87,6 +88,9 @@ def run_baseline(data: str, seconds: float, num_train: int | None, seed: int,
     with torch.no_grad():
         flow.sample(500)
     sample_ms = 1e3 * (time.perf_counter() - start) / 500
+    for step, seconds_so_far, val_nll in info["history"]:
+        print(f"  {BASELINE} {data}: step {step}, {seconds_so_far:.0f} s, val NLL "
+              f"{val_nll:.3f} nats/set", flush=True)
     true_nll = test.mean_true_nll()
     return {"test_nll": nll, "train_seconds": info["train_seconds"], "steps": info["steps"],
             "best_step": info["best_step"], "sample_ms": sample_ms, "true_nll": true_nll,
@@ -110,7 +114,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steps, num_train = (30, 500) if args.quick else (args.steps, args.num_train)
-    print(f"{steps or 'default'} steps per run, torch {torch.__version__}, {args.threads} thread(s)")
+    print(f"{steps or 'default'} steps per run, torch {torch.__version__}, "
+          f"{args.threads} thread(s)")
     print("| data | flow | test NLL / dim | true or reference / dim | best i.i.d. / dim "
           "| gap / dim | test NLL / set | train s | sampling ms / set |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

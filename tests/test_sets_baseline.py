@@ -29,6 +29,7 @@ def _perturbed(flow, seed: int):
     return flow
 
 
+@pytest.mark.slow
 def test_flattened_flow_with_its_standardisation_integrates_to_one():
     # one element in R^2, data far from standard units: the standardisation's log-det counts
     g = torch.Generator().manual_seed(0)
