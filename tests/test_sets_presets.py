@@ -77,6 +77,8 @@ def test_a_bad_preset_name_or_a_contradicting_flow_is_one_line_config_error(tmp_
     with pytest.raises(ConfigError, match=r"flow: preset: Input should be 'none', 'small', "
                        r"'medium' or 'large' \(got 'huge'\)"):
         SetsRunConfig.build({"preset": "huge"})
+    with pytest.raises(ConfigError, match=r"flow: preset: Input should be"):
+        SetsRunConfig.build({"preset": ["large"]})
     with pytest.raises(ConfigError, match=r"preset='large' is a coupling flow, but "
                        r"flow='resflow' was given: drop one of them"):
         SetsRunConfig.build({"preset": "large", "flow": "resflow"})

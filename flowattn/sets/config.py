@@ -195,7 +195,7 @@ def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
            for key, value in values.items()}
     flow = out.get("flow")
     name = flow.get("preset", "none") if isinstance(flow, dict) else "none"
-    if name not in PRESETS:
+    if not isinstance(name, str) or name not in PRESETS:
         return out
     preset = PRESETS[name]
     if flow.get("flow", preset["flow"]) != preset["flow"]:
