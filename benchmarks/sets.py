@@ -3,17 +3,26 @@
 Variants: ``resflow`` (contractive attention residual flow with equivariant linear layers),
 ``linear`` (the same without attention: elements interact only through the equivariant linear
 maps), ``iid`` (no interaction at all: the i.i.d.-points baseline), ``no-location``
-(``resflow`` without the spline flow of each set's centroid) and ``cnf`` (continuous flow with
-an L2-attention field). Every run uses the same budget and seed; the table reports NLL per
-degree of freedom next to the true value where it is known (synthetic sets) or the published
-reference (DW4: 7.48 per configuration for the E(n)-equivariant flow; LJ13: the ~16.9 floor),
-and, for synthetic sets, the best NLL of any model of i.i.d. elements (the exact one-element
-marginal applied to every element): what a flow gains below it comes from interactions.
+(``resflow`` without the spline flow of each set's centroid), ``cnf`` (continuous flow with
+an L2-attention field), ``coupling`` (set-coupling layers), ``small``, ``medium`` and ``large``
+(the ``--preset`` settings) and ``nflows-maf``: the flattened baseline
+(:mod:`flowattn.sets.baseline`), an nflows masked rational-quadratic autoregressive flow on the
+N D vector of a set, trained on a fresh random element order per batch for the wall-clock time
+of the flowattn variant run before it on the same data (or ``--baseline-seconds``), keeping its
+best validation state, and scored on the same test split under its symmetrisation over
+``--orders`` random element orders. Sets of several sizes are skipped for it (a flow on vectors
+has one length; the row says so). Every run uses the same budget and seed; the table reports
+NLL per degree of freedom next to the true value where it is known (synthetic sets) or the
+published reference (DW4: 7.48 per configuration for the E(n)-equivariant flow; LJ13: the
+~16.9 floor), and, for synthetic sets, the best NLL of any model of i.i.d. elements (the exact
+one-element marginal applied to every element): what a flow gains below it comes from
+interactions.
 
     python benchmarks/sets.py                                     # synthetic sets, all variants
     python benchmarks/sets.py --data shape-sets shape-sets-varsize repulsive-sets \
         --variants resflow linear iid                             # sets that need interactions
     python benchmarks/sets.py --data dw4 --num-train 100000 --steps 4000 --variants resflow
+    python benchmarks/sets.py --data shape-sets --variants large nflows-maf  # side by side
     python benchmarks/sets.py --quick
 """
 
@@ -36,7 +45,13 @@ VARIANTS = {
     "iid": {"flow": "resflow", "interaction": "none"},
     "no-location": {"flow": "resflow", "location": False},
     "cnf": {"flow": "cnf"},
+    "coupling": {"flow": "coupling"},
+    "small": {"preset": "small"},
+    "medium": {"preset": "medium"},
+    "large": {"preset": "large"},
+    "nflows-maf": {},  # the flattened baseline: run_baseline
 }
+BASELINE = "nflows-maf"
 
 
 def sampling_ms_per_set(run: Path, data_name: str, count: int = 500) -> float:
@@ -58,32 +73,68 @@ def best_iid_nll(data_name: str, seed: int) -> float:
     return float("nan") if nll is None else nll
 
 
+def run_baseline(data: str, seconds: float, num_train: int | None, seed: int,
+                 orders: int) -> dict:
+    """The flattened nflows baseline on ``data``: trained for ``seconds``, scored on the test
+    split (NLL per set), with its training time and sampling cost."""
+    from flowattn.sets.baseline import fit_flattened, flattened_nll
+
+    sizes = None if num_train is None else {"train": num_train}
+    splits = load_dataset(data, sizes, seed=seed)
+    flow, info = fit_flattened(splits["train"], seconds, seed=seed, val=splits["val"])
+    test = splits.get("test", splits["val"])
+    nll = flattened_nll(flow, test, orders=orders, seed=seed)
+    start = time.perf_counter()
+    with torch.no_grad():
+        flow.sample(500)
+    sample_ms = 1e3 * (time.perf_counter() - start) / 500
+    for step, seconds_so_far, val_nll in info["history"]:
+        print(f"  {BASELINE} {data}: step {step}, {seconds_so_far:.0f} s, val NLL "
+              f"{val_nll:.3f} nats/set", flush=True)
+    true_nll = test.mean_true_nll()
+    return {"test_nll": nll, "train_seconds": info["train_seconds"], "steps": info["steps"],
+            "best_step": info["best_step"], "sample_ms": sample_ms, "true_nll": true_nll,
+            "dims": test.set_size * test.dim}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", nargs="+", default=["gaussian-sets", "cluster-sets"])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--steps", type=int, help="optimiser steps of every flowattn variant "
+                        "(default: its own, 1500 but for the presets)")
     parser.add_argument("--num-train", type=int)
     parser.add_argument("--blocks", type=int)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--baseline-seconds", type=float, help="training time of nflows-maf "
+                        "(default: the train_seconds of the variant before it on the data)")
+    parser.add_argument("--orders", type=int, default=10, help="random element orders "
+                        "nflows-maf averages its density over at test time")
     parser.add_argument("--quick", action="store_true", help="30 steps, small training split")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steps, num_train = (30, 500) if args.quick else (args.steps, args.num_train)
-    print(f"{steps} steps per run, torch {torch.__version__}, {args.threads} thread(s)")
+    print(f"{steps or 'default'} steps per run, torch {torch.__version__}, "
+          f"{args.threads} thread(s)")
     print("| data | flow | test NLL / dim | true or reference / dim | best i.i.d. / dim "
           "| gap / dim | test NLL / set | train s | sampling ms / set |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for data in args.data:
+        seconds = args.baseline_seconds
         for variant in args.variants:
-            settings = {"data": data, "steps": steps, "num_train": num_train,
-                        **VARIANTS[variant]}
+            if variant == BASELINE:
+                print(baseline_row(data, seconds, num_train, args), flush=True)
+                continue
+            settings = {"data": data, "num_train": num_train, **VARIANTS[variant]}
+            if steps:
+                settings["steps"] = steps
             if args.blocks:
                 settings["blocks"] = args.blocks
             config = SetsRunConfig.build(settings)
             with tempfile.TemporaryDirectory() as tmp:
                 summary = fit(config, tmp, progress=False, plots=False, tensorboard=False)
                 sample_ms = sampling_ms_per_set(Path(tmp), data)
+            seconds = args.baseline_seconds or summary["train_seconds"]
             per_dim = summary["test_nll_per_dim"]
             iid = float("nan")
             if "true_nll_per_dim" in summary:
@@ -97,6 +148,25 @@ def main() -> None:
             print(f"| {data} | {variant} | {per_dim:.4f} | {target:.4f} | {iid:.4f} "
                   f"| {per_dim - target:+.4f} | {summary['test_nll']:.3f} "
                   f"| {summary['train_seconds']:.0f} | {sample_ms:.2f} |", flush=True)
+
+
+def baseline_row(data: str, seconds: float | None, num_train: int | None,
+                 args: argparse.Namespace) -> str:
+    """The table row of the flattened baseline (or why it was skipped)."""
+    if seconds is None:
+        raise SystemExit(f"{BASELINE} on {data}: give --baseline-seconds or run a flowattn "
+                         "variant before it (its training time is the baseline's budget)")
+    if load_dataset(data, {"train": 2, "val": 1, "test": 1})["train"].mask is not None:
+        return (f"| {data} | {BASELINE} | skipped: sets of several sizes (a flow on vectors "
+                "has one length) | | | | | | |")
+    result = run_baseline(data, seconds, num_train, 0, args.orders)
+    per_set, dims = result["test_nll"], result["dims"]
+    true = result["true_nll"]
+    target = float("nan") if true is None else true / dims
+    iid = best_iid_nll(data, 0) / dims
+    return (f"| {data} | {BASELINE} ({result['steps']} steps, best at {result['best_step']}) "
+            f"| {per_set / dims:.4f} | {target:.4f} | {iid:.4f} | {per_set / dims - target:+.4f} "
+            f"| {per_set:.3f} | {result['train_seconds']:.0f} | {result['sample_ms']:.2f} |")
 
 
 if __name__ == "__main__":

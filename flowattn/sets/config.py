@@ -9,6 +9,7 @@ The settings classes import no torch (the command line builds its parser from th
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, ClassVar, Literal
 
 from pydantic import model_validator
@@ -17,10 +18,27 @@ from ..errors import ConfigError
 from ..training.config import Field, RunConfig, Section, TrainSettings
 
 __all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
-           "resolved_interaction", "resolved_field", "legacy_settings"]
+           "resolved_interaction", "resolved_field", "legacy_settings", "PRESETS",
+           "apply_preset"]
 
 INTERACTIONS = ("attention", "radial", "linear", "none")
 COUPLING_SETTINGS = ("coupling_layers", "coupling_hidden", "coupling_blocks", "coupling_bins")
+
+# Named settings for data that are not Gaussian: set-coupling flows (exact log-det, so no
+# estimator to choose) of growing depth and training length. Each was measured on shape-sets
+# (docs/benchmarks.md, "Presets and the flattened baseline"); a setting the user gives wins.
+_COUPLING = {"flow": "coupling", "coupling_hidden": 64, "coupling_blocks": 2,
+             "coupling_bins": 8}
+PRESETS: dict[str, dict[str, Any]] = {
+    "small": {**_COUPLING, "coupling_layers": 8, "steps": 1500},
+    "medium": {**_COUPLING, "coupling_layers": 8, "steps": 3000},
+    "large": {**_COUPLING, "coupling_layers": 12, "steps": 4500},
+}
+
+
+def _describe_presets() -> str:
+    return "; ".join(f"{name}: {v['coupling_layers']} coupling layers of width "
+                     f"{v['coupling_hidden']}, {v['steps']} steps" for name, v in PRESETS.items())
 
 
 class SetsData(Section):
@@ -47,6 +65,9 @@ class SetsFlow(Section):
     log-det and inverse), with ``coupling_*`` settings and ``heads``, ``location``.
     """
 
+    preset: Literal["none", "small", "medium", "large"] = Field(
+        "none", description="named settings for non-Gaussian data, overridden by any "
+        f"setting given ({_describe_presets()}; exact log-det); none: the defaults below")
     flow: Literal["resflow", "cnf", "coupling"] = Field(
         "resflow", description="resflow: invertible residual blocks; cnf: a continuous flow; "
         "coupling: set-coupling layers with spline transforms")
@@ -146,6 +167,46 @@ class SetsRunConfig(RunConfig):
     data: SetsData = SetsData()
     flow: SetsFlow = SetsFlow()
     train: SetsTrain = SetsTrain()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, values: Any) -> Any:
+        return apply_preset(values) if isinstance(values, Mapping) else values
+
+
+def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested settings with the values of their ``preset`` filled in where none is given.
+
+    A setting given explicitly (in a file, a flag, or a stored run's config, where every
+    setting is explicit) keeps its value; ``preset: none`` or an unknown name (refused by the
+    field's check) changes nothing.
+
+    Raises:
+        ValueError: if ``flow`` is given and differs from the preset's flow type (the preset's
+            depth and width would not apply).
+
+    Examples:
+        >>> apply_preset({"flow": {"preset": "large"}, "train": {"steps": 100}})["train"]
+        {'steps': 100}
+        >>> apply_preset({"flow": {"preset": "large"}})["flow"]["coupling_layers"]
+        12
+    """
+    out = {key: dict(value) if isinstance(value, Mapping) else value
+           for key, value in values.items()}
+    flow = out.get("flow")
+    name = flow.get("preset", "none") if isinstance(flow, dict) else "none"
+    if not isinstance(name, str) or name not in PRESETS:
+        return out
+    preset = PRESETS[name]
+    if flow.get("flow", preset["flow"]) != preset["flow"]:
+        raise ValueError(f"preset={name!r} is a {preset['flow']} flow, but flow="
+                         f"{flow['flow']!r} was given: drop one of them")
+    leaves = SetsRunConfig.leaves()
+    for key, value in preset.items():
+        section = out.setdefault(leaves[key][0], {})
+        if isinstance(section, dict):
+            section.setdefault(key, value)
+    return out
 
 
 def legacy_settings(settings: dict) -> dict:

@@ -341,10 +341,23 @@ def given_flags(args: argparse.Namespace, config: type[RunConfig]) -> dict:
 
 def from_sources(config: type[RunConfig], file: str | Path | None = None,
                  flags: Mapping[str, Any] | None = None):
-    """Defaults, then a config file, then flags: one validated config."""
+    """Defaults, then a config file, then flags: one validated config.
+
+    The file and the flags are merged before the defaults fill the rest, so that a config's
+    validators see which settings were given (a preset fills only the others).
+    """
     values = config.nest(read_config_file(file), str(file)) if file else {}
-    built = config.build(values, str(file) if file else "")
-    return built.updated(dict(flags or {}), "command line") if flags else built
+    if not flags:
+        return config.build(values, str(file) if file else "")
+    merged = {key: dict(value) for key, value in values.items()}
+    for section, given in config.nest(dict(flags), "command line").items():
+        merged.setdefault(section, {}).update(given)
+    try:
+        return config.build(merged, "command line")
+    except ConfigError:
+        if file:  # a file that is wrong on its own: the error names the file
+            config.build(values, str(file))
+        raise
 
 
 def print_config(config: RunConfig, form: str = "yaml") -> str:

@@ -1,0 +1,108 @@
+"""``--preset small|medium|large``: documented values, explicit settings win, the default run is
+unchanged without one, resumed runs keep the values they started with."""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from flowattn.cli import main
+from flowattn.errors import ConfigError
+from flowattn.sets import SetsRunConfig, fit
+from flowattn.sets import config as sets_config
+from flowattn.training.config import from_sources
+from flowattn.training.run import plan_run
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "sets.md"
+# the values docs/sets.md states, written out: a change of PRESETS must change this too
+DOCUMENTED = {
+    "small": {"flow": "coupling", "coupling_layers": 8, "coupling_hidden": 64,
+              "coupling_blocks": 2, "coupling_bins": 8, "steps": 1500},
+    "medium": {"flow": "coupling", "coupling_layers": 8, "coupling_hidden": 64,
+               "coupling_blocks": 2, "coupling_bins": 8, "steps": 3000},
+    "large": {"flow": "coupling", "coupling_layers": 12, "coupling_hidden": 64,
+              "coupling_blocks": 2, "coupling_bins": 8, "steps": 4500},
+}
+
+
+def test_without_a_preset_the_default_run_is_unchanged():
+    default = SetsRunConfig.build({})
+    assert default.flow.preset == "none"
+    assert default == SetsRunConfig.build({"preset": "none"}) == from_sources(SetsRunConfig)
+    flat = default.flat()
+    pinned = {"data": "gaussian-sets", "flow": "resflow", "interaction": "auto", "blocks": 4,
+              "hidden": 64, "heads": 1, "coeff": 0.9, "train_logdet": "auto", "steps": 1500,
+              "batch_size": 64, "lr": 0.003, "coupling_layers": None, "coupling_hidden": None,
+              "coupling_blocks": None, "coupling_bins": None}
+    assert {key: flat[key] for key in pinned} == pinned
+
+
+@pytest.mark.parametrize("name", list(DOCUMENTED))
+def test_each_preset_resolves_to_the_values_in_the_docs(name):
+    flat = SetsRunConfig.build({"preset": name}).flat()
+    assert {key: flat[key] for key in DOCUMENTED[name]} == DOCUMENTED[name]
+    assert sets_config.PRESETS[name] == DOCUMENTED[name]
+    rows = [line for line in DOCS.read_text().splitlines() if line.startswith(f"| `{name}` |")]
+    assert len(rows) == 1, f"docs/sets.md needs one table row for the {name} preset"
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    values = DOCUMENTED[name]
+    assert cells[1:7] == [values["flow"], str(values["coupling_layers"]),
+                          str(values["coupling_hidden"]), str(values["coupling_blocks"]),
+                          str(values["coupling_bins"]), str(values["steps"])]
+    assert str(values["steps"]) in SetsRunConfig.model_fields["flow"].annotation \
+        .model_fields["preset"].description
+
+
+def test_settings_from_a_file_or_flags_override_the_preset(tmp_path):
+    file = tmp_path / "run.json"
+    file.write_text(json.dumps({"preset": "large", "steps": 100}))
+    config = from_sources(SetsRunConfig, file, {"coupling_layers": 4})
+    assert (config.flow.coupling_layers, config.train.steps) == (4, 100)
+    assert (config.flow.coupling_hidden, config.flow.coupling_bins) == (64, 8)  # the preset's
+    file.write_text(json.dumps({"coupling_bins": 16}))  # the preset as a flag, a file setting
+    config = from_sources(SetsRunConfig, file, {"preset": "medium"})
+    assert (config.flow.coupling_bins, config.train.steps) == (16, 3000)
+
+
+def test_print_config_shows_the_preset_and_its_values(capsys):
+    assert main(["sets", "fit", "--preset", "large", "--steps", "7", "--print-config",
+                 "json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["flow"]["preset"] == "large" and printed["flow"]["coupling_layers"] == 12
+    assert printed["train"]["steps"] == 7
+
+
+def test_a_bad_preset_name_or_a_contradicting_flow_is_one_line_config_error(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"flow: preset: Input should be 'none', 'small', "
+                       r"'medium' or 'large' \(got 'huge'\)"):
+        SetsRunConfig.build({"preset": "huge"})
+    with pytest.raises(ConfigError, match=r"flow: preset: Input should be"):
+        SetsRunConfig.build({"preset": ["large"]})
+    with pytest.raises(ConfigError, match=r"preset='large' is a coupling flow, but "
+                       r"flow='resflow' was given: drop one of them"):
+        SetsRunConfig.build({"preset": "large", "flow": "resflow"})
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"preset": "huge"}))
+    out = tmp_path / "run"
+    assert main(["sets", "fit", "--config", str(bad), "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "preset" in err and "'huge'" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_resumed_run_keeps_the_preset_values_it_started_with(tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    config = SetsRunConfig.build({
+        "preset": "small", "data": "gaussian-sets", "num_train": 64, "val_sets": 8,
+        "batch_size": 8, "steps": 2, "eval_every": 2, "checkpoint_every": 2,
+        "coupling_layers": 1, "coupling_hidden": 8, "coupling_blocks": 0})
+    fit(config, out, progress=False, tensorboard=False, plots=False)
+    # the preset's values change in a later version: the run keeps those it was started with
+    monkeypatch.setitem(sets_config.PRESETS, "small",
+                        {**sets_config.PRESETS["small"], "coupling_bins": 3, "steps": 9})
+    plan = plan_run(out, "sets", SetsRunConfig, resume=True, flags={"steps": 4})
+    assert (plan.config.flow.preset, plan.config.flow.coupling_bins) == ("small", 8)
+    assert (plan.config.flow.coupling_layers, plan.config.train.steps) == (1, 4)
+    with pytest.raises(ConfigError, match=re.escape("preset ('small' in the run, 'large' now)")):
+        plan_run(out, "sets", SetsRunConfig, resume=True, flags={"preset": "large"})
