@@ -323,6 +323,19 @@ def _seeded(method, grad, lengths="batch", n_samples=1, n_terms=5):
                          generator=torch.Generator().manual_seed(3))
 
 
+def _outputs_and_gradients(block, seed, shape, masked):
+    """A block's outputs, log-det and the gradients (input, then parameters) of a loss that
+    uses both, on seeded float64 inputs (with a mask keeping the first two elements)."""
+    torch.manual_seed(seed)
+    x = torch.randn(*shape, dtype=DT, requires_grad=True)
+    mask = torch.rand(*shape[:2]) < 0.7 if masked else None
+    if masked:
+        mask[:, :2] = True
+    y, ld = block(x, context=mask)
+    loss = (y**2).sum() - ld.sum() + (ld**2).sum()
+    return y, ld, torch.autograd.grad(loss, [x, *block.parameters()], allow_unused=True)
+
+
 @pytest.mark.parametrize(
     "method, grad, lengths, n_samples, zero_com, masked, n_terms",
     [
@@ -341,19 +354,10 @@ def test_mlp_block_with_its_own_products_matches_the_autograd_path_in_float64(
 ):
     """The branch's linearisation changes how the products are computed, not their values: the
     log-det, outputs and every gradient agree with autograd VJPs to rounding."""
-    results = []
     options = lambda: _seeded(method, grad, lengths, n_samples, n_terms)  # noqa: E731
-    for block in _pair_of_blocks(options, zero_com):
-        torch.manual_seed(12)
-        x = torch.randn(6, 5, 3, dtype=DT, requires_grad=True)
-        mask = torch.rand(6, 5) < 0.7 if masked else None
-        if masked:
-            mask[:, :2] = True
-        y, ld = block(x, context=mask)
-        loss = (y**2).sum() - ld.sum() + (ld**2).sum()
-        grads = torch.autograd.grad(loss, [x, *block.parameters()], allow_unused=True)
-        results.append((y, ld, grads))
-    (y1, ld1, g1), (y2, ld2, g2) = results
+    (y1, ld1, g1), (y2, ld2, g2) = (
+        _outputs_and_gradients(block, seed=12, shape=(6, 5, 3), masked=masked)
+        for block in _pair_of_blocks(options, zero_com))
     assert torch.equal(y1, y2)
     assert torch.allclose(ld1, ld2, rtol=1e-12, atol=1e-13)
     for a, b in zip(g1, g2, strict=True):
@@ -453,20 +457,12 @@ def test_attention_block_with_closed_form_products_matches_the_autograd_path_in_
 
     torch.manual_seed(21)
     attention = ContractiveL2MHA(3, 1, coeff=0.9, self_offset=1.0).double()
-    results = []
-    for branch in (attention, _AttentionAutogradOnly(copy.deepcopy(attention))):
-        options = _seeded(method, grad, lengths, n_samples)
-        block = InvertibleResidual(branch, logdet=options, causal=causal, zero_com=zero_com)
-        torch.manual_seed(22)
-        x = torch.randn(5, 6, 3, dtype=DT, requires_grad=True)
-        mask = torch.rand(5, 6) < 0.7 if masked else None
-        if masked:
-            mask[:, :2] = True
-        y, ld = block(x, context=mask)
-        loss = (y**2).sum() - ld.sum() + (ld**2).sum()
-        grads = torch.autograd.grad(loss, [x, *block.parameters()], allow_unused=True)
-        results.append((y, ld, grads))
-    (y1, ld1, g1), (y2, ld2, g2) = results
+    (y1, ld1, g1), (y2, ld2, g2) = (
+        _outputs_and_gradients(
+            InvertibleResidual(branch, logdet=_seeded(method, grad, lengths, n_samples),
+                               causal=causal, zero_com=zero_com),
+            seed=22, shape=(5, 6, 3), masked=masked)
+        for branch in (attention, _AttentionAutogradOnly(copy.deepcopy(attention))))
     assert torch.allclose(y1, y2, rtol=1e-12, atol=1e-14)
     assert torch.allclose(ld1, ld2, rtol=1e-10, atol=1e-12)
     assert any(g is not None and g.abs().sum() > 0 for g in g1[1:])
