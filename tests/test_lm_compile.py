@@ -138,8 +138,15 @@ def test_compiled_run_writes_the_checkpoint_of_the_eager_run(corpus, tmp_path):
     assert resumed["step"] == 6 and not resumed["diverged"]
 
 
-def test_checkpoint_of_a_compiled_wrapper_loads_into_the_eager_model(corpus, tmp_path):
-    config = _run_config(corpus)
+@pytest.mark.parametrize("settings", [
+    {},
+    dict(attention="contractive-l2", self_offset=0.0, position_bias=0.0, contractive_norm="inf"),
+], ids=["l2-tied", "contractive-l2-inf"])
+def test_checkpoint_of_a_compiled_wrapper_loads_into_the_eager_model(corpus, tmp_path,
+                                                                     settings):
+    """Keys lose their prefix and the modules keep their versions: a contractive model read
+    as a pre-tight one would get Theorem 3.2's bound and compute another function."""
+    config = _run_config(corpus, **settings)
     task = LMTask(config, Distributed.join("cpu"))
     wrapper = torch.compile(task.model)  # nothing is compiled before its first call
     state = wrapper.state_dict()
@@ -150,6 +157,8 @@ def test_checkpoint_of_a_compiled_wrapper_loads_into_the_eager_model(corpus, tmp
     model, _, _ = load_checkpoint(tmp_path / "checkpoint.pt")
     for key, value in task.model.state_dict().items():
         assert torch.equal(model.state_dict()[key], value), key
+    x = torch.randint(task.corpus.vocab.size, (2, 8))
+    assert torch.equal(model(x)[0], task.model.eval()(x)[0])  # the same function
 
 
 def test_compile_without_a_cpp_compiler_is_refused_with_the_reason(corpus, monkeypatch):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -192,7 +193,15 @@ def eager_state_dict(state: Mapping[str, Any]) -> dict:
         ['head.weight', 'tok_emb.weight']
     """
     prefix = "_orig_mod."
-    return {key.removeprefix(prefix): value for key, value in state.items()}
+    if not any(key.startswith(prefix) for key in state):
+        return state  # as it is: a copy would lose the modules' versions (``_metadata``)
+    out = OrderedDict((key.removeprefix(prefix), value) for key, value in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:  # module versions, keyed by module path: "_orig_mod.blocks.0" ...
+        out._metadata = type(metadata)(
+            ("" if key == prefix[:-1] else key.removeprefix(prefix), value)
+            for key, value in metadata.items())
+    return out
 
 
 def _fingerprint(config: LMRunConfig) -> dict:
