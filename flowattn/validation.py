@@ -112,13 +112,7 @@ def check_output(
         return y
     if _all_finite(y) if intermediate is None else _all_finite(y, intermediate):
         return y
-    largest = x.detach().abs().amax().item()
-    where = f" ({cause})" if cause else ""
-    raise NonFiniteError(
-        f"{name} overflowed: its output holds NaN or Inf although its input is finite, with "
-        f"values up to {largest:.3g} in {str(x.dtype).removeprefix('torch.')}{where}; scale "
-        "the input down or compute in float64"
-    )
+    raise _overflow_error(name, "output", x, cause)
 
 
 def check_deferred(x: Tensor, name: str, *results: Tensor) -> None:
@@ -132,13 +126,19 @@ def check_deferred(x: Tensor, name: str, *results: Tensor) -> None:
         return
     _TRUST.deferred = False
     if not _all_finite(*results):
-        largest = x.detach().abs().amax().item()
-        raise NonFiniteError(
-            f"{name} overflowed: its result holds NaN or Inf although its input is finite, "
-            f"with values up to {largest:.3g} in {str(x.dtype).removeprefix('torch.')} (an "
-            "attention layer's x W is the likely place); scale the input down or compute in "
-            "float64"
-        )
+        raise _overflow_error(name, "result", x, "an attention layer's x W is the likely place")
+
+
+def _overflow_error(name: str, what: str, x: Tensor, cause: str) -> NonFiniteError:
+    """The error of a computation ``name`` whose ``what`` holds NaN or Inf although its input
+    ``x`` is finite: the input's magnitude, its dtype and ``cause``, the likely place."""
+    largest = x.detach().abs().amax().item()
+    where = f" ({cause})" if cause else ""
+    return NonFiniteError(
+        f"{name} overflowed: its {what} holds NaN or Inf although its input is finite, with "
+        f"values up to {largest:.3g} in {str(x.dtype).removeprefix('torch.')}{where}; scale "
+        "the input down or compute in float64"
+    )
 
 
 def check_sets(
