@@ -33,6 +33,8 @@ __all__ = [
     "power_iteration",
     "PowerIteration",
     "l2_attention_bound",
+    "induced_attention_bound",
+    "induced_core_constant",
     "l2_core_column_constant",
     "logit_margin_constant",
     "layernorm_lipschitz_bound",
@@ -324,6 +326,120 @@ def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, n
     qv = torch.sqrt((spectral_norm_exact(w_q) ** 2 * spectral_norm_exact(w_v) ** 2).sum())
     sqrt_n = torch.sqrt(n.to(w_q.dtype))
     return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral_norm_exact(w_o)
+
+
+def induced_attention_bound(
+    n: int | range | Tensor, inducing: int, w_q: Tensor, w_v: Tensor, w_o: Tensor
+) -> Tensor:
+    """Certified Lip_{2,inf} bound of induced-point tied L2 attention on sets of ``n`` elements.
+
+    :class:`~flowattn.attention.InducedL2MHA` with M = ``inducing`` points per head is, per head,
+    a parameter-free core between the linear maps of the tight certificate (W^{Q,h} and
+    M_h = W^{Q,h T} W^{V,h} W^{O,h} / sqrt(d)). Its Jacobian splits into a sub-convex
+    combination of the input perturbations (the linear part, through G_h = W^{Q,h} M_h) and
+    rank-one terms of norm at most r(N, M) beta_h ||M_h|| (:func:`induced_core_constant`, from
+    Kim et al.'s Lemma F.2 in both stages)::
+
+        Lip_2,inf <= min(sqrt(1^T Gamma^G 1), sqrt(H) ||[G_h]_h||_2)
+                     + r min(sqrt(beta^T Gamma beta), ||[M_h]_h||_2 ||beta||_2),
+
+    the mixed-norm bound of :func:`l2_attention_bound` with its 4 c replaced by r (derivation in
+    ``docs/attention.md``). ``n`` an int, a ``range`` (a table over counts) or a tensor of
+    counts; differentiable in the weights.
+
+    Examples:
+        >>> eye = torch.eye(1, dtype=torch.float64)
+        >>> b = induced_attention_bound(2, 1, eye[None], eye[None], eye)
+        >>> bool(torch.isclose(b, 1 + induced_core_constant(2, 1)))
+        True
+    """
+    heads, dim, head_dim = w_q.shape
+    if w_v.shape != w_q.shape or w_o.shape != (dim, dim) or heads * head_dim != dim:
+        raise InputError(
+            f"inconsistent weight shapes: w_q {tuple(w_q.shape)}, w_v {tuple(w_v.shape)}, "
+            f"w_o {tuple(w_o.shape)}"
+        )
+    rank_one = induced_core_constant(n, inducing).to(device=w_q.device, dtype=w_q.dtype)
+    m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
+    c = (rank_one / 4).unsqueeze(-1).expand(*rank_one.shape, heads)
+    return _mixed_norm_bound(c, w_q, m, spectral_norm_exact(w_q))
+
+
+def induced_core_constant(n: int | range | Tensor, inducing: int) -> Tensor:
+    """r(N, M): the rank-one part of the induced-point attention core's Lipschitz constant.
+
+    In the core at unit temperature (z-space; ``docs/attention.md``) summary m has self weight
+    p = P_m0 and element i self weight q = Q_i0. Given its self weight, a row's second moment
+    about its own point is at most m2_K(p) = (1 - p) log(K p / (1 - p)) over K other keys (the
+    maximiser of the concave sum_k P_k log(p / P_k) spreads the rest equally; its maximum over p
+    is Lemma F.2's c_K = W_0(K / e)). The rank-one terms are then at most
+
+        r = max_q [ 2 (1 - q) c_N + 2 m2_M(q) L(N) ],   L(N) = max_p [ 2 - p + 2 m2_N(p) ]
+
+    (L bounds ||d s_m - d z_i|| for unit input perturbations). Both maxima are of concave
+    functions of t = 1 - p or 1 - q on (0, 1): found by bisection on the derivative and
+    certified by the tangent, f(t) <= f(t0) + |f'(t0)|. Returns a float64 tensor of the shape
+    of ``n`` (a table for a range); computed on the host, cached per (N, M).
+
+    Examples:
+        >>> r = float(induced_core_constant(2, 1))
+        >>> 1.45 < r < 1.5
+        True
+    """
+    if not isinstance(inducing, int) or inducing < 1:
+        raise InputError(f"inducing must be a positive number of points, got {inducing!r}")
+    if isinstance(n, (int, range)):
+        counts = [n] if isinstance(n, int) else list(n)
+        if not counts or min(counts) < 1:
+            raise InputError(f"set size must be >= 1, got {n}")
+        values = torch.tensor([_induced_constant(k, inducing) for k in counts],
+                              dtype=torch.float64)
+        return values[0] if isinstance(n, int) else values
+    n_host = torch.as_tensor(n)
+    if (n_host < 1).any():
+        raise InputError(f"set size must be >= 1, got {n}")
+    return _induced_constants(n_host.to(torch.float64), inducing)
+
+
+@torch.compiler.disable  # a host-side constant: not traced
+@functools.lru_cache(maxsize=65536)
+def _induced_constant(n: int, inducing: int) -> float:
+    return float(_induced_constants(torch.tensor([float(n)], dtype=torch.float64), inducing)[0])
+
+
+def _induced_constants(n: Tensor, inducing: int) -> Tensor:
+    """r(N, M) for a float64 tensor of counts N (see :func:`induced_core_constant`)."""
+    c_n = phi_inverse(n)
+
+    def spread(t: Tensor, k: Tensor | float) -> tuple[Tensor, Tensor]:  # t log(k (1 - t) / t)
+        log = torch.log(k * (1 - t) / t)
+        return t * log, log - 1 / (1 - t)  # the value and its derivative in t
+
+    def stage_one(t: Tensor) -> tuple[Tensor, Tensor]:  # 2 - p + 2 m2_N(p), t = 1 - p
+        value, slope = spread(t, n)
+        return 1 + t + 2 * value, 1 + 2 * slope
+
+    link = _concave_maximum(stage_one, n.shape)
+
+    def stage_two(t: Tensor) -> tuple[Tensor, Tensor]:  # t = 1 - q
+        value, slope = spread(t, float(inducing))
+        return 2 * t * c_n + 2 * value * link, 2 * c_n + 2 * slope * link
+
+    return _concave_maximum(stage_two, n.shape)
+
+
+def _concave_maximum(f: Callable[[Tensor], tuple[Tensor, Tensor]], shape) -> Tensor:
+    """An upper bound on max_{t in (0, 1)} f(t) for concave f whose slope runs from +inf to
+    -inf: bisection on the slope, then the tangent bound f(t0) + |f'(t0)| (the interval has
+    length 1)."""
+    lo = torch.zeros(shape, dtype=torch.float64)
+    hi = torch.ones(shape, dtype=torch.float64)
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        rising = f(mid)[1] > 0
+        lo, hi = torch.where(rising, mid, lo), torch.where(rising, hi, mid)
+    value, slope = f((lo + hi) / 2)
+    return value + slope.abs()
 
 
 def logit_margin_constant(n: int | Tensor, margin: Tensor | float = 0.0) -> Tensor:

@@ -17,6 +17,7 @@ double backward, ``torch.autograd.functional.jacobian(..., create_graph=True)``,
 
 from .cosine import ContractiveScaledCosineMHA, ScaledCosineMHA
 from .dot_product import DotProductMHA
+from .induced import ContractiveInducedL2MHA, InducedL2MHA
 from .l2 import L2MHA, ContractiveL2MHA
 from .projections import Projection
 
@@ -24,6 +25,8 @@ __all__ = [
     "DotProductMHA",
     "L2MHA",
     "ContractiveL2MHA",
+    "InducedL2MHA",
+    "ContractiveInducedL2MHA",
     "ScaledCosineMHA",
     "ContractiveScaledCosineMHA",
     "Projection",
