@@ -1,4 +1,4 @@
-"""Induced-point tied L2 attention: the formula, masks, equivariance, and its certificate both ways."""
+"""Induced-point tied L2 attention: the formula, masks, equivariance, the certificate."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Induced-point tied L2 attention: a certified Lipschitz interaction of cost O(N M), for large sets.
+"""Induced-point tied L2 attention: a certified Lipschitz interaction of cost O(N M).
 
 Each head pools the set into M summaries by tied L2 attention from M learnt inducing points,
 then every element attends to itself and the summaries (the induced set attention of Lee et al.
