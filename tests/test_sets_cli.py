@@ -438,3 +438,25 @@ def test_evaluating_zero_com_sets_of_one_element_is_a_clear_error(tmp_path):
         evaluate(flow, data)
     with pytest.raises(DataError, match="set 0 has 1 element"):
         evaluate(flow, SetData(torch.randn(4, 1, 2), zero_com=True))
+
+
+def test_inducing_points_build_induced_attention_or_fail_clearly(tmp_path, capsys):
+    from flowattn.attention import ContractiveInducedL2MHA, ContractiveL2MHA
+
+    out = tmp_path / "run"
+    assert run_cli("fit", *TINY, "--inducing-points", "4", "--steps", "2", "--out", str(out),
+                   "--config", str(tiny_config(tmp_path))) == 0
+    flow, _ = load_flow(out)  # the saved setting rebuilds the same flow
+    branches = [m for m in flow.modules() if isinstance(m, ContractiveInducedL2MHA)]
+    assert branches and branches[0].attention.inducing == 4
+    assert not any(isinstance(m, ContractiveL2MHA) for m in flow.modules())
+    assert "test NLL" in capsys.readouterr().out
+    for extra in (["--interaction", "linear"], ["--flow", "coupling"]):
+        assert run_cli("fit", *TINY, "--inducing-points", "4", *extra, "--steps", "2",
+                       "--out", str(tmp_path / "x")) != 0
+        assert "inducing_points" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() or not (tmp_path / "x" / "checkpoint.pt").exists()
+    # particles resolve to radial interactions: refused when the flow is built
+    assert run_cli("fit", "--data", "dw4", "--num-train", "64", "--no-progress",
+                   "--inducing-points", "4", "--steps", "1", "--out", str(tmp_path / "y")) != 0
+    assert "inducing_points" in capsys.readouterr().err

@@ -82,6 +82,10 @@ class SetsFlow(Section):
     mlp: bool = Field(True, description="a pointwise Lipschitz-MLP residual in every block")
     location: bool = Field(True, description="a spline flow of each set's centroid first (not "
                            "for particles, nor interaction none)")
+    inducing_points: int | None = Field(
+        None, ge=1, description="resflow attention: pool each head through this many learnt "
+        "inducing points (induced-point attention, O(N M): for sets of thousands of "
+        "elements); none: full attention, O(N^2)")
     train_logdet: Literal["auto", "exact", "series", "roulette"] = Field(
         "auto", description="log-det estimator in training (auto: exact when N D <= 64, radial "
         "<= 512; else Russian roulette)")
@@ -137,6 +141,11 @@ class SetsFlow(Section):
             raise ValueError(f"interaction={self.interaction!r} is a residual-flow setting: "
                              "use flow=resflow (a coupling flow's interaction is its "
                              "conditioner, coupling_blocks)")
+        if self.inducing_points is not None and (
+                self.flow != "resflow" or self.interaction not in ("auto", "attention")):
+            raise ValueError("inducing_points is a setting of attention in residual flows: use "
+                             f"it with flow=resflow and interaction=attention (here {self.flow}, "
+                             f"{self.interaction})")
         for name in COUPLING_SETTINGS:
             if self.flow != "coupling" and getattr(self, name) is not None:
                 raise ValueError(f"{name} is a setting of coupling flows: use it with "
@@ -283,6 +292,9 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     if flow.manybody and interaction != "radial":
         raise ConfigError(f"manybody is a setting of radial interactions, but the interaction "
                           f"here is {interaction}")
+    if flow.inducing_points is not None and interaction != "attention":
+        raise ConfigError(f"inducing_points is a setting of attention, but the interaction "
+                          f"here is {interaction}")
     if flow.flow == "resflow":
         logdet = flow.train_logdet
         if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
@@ -304,6 +316,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             radial_inverse=flow.radial_inverse,
             location=location,
             logdet=LogDetOptions(logdet),
+            attention=_induced_attention(flow.inducing_points),
         )
     from ..flows.continuous.cnf import CNF
 
@@ -318,6 +331,21 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     if not location:
         return SetFlow(cnf, dim, zero_com)
     return SetFlow(CompositeTransform([SetLocation(dim), cnf]), dim, zero_com)
+
+
+def _induced_attention(inducing: int | None) -> Any:
+    """The attention factory of :func:`~flowattn.flows.set_flow` for ``inducing_points``: None
+    (the default contractive L2 attention) or contractive induced-point attention, which is
+    certified in the mixed norm whatever norm the flow asks for (any induced norm makes a
+    residual block invertible)."""
+    if inducing is None:
+        return None
+    from ..attention import ContractiveInducedL2MHA
+
+    def build(dim: int, heads: int, coeff: float, norm: str) -> Any:
+        return ContractiveInducedL2MHA(dim, heads, coeff, inducing=inducing)
+
+    return build
 
 
 def _build_coupling(flow: SetsFlow, dim: int, zero_com: bool) -> Any:
