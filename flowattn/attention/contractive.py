@@ -12,6 +12,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor, nn
 
+from ..errors import InputError
 from ..lipschitz import _norm_name
 from .masking import keys_per_row
 from .projections import Projection
@@ -27,6 +28,15 @@ class ContractiveAttention(nn.Module):
     coeff: float
     norm: str
     output_dropout: float
+
+    def _contraction(self, coeff: float, norm: str | int, output_dropout: float) -> None:
+        """Check and set ``coeff`` in (0, 1), ``norm`` and ``output_dropout`` in [0, 1)."""
+        if not 0.0 < coeff < 1.0:
+            raise InputError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
+        if not 0.0 <= output_dropout < 1.0:
+            raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
+        self.coeff, self.norm = coeff, _norm_name(norm, mixed=True)
+        self.output_dropout = output_dropout
 
     def _divided(self, x: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
         """coeff * F(x) / bound: in the 2-norm the bound of each set; in the inf- and mixed

@@ -254,11 +254,6 @@ class ContractiveScaledCosineMHA(ContractiveAttention):
         output_dropout: float = 0.0,
     ):
         super().__init__()
-        if not 0.0 < coeff < 1.0:
-            raise InputError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
-        if not 0.0 <= output_dropout < 1.0:
-            raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
-        self.coeff, self.norm = coeff, _norm_name(norm, mixed=True)
-        self.output_dropout = output_dropout
+        self._contraction(coeff, norm, output_dropout)
         self.attention = ScaledCosineMHA(dim, heads, tau=tau, eps=eps)
         self.dim, self.heads = dim, heads

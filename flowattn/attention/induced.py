@@ -204,11 +204,7 @@ class ContractiveInducedL2MHA(ContractiveAttention):
         output_dropout: float = 0.0,
     ):
         super().__init__()
-        if not 0.0 < coeff < 1.0:
-            raise InputError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
-        if not 0.0 <= output_dropout < 1.0:
-            raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
-        self.coeff, self.norm, self.output_dropout = coeff, "2,inf", output_dropout
+        self._contraction(coeff, "2,inf", output_dropout)
         self.attention = InducedL2MHA(dim, heads, inducing)
         self.dim, self.heads = dim, heads
 

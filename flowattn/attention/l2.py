@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from ..errors import InputError
-from ..lipschitz import CERTIFICATES, _norm_name, l2_attention_bound
+from ..lipschitz import CERTIFICATES, l2_attention_bound
 from ..validation import check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -617,19 +617,14 @@ class ContractiveL2MHA(ContractiveAttention):
         max_distance: int = 64,
     ):
         super().__init__()
-        if not 0.0 < coeff < 1.0:
-            raise InputError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
         if dropout != 0.0:
             raise InputError(
                 "ContractiveL2MHA does not take attention dropout: rescaled attention rows void "
                 "the certified bound; use output_dropout (classic dropout) instead"
             )
-        if not 0.0 <= output_dropout < 1.0:
-            raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
-        norm = _norm_name(norm, mixed=True)
-        if norm == "2,inf" and certificate == "thm3.2":
+        self._contraction(coeff, norm, output_dropout)
+        if self.norm == "2,inf" and certificate == "thm3.2":
             raise InputError("Theorem 3.2 has no '2,inf' bound: use certificate='tight'")
-        self.coeff, self.norm, self.output_dropout = coeff, norm, output_dropout
         self.attention = L2MHA(
             dim,
             heads,
