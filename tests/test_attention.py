@@ -886,3 +886,36 @@ def test_invertible_contractive_block_is_correct_at_extreme_scale(logdet):
         torch.testing.assert_close(ld32.double(), ld64, rtol=1e-4, atol=1e-6)
         x_back = blocks[0].inverse(y32)[0]
         assert ((x_back.double() - x).norm() / x.norm()).item() < 1e-6
+
+
+def test_lipsformer_bound_is_theorem_1_as_printed():
+    """Qi et al. (2023), Theorem 1, transcribed entry by entry from the weights (no shared
+    code): the published bound is far above the Jacobians it bounds, so only this pins it."""
+    module = make(ScaledCosineMHA, seed=12, eps=0.5, tau=3.0)
+    d, n, nu, tau, eps = DIM // HEADS, 5, module.nu, 3.0, 0.5
+
+    def head(w, h):  # the (D, d) column block of head h
+        return w.detach()[:, h * d:(h + 1) * d]
+
+    def inf(a):  # max row sum
+        return max(sum(abs(v) for v in row) for row in a.tolist())
+
+    def two(a):
+        return float(torch.linalg.svdvals(a)[0])
+
+    inf_terms, two_terms = [], []
+    for h in range(HEADS):
+        wq, wk, wv = (head(w, h) for w in (module.w_q, module.w_k, module.w_v))
+        inf_terms.append(n * n * math.sqrt(d) * nu * tau / math.sqrt(eps) * max(inf(wk), inf(wk.T))
+                         + n * math.sqrt(d) * nu * tau / math.sqrt(eps) * max(inf(wq), inf(wq.T))
+                         + 2 * n * nu / math.sqrt(eps) * inf(wv.T))
+        two_terms.append(2 * n * (n - 1) * nu * tau / math.sqrt(eps) * two(wk)
+                         + 2 * (n - 1) * nu * tau / math.sqrt(eps) * two(wq)
+                         + 2 * n * nu / math.sqrt(eps) * two(wv))
+    wo = module.w_o.detach()
+    expected_inf = max(inf_terms) * inf(wo.T)
+    expected_two = math.sqrt(sum(t * t for t in two_terms)) * two(wo)
+    assert module.lipschitz_bound(n, "inf", "lipsformer").item() == pytest.approx(expected_inf,
+                                                                                 rel=1e-12)
+    assert module.lipschitz_bound(n, 2, "lipsformer").item() == pytest.approx(expected_two,
+                                                                             rel=1e-12)
