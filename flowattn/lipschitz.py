@@ -514,10 +514,14 @@ def _core_column_constant(n: int, margin: float = 0.0) -> float:
     return 1 + 2 * c + (n - 1) * kappa
 
 
-def _pairwise_spectral(a: Tensor, b: Tensor | None = None) -> Tensor:
-    """(H, p, q) -> (H, H): ||A_h B_k^T||_2 for every pair of heads (B = A when not given)."""
-    b = a if b is None else b
-    return spectral_norm_exact(a.unsqueeze(1) @ b.unsqueeze(0).transpose(-1, -2))
+def _pairwise_spectral(a: Tensor) -> Tensor:
+    """(H, p, q) -> (H, H): ||A_h A_k^T||_2 for every pair of heads, from the H (H + 1) / 2
+    pairs h <= k (the matrix is symmetric: A_k A_h^T is the transpose of A_h A_k^T)."""
+    heads = a.shape[0]
+    h, k = torch.triu_indices(heads, heads, device=a.device)
+    upper = spectral_norm_exact(a[h] @ a[k].transpose(-1, -2))
+    gamma = a.new_zeros(heads, heads).index_put((h, k), upper)
+    return gamma + gamma.triu(1).transpose(0, 1)
 
 
 def _tight_l2_attention_bound(
