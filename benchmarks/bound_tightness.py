@@ -1,5 +1,8 @@
 """How tight are the certificates of tied L2 attention? Certificate / optimised lower bound.
 
+``--attention induced`` measures induced-point attention (``InducedL2MHA`` with ``--inducing``
+points per head, certified in the mixed norm only) the same way.
+
 For L2MHA with random (Glorot) weights, for every set size N, width D and head count H of the
 grid and each norm, prints the certificate (the tight one of ``docs/attention.md`` and
 Theorem 3.2), the best lower bound on the Lipschitz constant found by maximising the Jacobian
@@ -23,11 +26,13 @@ scale at which the softmax is neither uniform nor one-hot), learning rate 0.05 s
     python benchmarks/bound_tightness.py                     # the full grid, inf and 2
     python benchmarks/bound_tightness.py --norms 2,inf       # the mixed norm
     python benchmarks/bound_tightness.py --quick
+    python benchmarks/bound_tightness.py --attention induced --norms 2,inf --inducing 4 16
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -35,7 +40,7 @@ import time
 import torch
 from machine import cpu_name
 
-from flowattn.attention import L2MHA
+from flowattn.attention import L2MHA, InducedL2MHA
 
 
 def initial_inputs(module: L2MHA, n: int, restarts: int, generator: torch.Generator):
@@ -122,47 +127,60 @@ def main() -> None:
     parser.add_argument("--parametrization", default="raw", choices=["raw", "orthogonal"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--coeff", type=float, default=0.9)
+    parser.add_argument("--attention", default="l2", choices=["l2", "induced"])
+    parser.add_argument("--inducing", type=int, nargs="+", default=[16],
+                        help="inducing points per head (--attention induced)")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
+    if args.attention == "induced" and set(args.norms) != {"2,inf"}:
+        parser.error("--attention induced is certified in the mixed norm only: --norms 2,inf")
+    if args.attention == "l2":
+        args.inducing = [None]
     if args.quick:
         args.sizes, args.dims, args.heads, args.restarts, args.steps = [2, 8], [4], [1, 2], 2, 20
         args.restarts_2, args.steps_2 = 2, 20
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {cpu_name()}, {torch.get_num_threads()} thread(s); "
-          f"L2MHA ({args.parametrization}), Glorot weights (seed {args.seed}), float64; "
+          f"{'L2MHA' if args.attention == 'l2' else 'InducedL2MHA'} ({args.parametrization}), "
+          f"Glorot weights (seed {args.seed}), float64; "
           f"{args.restarts} restarts x {args.steps} Adam steps "
           f"({args.restarts_2} x {args.steps_2} for the 2-norm)\n")
-    print(f"| D | H | N | norm | tight | Thm 3.2 | lower bound | tight / lower | "
+    print(f"| D | H | M | N | norm | tight | Thm 3.2 | lower bound | tight / lower | "
           f"Thm 3.2 / lower | contractive c={args.coeff} reaches | s |")
-    print("| ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     ratios: dict[str, list[float]] = {norm: [] for norm in args.norms}
     start = time.perf_counter()
-    for dim in args.dims:
-        for heads in args.heads:
-            if dim % heads:
-                continue
-            torch.manual_seed(args.seed)
+    for dim, heads, inducing in itertools.product(args.dims, args.heads, args.inducing):
+        if dim % heads:
+            continue
+        torch.manual_seed(args.seed)
+        if args.attention == "l2":
             module = L2MHA(dim, heads, parametrization=args.parametrization).double()
-            for p in module.parameters():
-                p.requires_grad_(False)
-            for n in args.sizes:
-                for norm in args.norms:
-                    t0 = time.perf_counter()
-                    with torch.no_grad():
+        else:
+            module = InducedL2MHA(dim, heads, inducing).double()
+        for p in module.parameters():
+            p.requires_grad_(False)
+        for n in args.sizes:
+            for norm in args.norms:
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    if args.attention == "l2":
                         tight = float(module.lipschitz_bound(n, norm, method="tight"))
-                        old = (math.nan if norm == "2,inf"
-                               else float(module.lipschitz_bound(n, norm, method="thm3.2")))
-                    restarts, steps = ((args.restarts_2, args.steps_2) if norm == "2"
-                                       else (args.restarts, args.steps))
-                    lower = lower_bound(module, n, norm, restarts, steps, args.seed)
-                    if lower > tight * (1 + 1e-9):
-                        raise AssertionError(f"certificate {tight} below a measured Jacobian "
-                                             f"norm {lower} (D={dim}, H={heads}, N={n}, {norm})")
-                    ratios[norm].append(tight / lower)
-                    print(f"| {dim} | {heads} | {n} | {norm} | {tight:.4g} | {old:.4g} | "
-                          f"{lower:.4g} | {tight / lower:.2f} | {old / lower:.1f} | "
-                          f"{args.coeff * lower / tight:.3f} | {time.perf_counter() - t0:.0f} |",
-                          flush=True)
+                    else:
+                        tight = float(module.lipschitz_bound(n, norm))
+                    old = (math.nan if norm == "2,inf"
+                           else float(module.lipschitz_bound(n, norm, method="thm3.2")))
+                restarts, steps = ((args.restarts_2, args.steps_2) if norm == "2"
+                                   else (args.restarts, args.steps))
+                lower = lower_bound(module, n, norm, restarts, steps, args.seed)
+                if lower > tight * (1 + 1e-9):
+                    raise AssertionError(f"certificate {tight} below a measured Jacobian "
+                                         f"norm {lower} (D={dim}, H={heads}, N={n}, {norm})")
+                ratios[norm].append(tight / lower)
+                print(f"| {dim} | {heads} | {inducing or '-'} | {n} | {norm} | {tight:.4g} | "
+                      f"{old:.4g} | {lower:.4g} | {tight / lower:.2f} | {old / lower:.1f} | "
+                      f"{args.coeff * lower / tight:.3f} | {time.perf_counter() - t0:.0f} |",
+                      flush=True)
     print()
     for norm, values in ratios.items():
         print(f"{norm}: tight / lower bound over {len(values)} cases: min {min(values):.2f}, "
