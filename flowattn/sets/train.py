@@ -105,6 +105,9 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
             "logdet": "estimated" if (estimated or unknown) else "exact", "num_sets": count}
 
 
+#: sets whose centroids initialise the centroid flow's ActNorm when batches are smaller
+INIT_SETS = 64
+
 #: element pairs (sets x N²) scored at once in evaluation: 256 sets up to N = 128
 EVAL_PAIRS = 2**22
 
@@ -161,8 +164,17 @@ class SetsTask:
         self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
 
     def initialise(self) -> None:
-        """Data-dependent initialisation (ActNorm) on a batch every process shares."""
+        """Data-dependent initialisation (ActNorm) on a batch every process shares.
+
+        The centroid flow's ActNorm sees one centroid per set: for batches smaller than
+        ``INIT_SETS`` sets (large sets) it is initialised from the centroids of the first
+        ``INIT_SETS`` training sets instead (a cheap pass; no attention).
+        """
         size = min(len(self.train_data), self.config.train.batch_size)
+        if size < INIT_SETS:
+            count = min(len(self.train_data), INIT_SETS)
+            self.flow.initialise_location(*_batch(self.train_data, torch.arange(count),
+                                                  self.dist.device))
         x, mask = _batch(self.train_data, torch.arange(size), self.dist.device)
         self.flow.log_prob(x, mask)
 

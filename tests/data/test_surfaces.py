@@ -136,3 +136,4 @@ def test_bad_settings_are_refused():
     with pytest.raises(InputError, match=r"shape \(M, N, 3\)"):
         surface_distance(torch.zeros(2, 5, 2), torch.zeros(2), torch.zeros(2, 2),
                          torch.eye(3).expand(2, 3, 3))
+
