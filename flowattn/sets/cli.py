@@ -81,8 +81,10 @@ def _eval(args: argparse.Namespace) -> int:
     flow, record, device = _load(args)
     if args.data.endswith(".npz") or Path(args.data).exists():
         data = load_npz(args.data)
-    else:
-        data = load_dataset(args.data)["test"]
+    else:  # a built-in name: its test split, with the fitted run's set size if it had one
+        fitted = record["config"].data
+        set_size = fitted.set_size if fitted.data == args.data else None
+        data = load_dataset(args.data, set_size=set_size)["test"]
     spec = record["data"]
     if data.dim != spec["dim"]:
         raise DataError(f"{args.data}: elements have D={data.dim}, the model was fitted to "
