@@ -50,3 +50,11 @@ def test_evaluation_batches_and_plotted_samples_shrink_only_for_large_sets():
     assert [eval_batch_size(256, n) for n in (8, 128, 129, 1000, 1448, 1449, 10_000)] == [
         256, 256, 252, 4, 2, 1, 1]
     assert [sample_count(500, n) for n in (8, 91, 92, 1000)] == [500, 500, 495, 6]
+
+
+def test_a_tiny_standard_error_is_printed_with_its_digits():
+    from flowattn.sets.cli import _logdet_note
+
+    assert _logdet_note("estimated", 2.16e-5).endswith("standard error 2.2e-05 nats/dim")
+    assert _logdet_note("estimated", 0.0123).endswith("standard error 0.0123 nats/dim")
+    assert _logdet_note("exact", 0.0) == "exact log-det"

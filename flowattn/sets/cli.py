@@ -61,7 +61,9 @@ def _logdet_note(logdet: str | None, se: float | None) -> str:
         return "exact log-det"
     if se is None:
         return "estimated log-det, standard error unknown"
-    return f"estimated log-det, standard error {se:.4f} nats/dim"
+    # large sets reach errors far below 1e-4 per dimension: print their digits, not 0.0000
+    value = f"{se:.4f}" if se == 0 or se >= 1e-4 else f"{se:.1e}"
+    return f"estimated log-det, standard error {value} nats/dim"
 
 
 def _load(args: argparse.Namespace):
