@@ -15,15 +15,20 @@ batch) and measures
 * peak resident memory: ``ru_maxrss`` of the subprocess minus its value after the imports.
 
 Peak memory grows as O(N²) (attention holds B H N² weights per block, and the roulette
-gradient keeps a few of them per block), so the sizes run from small to large, a quadratic
-a + b N + c N² is fitted to the peaks measured so far, and a size predicted above
-``--max-memory-gib`` is skipped instead of run (the machine may be shared); the fit gives the
-largest N that fits in ``--target-gib`` (24 GiB by default). Prints a Markdown table and writes
-``--json``.
+gradient keeps a few of them per block), so the sizes run from small to large and a size whose
+peak, scaled as N² from the largest size measured, exceeds ``--max-memory-gib`` is skipped
+instead of run (the machine may be shared). a + c N² is fitted to the peaks of the sizes whose
+(N, N) matrix of one set holds at least 32 MiB (N >= 2897): glibc's malloc serves such blocks by
+mmap and returns them to the system when they are freed, so the resident size follows the live
+tensors; smaller blocks come from its heap, which keeps freed memory, and their peaks vary with
+the order of allocations (all sizes are fitted when fewer than two are that large). The fit
+gives the largest N that fits in ``--target-gib`` (24 GiB by default). Prints a Markdown table
+and writes ``--json``.
 
     python benchmarks/large_sets.py                               # N = 1000 2000 5000 10000
     python benchmarks/large_sets.py --sizes 1000 2000 3000 --batch 2 --max-memory-gib 8
     python benchmarks/large_sets.py --sizes 500 --steps 1 --json /tmp/small.json  # smoke test
+    python benchmarks/large_sets.py --references --sizes 1000      # yardsticks of the test NLL
 """
 
 from __future__ import annotations
@@ -96,34 +101,67 @@ def measure(n: int, batch: int, variant: str, steps: int, threads: int, seed: in
             "baseline_mib": baseline}
 
 
-def fit_memory(points: list[tuple[int, float]]) -> tuple[float, float, float]:
-    """Least-squares (a, b, c) of peak MiB = a + b N + c N² (fewer terms for fewer points:
-    c N² from one point, a + c N² from two)."""
+def reference_nlls(n: int, seed: int) -> dict:
+    """Two yardsticks for the NLL per dimension of the test split (the one ``fit`` scores).
+
+    ``gaussian``: one 3-D Gaussian fitted to every training point (the points i.i.d.).
+    ``surface_known``: the density of the points given each set's own surface, to first order
+    in sigma / curvature radius: area-uniform on a surface of area A (sphere 4 pi a²,
+    torus 4 pi² a b, open cylinder 4 pi a b) times N(0, sigma²) across it,
+    -log p(x) = log A + d² / (2 sigma²) + log(2 pi sigma²) / 2 with d the distance to the surface.
+    A model must also find the surface from the set (a handful of parameters per N points),
+    so this is a bound it can approach at large N, not a truth it can pass.
+    """
     import torch
 
+    from flowattn.data import load_dataset, surface_distance
+
+    splits = load_dataset(DATA, {"train": 200, "val": 1, "test": 100}, seed=seed, set_size=n)
+    train = splits["train"].x.double().reshape(-1, 3)
+    test = splits["test"]
+    x = test.x.double()
+    gaussian = torch.distributions.MultivariateNormal(train.mean(0), torch.cov(train.T))
+    surfaces, sigma = test.meta["surfaces"], test.meta["noise"]
+    kind, (a, b) = surfaces["kind"], surfaces["params"].double().unbind(1)
+    area = torch.where(kind == 0, 4 * math.pi * a**2,
+                       torch.where(kind == 1, 4 * math.pi**2 * a * b, 4 * math.pi * a * b))
+    d = surface_distance(x, surfaces["kind"], surfaces["params"].double(),
+                         surfaces["rotation"].double())
+    known = area.log()[:, None] + d**2 / (2 * sigma**2) + 0.5 * math.log(2 * math.pi * sigma**2)
+    return {"n": n, "gaussian": -gaussian.log_prob(x).mean().item() / 3,
+            "surface_known": known.mean().item() / 3}
+
+
+#: the smallest N whose (N, N) float32 matrix of one set is served by mmap (32 MiB)
+MMAP_N = 2897
+
+
+def fit_memory(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (a, c) of peak MiB = a + c N² over the points with N >= ``MMAP_N`` (all
+    points if fewer than two are; c N² alone from one point)."""
+    import torch
+
+    large = [p for p in points if p[0] >= MMAP_N]
+    points = large if len(large) >= 2 else points
     ns = torch.tensor([p[0] for p in points], dtype=torch.float64)
     mib = torch.tensor([p[1] for p in points], dtype=torch.float64)
-    columns = {1: [ns**2], 2: [torch.ones_like(ns), ns**2]}.get(
-        len(points), [torch.ones_like(ns), ns, ns**2])
-    coef = torch.linalg.lstsq(torch.stack(columns, 1), mib[:, None]).solution[:, 0].tolist()
     if len(points) == 1:
-        return 0.0, 0.0, coef[0]
-    if len(points) == 2:
-        return coef[0], 0.0, coef[1]
-    return coef[0], coef[1], coef[2]
+        return 0.0, float(mib[0] / ns[0] ** 2)
+    design = torch.stack([torch.ones_like(ns), ns**2], 1)
+    a, c = torch.linalg.lstsq(design, mib[:, None]).solution[:, 0].tolist()
+    return a, c
 
 
-def predict_mib(fit: tuple[float, float, float], n: float) -> float:
-    a, b, c = fit
-    return a + b * n + c * n * n
+def scaled_mib(points: list[tuple[int, float]], n: int) -> float:
+    """The peak of the largest size measured, scaled as N²: the estimate that decides a skip."""
+    n0, mib = max(points)
+    return mib * (n / n0) ** 2
 
 
-def largest_n(fit: tuple[float, float, float], mib: float) -> int:
-    """The largest N whose predicted peak is at most ``mib`` (the quadratic's positive root)."""
-    a, b, c = fit
-    if c <= 0:
-        return -1
-    return int((-b + math.sqrt(b * b - 4 * c * (a - mib))) / (2 * c))
+def largest_n(fit: tuple[float, float], mib: float) -> int:
+    """The largest N whose fitted peak a + c N² is at most ``mib`` (-1 if c <= 0)."""
+    a, c = fit
+    return int(math.sqrt((mib - a) / c)) if c > 0 and mib > a else -1
 
 
 def run_one(args: argparse.Namespace, n: int, variant: str) -> dict:
@@ -161,10 +199,19 @@ def main() -> None:
     parser.add_argument("--target-gib", type=float, default=24.0, help="report the largest N "
                         "predicted to fit in this much memory (default: %(default)s)")
     parser.add_argument("--json", default="large_sets.json", help="results file")
+    parser.add_argument("--references", action="store_true", help="print the NLL per "
+                        "dimension of the test split under a fitted Gaussian and given each "
+                        "set's surface (reference_nlls) for --sizes, and stop")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.batch < 1 or args.steps < 1 or args.threads < 1:
         parser.error("--batch, --steps and --threads must be positive")
+    if args.references:
+        for n in args.sizes:
+            ref = reference_nlls(n, args.seed)
+            print(f"N = {n}: test NLL / dim of a fitted Gaussian {ref['gaussian']:.4f}, given "
+                  f"each set's surface {ref['surface_known']:.4f}")
+        return
     if args.worker:
         print(json.dumps(measure(args.sizes[0], args.batch, args.variants[0], args.steps,
                                  args.threads, args.seed)))
@@ -179,7 +226,7 @@ def main() -> None:
     for variant in args.variants:
         points: list[tuple[int, float]] = []
         for n in sorted(args.sizes):
-            predicted = predict_mib(fit_memory(points), n) if points else None
+            predicted = scaled_mib(points, n) if points else None
             if predicted is not None and predicted > 1024 * args.max_memory_gib:
                 r = {"n": n, "variant": variant, "predicted_mib": predicted,
                      "skipped": f"skipped: predicted {predicted / 1024:.1f} GiB > "
@@ -192,11 +239,13 @@ def main() -> None:
             print(row(r), flush=True)
         if points:
             fit = fit_memory(points)
-            fits[variant] = {"a_mib": fit[0], "b_mib": fit[1], "c_mib": fit[2],
+            used = [n for n, _ in points if n >= MMAP_N]
+            fits[variant] = {"a_mib": fit[0], "c_mib": fit[1],
+                             "sizes": used if len(used) >= 2 else [n for n, _ in points],
                              "largest_n": largest_n(fit, 1024 * args.target_gib)}
     for variant, fit in fits.items():
-        print(f"{variant}: peak MiB ≈ {fit['a_mib']:.0f} + {fit['b_mib']:.3g} N + "
-              f"{fit['c_mib']:.3g} N²; largest N within {args.target_gib:g} GiB: "
+        print(f"{variant}: peak MiB ≈ {fit['a_mib']:.0f} + {fit['c_mib']:.4g} N² (fitted to N = "
+              f"{', '.join(map(str, fit['sizes']))}); largest N within {args.target_gib:g} GiB: "
               f"{fit['largest_n']}")
     Path(args.json).write_text(json.dumps({"batch": args.batch, "threads": args.threads,
                                            "steps": args.steps, "torch": torch.__version__,
