@@ -1,4 +1,4 @@
-"""Data for density estimation on sets: users' ``.npz`` files, particle systems, synthetic sets."""
+"""Data for density estimation on sets: users' ``.npz`` files, particles, synthetic sets."""
 
 from ..errors import DataError
 from .particles import (
@@ -10,7 +10,7 @@ from .particles import (
     pairwise_distances,
     particle_data,
 )
-from .registry import DATASETS, load_dataset, split_sets
+from .registry import DATASETS, SIZED_DATASETS, load_dataset, split_sets
 from .repulsive import (
     repulsive_log_normaliser,
     repulsive_sets,
@@ -25,6 +25,7 @@ from .shapes import (
     shape_sets_log_joint,
     shape_sets_log_prob,
 )
+from .surfaces import SURFACES, random_rotations, surface_clouds, surface_distance
 from .synthetic import cluster_sets, cluster_sets_log_prob, gaussian_sets, gaussian_sets_log_prob
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "load_npz",
     "save_npz",
     "DATASETS",
+    "SIZED_DATASETS",
     "load_dataset",
     "split_sets",
     "PARTICLE_SYSTEMS",
@@ -55,4 +57,8 @@ __all__ = [
     "repulsive_sets_log_prob",
     "repulsive_sets_iid_log_prob",
     "repulsive_log_normaliser",
+    "SURFACES",
+    "surface_clouds",
+    "surface_distance",
+    "random_rotations",
 ]

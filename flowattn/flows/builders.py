@@ -88,6 +88,27 @@ class SetFlow(nn.Module):
         x, mask = self._prepare(x, mask)
         self.standardisation.initialise(x, mask)
 
+    def initialise_location(self, x: Tensor, mask: Tensor | None = None) -> None:
+        """Initialise a leading :class:`SetLocation`'s ActNorm from the training sets ``x``.
+
+        Its input is the standardised sets u (see :meth:`standardise`), so their centroids
+        (one per set) set its shift and scale (:meth:`SetLocation.initialise`); a flow without
+        a leading SetLocation is left as it is.
+
+        Examples:
+            >>> flow = set_flow(2, blocks=1, heads=1, location=True)
+            >>> flow.initialise_location(torch.randn(64, 5, 2))
+            >>> bool(flow.transform._transforms[0].centroid_flow._transforms[0].initialized)
+            True
+        """
+        first = getattr(self.transform, "_transforms", [None])[0]
+        if not isinstance(first, SetLocation):
+            return
+        x, mask = self._prepare(x, mask)
+        with torch.no_grad(), trusted_inputs():
+            u, _ = self.standardisation(x, context=mask)
+        first.initialise(u, mask)
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
         # A flow saved before the standardisation existed: its data were not standardised.
         for name, value in _fixed_actnorm(self.dim, self.zero_com).state_dict().items():

@@ -61,7 +61,9 @@ def _logdet_note(logdet: str | None, se: float | None) -> str:
         return "exact log-det"
     if se is None:
         return "estimated log-det, standard error unknown"
-    return f"estimated log-det, standard error {se:.4f} nats/dim"
+    # large sets reach errors far below 1e-4 per dimension: print their digits, not 0.0000
+    value = f"{se:.4f}" if se == 0 or se >= 1e-4 else f"{se:.1e}"
+    return f"estimated log-det, standard error {value} nats/dim"
 
 
 def _load(args: argparse.Namespace):
@@ -81,8 +83,10 @@ def _eval(args: argparse.Namespace) -> int:
     flow, record, device = _load(args)
     if args.data.endswith(".npz") or Path(args.data).exists():
         data = load_npz(args.data)
-    else:
-        data = load_dataset(args.data)["test"]
+    else:  # a built-in name: its test split, with the fitted run's set size if it had one
+        fitted = record["config"].data
+        set_size = fitted.set_size if fitted.data == args.data else None
+        data = load_dataset(args.data, set_size=set_size)["test"]
     spec = record["data"]
     if data.dim != spec["dim"]:
         raise DataError(f"{args.data}: elements have D={data.dim}, the model was fitted to "

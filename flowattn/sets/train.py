@@ -28,7 +28,7 @@ from ..training.loop import train as train_loop
 from ..training.run import data_fingerprint, plan_run
 from .config import SetsRunConfig, build_flow, legacy_settings
 
-__all__ = ["SetsTask", "fit", "evaluate", "load_flow"]
+__all__ = ["SetsTask", "fit", "evaluate", "eval_batch_size", "load_flow"]
 
 
 class _LogProb(nn.Module):
@@ -50,6 +50,8 @@ def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]
 def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | None = None,
              device=None) -> dict:
     """Deterministic NLL of ``data`` under ``flow`` (evaluation mode: exact log-det if feasible).
+
+    Sets are scored ``batch_size`` at a time, fewer for large sets (:func:`eval_batch_size`).
 
     Returns NLL in nats per set (``nll``), per degree of freedom (``nll_per_dim``; (n - 1) D per
     set in zero-centre-of-mass mode, the E-NF convention), their standard errors from the
@@ -73,6 +75,7 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
             raise DataError(f"{data.name}: set {first} has {int(sizes[first])} element(s); in "
                             "the zero-centre-of-mass space a set needs at least 2 (one element "
                             "has no density in the (n - 1) D = 0-dimensional subspace)")
+    batch_size = eval_batch_size(batch_size, data.set_size)
     residuals = [m for m in flow.modules() if isinstance(m, InvertibleResidual)]
     unknown = any(getattr(m, "eval_divergence", "exact") != "exact" for m in flow.modules())
     total_nll = torch.zeros((), dtype=torch.float64, device=device)
@@ -102,6 +105,28 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
             "logdet": "estimated" if (estimated or unknown) else "exact", "num_sets": count}
 
 
+#: sets whose centroids initialise the centroid flow's ActNorm when batches are smaller
+INIT_SETS = 64
+
+#: element pairs (sets x N²) scored at once in evaluation: 256 sets up to N = 128
+EVAL_PAIRS = 2**22
+
+
+def eval_batch_size(batch_size: int, set_size: int) -> int:
+    """Sets per evaluation batch: ``batch_size``, capped so that sets x N² <= 2^22.
+
+    An estimated log-det multiplies each attention block's (B, H, N, N) matrices by a round of
+    probes at once (:func:`~flowattn.flows.logdet.precise_series_logdet`): 256 sets of
+    N = 1000 would hold 4 GiB per probe in such a tensor, 4 sets hold 16 MiB. Sets of up to
+    128 elements keep 256.
+
+    Examples:
+        >>> eval_batch_size(256, 55), eval_batch_size(256, 1000), eval_batch_size(256, 10_000)
+        (256, 4, 1)
+    """
+    return max(1, min(batch_size, EVAL_PAIRS // (set_size * set_size)))
+
+
 def _data_spec(train: SetData) -> dict:
     return {"name": train.name, "dim": train.dim, "set_size": train.set_size,
             "zero_com": train.zero_com, "variable_size": train.mask is not None}
@@ -125,7 +150,7 @@ class SetsTask:
         data = config.data
         sizes = None if data.num_train is None else {"train": data.num_train}
         splits = load_dataset(data.data, sizes, seed=config.train.seed,
-                              progress=progress and dist.is_main)
+                              progress=progress and dist.is_main, set_size=data.set_size)
         self.train_data, self.val_data = splits["train"], splits["val"]
         self.test_data = splits.get("test", self.val_data)
         torch.manual_seed(config.train.seed)  # identical initial weights in every process
@@ -139,8 +164,17 @@ class SetsTask:
         self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
 
     def initialise(self) -> None:
-        """Data-dependent initialisation (ActNorm) on a batch every process shares."""
+        """Data-dependent initialisation (ActNorm) on a batch every process shares.
+
+        The centroid flow's ActNorm sees one centroid per set: for batches smaller than
+        ``INIT_SETS`` sets (large sets) it is initialised from the centroids of the first
+        ``INIT_SETS`` training sets instead (a cheap pass; no attention).
+        """
         size = min(len(self.train_data), self.config.train.batch_size)
+        if size < INIT_SETS:
+            count = min(len(self.train_data), INIT_SETS)
+            self.flow.initialise_location(*_batch(self.train_data, torch.arange(count),
+                                                  self.dist.device))
         x, mask = _batch(self.train_data, torch.arange(size), self.dist.device)
         self.flow.log_prob(x, mask)
 
