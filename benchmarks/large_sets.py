@@ -46,6 +46,8 @@ from pathlib import Path
 #: named model settings of ``flowattn sets fit``; one more interaction is one more entry
 VARIANTS: dict[str, dict] = {
     "attention": {"flow": "resflow", "interaction": "attention"},
+    # the same flow with induced-point attention (16 inducing points per head): O(N M)
+    "induced": {"flow": "resflow", "interaction": "attention", "inducing_points": 16},
 }
 DATA = "surface-clouds"
 
@@ -136,9 +138,15 @@ def reference_nlls(n: int, seed: int) -> dict:
 MMAP_N = 2897
 
 
-def fit_memory(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares (a, c) of peak MiB = a + c N² over the points with N >= ``MMAP_N`` (all
-    points if fewer than two are; c N² alone from one point)."""
+def growth(variant: str) -> int:
+    """The power of N in a variant's memory: 2 for full attention (its (N, N) matrices), 1 for
+    induced-point attention ((N, M) matrices)."""
+    return 1 if VARIANTS[variant].get("inducing_points") else 2
+
+
+def fit_memory(points: list[tuple[int, float]], power: int = 2) -> tuple[float, float]:
+    """Least-squares (a, c) of peak MiB = a + c N^power over the points with N >= ``MMAP_N``
+    (all points if fewer than two are; c N^power alone from one point)."""
     import torch
 
     large = [p for p in points if p[0] >= MMAP_N]
@@ -146,22 +154,23 @@ def fit_memory(points: list[tuple[int, float]]) -> tuple[float, float]:
     ns = torch.tensor([p[0] for p in points], dtype=torch.float64)
     mib = torch.tensor([p[1] for p in points], dtype=torch.float64)
     if len(points) == 1:
-        return 0.0, float(mib[0] / ns[0] ** 2)
-    design = torch.stack([torch.ones_like(ns), ns**2], 1)
+        return 0.0, float(mib[0] / ns[0] ** power)
+    design = torch.stack([torch.ones_like(ns), ns**power], 1)
     a, c = torch.linalg.lstsq(design, mib[:, None]).solution[:, 0].tolist()
     return a, c
 
 
-def scaled_mib(points: list[tuple[int, float]], n: int) -> float:
-    """The peak of the largest size measured, scaled as N²: the estimate that decides a skip."""
+def scaled_mib(points: list[tuple[int, float]], n: int, power: int = 2) -> float:
+    """The peak of the largest size measured, scaled as N^power: the estimate that decides a
+    skip."""
     n0, mib = max(points)
-    return mib * (n / n0) ** 2
+    return mib * (n / n0) ** power
 
 
-def largest_n(fit: tuple[float, float], mib: float) -> int:
-    """The largest N whose fitted peak a + c N² is at most ``mib`` (-1 if c <= 0)."""
+def largest_n(fit: tuple[float, float], mib: float, power: int = 2) -> int:
+    """The largest N whose fitted peak a + c N^power is at most ``mib`` (-1 if c <= 0)."""
     a, c = fit
-    return int(math.sqrt((mib - a) / c)) if c > 0 and mib > a else -1
+    return int(((mib - a) / c) ** (1 / power)) if c > 0 and mib > a else -1
 
 
 def run_one(args: argparse.Namespace, n: int, variant: str) -> dict:
@@ -226,7 +235,7 @@ def main() -> None:
     for variant in args.variants:
         points: list[tuple[int, float]] = []
         for n in sorted(args.sizes):
-            predicted = scaled_mib(points, n) if points else None
+            predicted = scaled_mib(points, n, growth(variant)) if points else None
             if predicted is not None and predicted > 1024 * args.max_memory_gib:
                 r = {"n": n, "variant": variant, "predicted_mib": predicted,
                      "skipped": f"skipped: predicted {predicted / 1024:.1f} GiB > "
@@ -238,13 +247,16 @@ def main() -> None:
             results.append(r)
             print(row(r), flush=True)
         if points:
-            fit = fit_memory(points)
+            fit = fit_memory(points, growth(variant))
             used = [n for n, _ in points if n >= MMAP_N]
-            fits[variant] = {"a_mib": fit[0], "c_mib": fit[1],
+            fits[variant] = {"a_mib": fit[0], "c_mib": fit[1], "power": growth(variant),
                              "sizes": used if len(used) >= 2 else [n for n, _ in points],
-                             "largest_n": largest_n(fit, 1024 * args.target_gib)}
+                             "largest_n": largest_n(fit, 1024 * args.target_gib,
+                                                    growth(variant))}
     for variant, fit in fits.items():
-        print(f"{variant}: peak MiB ≈ {fit['a_mib']:.0f} + {fit['c_mib']:.4g} N² (fitted to N = "
+        power = "²" if fit["power"] == 2 else ""
+        print(f"{variant}: peak MiB ≈ {fit['a_mib']:.0f} + {fit['c_mib']:.4g} N{power} (fitted "
+              "to N = "
               f"{', '.join(map(str, fit['sizes']))}); largest N within {args.target_gib:g} GiB: "
               f"{fit['largest_n']}")
     Path(args.json).write_text(json.dumps({"batch": args.batch, "threads": args.threads,
