@@ -392,7 +392,7 @@ def induced_core_constant(n: int | range | Tensor, inducing: int) -> Tensor:
         counts = [n] if isinstance(n, int) else list(n)
         if not counts or min(counts) < 1:
             raise InputError(f"set size must be >= 1, got {n}")
-        values = torch.tensor([_induced_constant(k, inducing) for k in counts],
+        values = torch.tensor(_induced_constant_table(tuple(counts), inducing),
                               dtype=torch.float64)
         return values[0] if isinstance(n, int) else values
     n_host = torch.as_tensor(n)
@@ -401,10 +401,19 @@ def induced_core_constant(n: int | range | Tensor, inducing: int) -> Tensor:
     return _induced_constants(n_host.to(torch.float64), inducing)
 
 
+_INDUCED_CONSTANTS: dict[tuple[int, int], float] = {}  # (N, M) -> r(N, M)
+
+
 @torch.compiler.disable  # a host-side constant: not traced
-@functools.lru_cache(maxsize=65536)
-def _induced_constant(n: int, inducing: int) -> float:
-    return float(_induced_constants(torch.tensor([float(n)], dtype=torch.float64), inducing)[0])
+def _induced_constant_table(counts: tuple[int, ...], inducing: int) -> list[float]:
+    """r(N, M) for each count, from a host cache; the missing counts in one vectorised pass
+    (a table of 10,000 counts costs one bisection, not 10,000)."""
+    missing = sorted({k for k in counts if (k, inducing) not in _INDUCED_CONSTANTS})
+    if missing:
+        values = _induced_constants(torch.tensor(missing, dtype=torch.float64), inducing)
+        _INDUCED_CONSTANTS.update(zip(((k, inducing) for k in missing), values.tolist(),
+                                      strict=True))
+    return [_INDUCED_CONSTANTS[(k, inducing)] for k in counts]
 
 
 def _induced_constants(n: Tensor, inducing: int) -> Tensor:

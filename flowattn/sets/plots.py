@@ -33,7 +33,8 @@ def draw_samples(flow: SetFlow, like: SetData, count: int, seed: int) -> tuple[T
 
 
 def sample_count(count: int, set_size: int) -> int:
-    """Sets to draw for a plot: ``count``, capped so that sets x N² <= 2^22, and at least 6.
+    """Sets to draw for a plot: ``count``, capped like an evaluation batch (sets x N² <= 2^22,
+    :func:`~flowattn.sets.train.eval_batch_size`), and at least 6.
 
     Inverting a residual flow also computes its log-det, estimated by a probe series for
     N D > 512 at seconds per set of N = 1000 (and attention holds sets x N² weights): 500
@@ -43,7 +44,9 @@ def sample_count(count: int, set_size: int) -> int:
         >>> sample_count(500, 55), sample_count(500, 1000), sample_count(500, 10_000)
         (500, 6, 6)
     """
-    return min(count, max(6, 2**22 // (set_size * set_size)))
+    from .train import eval_batch_size  # the same budget of sets x N² as evaluation
+
+    return min(count, max(6, eval_batch_size(count, set_size)))
 
 
 def _scatter(ax, x: Tensor, mask: Tensor, title: str, highlight: int = 6) -> None:
