@@ -106,3 +106,56 @@ def test_a_resumed_run_keeps_the_preset_values_it_started_with(tmp_path, monkeyp
     assert (plan.config.flow.coupling_layers, plan.config.train.steps) == (1, 4)
     with pytest.raises(ConfigError, match=re.escape("preset ('small' in the run, 'large' now)")):
         plan_run(out, "sets", SetsRunConfig, resume=True, flags={"preset": "large"})
+
+
+# ----------------------------------------------------------------------------- data defaults
+
+# the particle systems' own defaults as docs/sets.md states them, written out
+DATA_DOCUMENTED = {
+    "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0, "steps": 12000,
+            "batch_size": 128, "warmup": 100, "eval_every": 1000, "checkpoint_every": 1000,
+            "val_sets": 1000},
+    "lj13": {"blocks": 8, "mlp": False, "steps": 2000, "warmup": 100, "eval_every": 500,
+             "checkpoint_every": 500},
+}
+
+
+@pytest.mark.parametrize("data", list(DATA_DOCUMENTED))
+def test_particle_data_get_their_documented_defaults(data):
+    assert sets_config.DATA_DEFAULTS[data] == DATA_DOCUMENTED[data]
+    flat = SetsRunConfig.build({"data": data}).flat()
+    assert {key: flat[key] for key in DATA_DOCUMENTED[data]} == DATA_DOCUMENTED[data]
+    assert flat == {**SetsRunConfig.build({"data": data, "interaction": "radial"}).flat(),
+                    "interaction": "auto"}
+    rows = [line for line in DOCS.read_text().splitlines()
+            if line.startswith(f"| `{data}` | `blocks")]
+    assert len(rows) == 1, f"docs/sets.md needs one table row for the {data} defaults"
+    cell = rows[0].strip("|").split("|")[1].replace("`", "").strip()
+    shown = {key: {True: "yes", False: "no"}[value] if isinstance(value, bool) else str(value)
+             for key, value in DATA_DOCUMENTED[data].items()}
+    assert dict(item.split(" ") for item in cell.split(", ")) == shown, rows[0]
+
+
+def test_data_defaults_yield_to_given_settings_and_apply_only_to_radial_residual_flows():
+    general = SetsRunConfig.build({}).flat()
+    config = from_sources(SetsRunConfig, None, {"data": "dw4", "blocks": 3, "steps": 50})
+    assert (config.flow.blocks, config.train.steps, config.flow.coeff) == (3, 50, 0.97)
+    for other in ({"flow": "cnf"}, {"interaction": "attention"}, {"interaction": "linear"}):
+        flat = SetsRunConfig.build({"data": "dw4", **other}).flat()
+        assert {key: flat[key] for key in DATA_DOCUMENTED["dw4"]} == \
+            {key: general[key] for key in DATA_DOCUMENTED["dw4"]}, other
+    for data in ("gaussian-sets", "shape-sets", "repulsive-sets"):
+        assert SetsRunConfig.build({"data": data}).flat() == {**general, "data": data}
+
+
+def test_runs_saved_before_the_data_defaults_keep_the_settings_they_ran_with():
+    from flowattn.sets.config import legacy_settings
+
+    settings = SetsRunConfig.build({"data": "dw4", "blocks": 4, "steps": 1500}).flat()
+    general = SetsRunConfig.build({}).flat()
+    assert settings["radial_max_slope"] == 4.0  # today's dw4 default
+    for key in ("radial_max_slope", "radial_inverse", "val_sets", "warmup"):
+        del settings[key]  # a format-1 checkpoint written before these settings existed
+    config = SetsRunConfig.build(legacy_settings(settings)).flat()
+    assert config["radial_max_slope"] is None and config["warmup"] == general["warmup"]
+    assert config["val_sets"] == general["val_sets"] and config["blocks"] == 4

@@ -19,7 +19,7 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 
 __all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
            "resolved_interaction", "resolved_field", "legacy_settings", "PRESETS",
-           "apply_preset"]
+           "DATA_DEFAULTS", "apply_preset"]
 
 INTERACTIONS = ("attention", "radial", "linear", "none")
 # built-in data sets whose set size is a setting (flowattn.data.SIZED_DATASETS; no torch here)
@@ -41,6 +41,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     "small": {**_COUPLING, "coupling_layers": 8, "steps": 1500},
     "medium": {**_COUPLING, "coupling_layers": 8, "steps": 3000},
     "large": {**_COUPLING, "coupling_layers": 12, "steps": 4500},
+}
+
+
+# Defaults of their own for the built-in particle systems, used by a residual flow with radial
+# interactions (the flow their data get by default) where no preset and no value is given. Each
+# is the best setting measured within about an hour of one CPU core (docs/benchmarks.md,
+# "Particle systems"): DW4 reaches a test NLL of 7.47, LJ13 21.0 (the general defaults: 7.98
+# and 22.75).
+DATA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0,
+            "steps": 12000, "batch_size": 128, "warmup": 100, "eval_every": 1000,
+            "checkpoint_every": 1000, "val_sets": 1000},
+    "lj13": {"blocks": 8, "mlp": False, "steps": 2000, "warmup": 100, "eval_every": 500,
+             "checkpoint_every": 500},
 }
 
 
@@ -202,11 +216,14 @@ class SetsRunConfig(RunConfig):
 
 
 def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
-    """Nested settings with the values of their ``preset`` filled in where none is given.
+    """Nested settings with the values of their ``preset``, or of their data set's own
+    defaults (:data:`DATA_DEFAULTS`), filled in where none is given.
 
     A setting given explicitly (in a file, a flag, or a stored run's config, where every
     setting is explicit) keeps its value; ``preset: none`` or an unknown name (refused by the
-    field's check) changes nothing.
+    field's check) changes nothing. A data set's own defaults apply only to the flow they were
+    measured with: a residual flow (``flow`` not given or ``resflow``) with radial interactions
+    (``interaction`` not given, ``auto`` or ``radial``) and no preset.
 
     Raises:
         ValueError: if ``flow`` is given and differs from the preset's flow type (the preset's
@@ -217,19 +234,32 @@ def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
         {'steps': 100}
         >>> apply_preset({"flow": {"preset": "large"}})["flow"]["coupling_layers"]
         12
+        >>> apply_preset({"data": {"data": "dw4"}, "flow": {"blocks": 6}})["flow"]["blocks"]
+        6
+        >>> apply_preset({"data": {"data": "dw4"}})["train"]["steps"]
+        12000
+        >>> apply_preset({"data": {"data": "dw4"}, "flow": {"flow": "cnf"}}).get("train")
     """
     out = {key: dict(value) if isinstance(value, Mapping) else value
            for key, value in values.items()}
     flow = out.get("flow")
-    name = flow.get("preset", "none") if isinstance(flow, dict) else "none"
-    if not isinstance(name, str) or name not in PRESETS:
-        return out
-    preset = PRESETS[name]
-    if flow.get("flow", preset["flow"]) != preset["flow"]:
-        raise ValueError(f"preset={name!r} is a {preset['flow']} flow, but flow="
-                         f"{flow['flow']!r} was given: drop one of them")
+    flow = flow if isinstance(flow, dict) else {}
+    name = flow.get("preset", "none")
+    if isinstance(name, str) and name in PRESETS:
+        chosen = PRESETS[name]
+        if flow.get("flow", chosen["flow"]) != chosen["flow"]:
+            raise ValueError(f"preset={name!r} is a {chosen['flow']} flow, but flow="
+                             f"{flow['flow']!r} was given: drop one of them")
+    else:
+        data = out.get("data")
+        data = data.get("data") if isinstance(data, dict) else None
+        radial_flow = (name == "none" and flow.get("flow", "resflow") == "resflow"
+                       and flow.get("interaction", "auto") in ("auto", "radial"))
+        if not (radial_flow and isinstance(data, str) and data in DATA_DEFAULTS):
+            return out
+        chosen = DATA_DEFAULTS[data]
     leaves = SetsRunConfig.leaves()
-    for key, value in preset.items():
+    for key, value in chosen.items():
         section = out.setdefault(leaves[key][0], {})
         if isinstance(section, dict):
             section.setdefault(key, value)
@@ -249,6 +279,10 @@ def legacy_settings(settings: dict) -> dict:
                 settings[name] = None  # now "the field's default", which is the same
     settings = {"location": False, "radial_basis": 32, "radial_range": 6.0, "manybody": False,
                 **settings}
+    # a data set's own defaults came later: what such a run did not store, it ran without
+    leaves = SetsRunConfig.leaves()
+    for key in {key for chosen in DATA_DEFAULTS.values() for key in chosen}:
+        settings.setdefault(key, leaves[key][1].get_default(call_default_factory=True))
     if settings.get("grad_clip") == 0:
         settings["grad_clip"] = None
     return SetsRunConfig.nest(settings, "checkpoint settings")
