@@ -306,7 +306,7 @@ def system_floor(
     test = load_dataset(name, progress=progress)["test"]
     partition = annealed_log_partition(system.energy, system.particles, system.dim, options,
                                        torch.Generator().manual_seed(seed), progress=progress)
-    per_chain = math.ceil(len(test) / min(1000, len(test)))  # particle_data's 1000 chains
+    per_chain = math.ceil(len(test) / min(system.chains, len(test)))  # particle_data's chains
     return entropy_floor(system.energy, test.x, partition, block=per_chain)
 
 

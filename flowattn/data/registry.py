@@ -20,6 +20,7 @@ __all__ = ["DATASETS", "SIZED_DATASETS", "load_dataset", "split_sets"]
 DEFAULT_SIZES = {
     "dw4": {"train": 100_000, "val": 1_000, "test": 10_000},
     "lj13": {"train": 10_000, "val": 1_000, "test": 2_000},
+    "lj55": {"train": 5_000, "val": 500, "test": 1_000},
     "gaussian-sets": {"train": 5_000, "val": 500, "test": 2_000},
     "cluster-sets": {"train": 5_000, "val": 500, "test": 2_000},
     "shape-sets": {"train": 5_000, "val": 500, "test": 2_000},
@@ -55,6 +56,7 @@ def _particles(name: str) -> Callable[..., dict[str, SetData]]:
 DATASETS: dict[str, Callable[..., dict[str, SetData]]] = {
     "dw4": _particles("dw4"),
     "lj13": _particles("lj13"),
+    "lj55": _particles("lj55"),
     "gaussian-sets": _synthetic(gaussian_sets),
     "cluster-sets": _synthetic(cluster_sets),
     "shape-sets": _synthetic(shape_sets),

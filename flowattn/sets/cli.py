@@ -248,9 +248,9 @@ def add_sets_subparsers(subparsers) -> None:
     sample.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
     sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
                         "%(default)s)")
-    sample.add_argument("--energy", action="store_true", help="particle systems (dw4, lj13): "
-                        "also write log importance weights -E - log q (float64) and report "
-                        "the ESS and reweighted estimates")
+    sample.add_argument("--energy", action="store_true", help="particle systems (dw4, lj13, "
+                        "lj55): also write log importance weights -E - log q (float64) and "
+                        "report the ESS and reweighted estimates")
     sample.add_argument("--json", action="store_true", help="with --energy: end with a JSON "
                         "line of the estimates")
     sample.set_defaults(handler=_sample)
