@@ -161,6 +161,8 @@ def test_floor_prints_the_entropy_floor_with_its_error(tmp_path, capsys, small_p
     assert result["error"] > 0 and result["nll_per_dim"] == pytest.approx(result["nll"] / 6)
     assert main(["sets", "floor", "--data", "gaussian-sets"]) == 2
     assert "no known energy" in capsys.readouterr().err
+    assert main(["sets", "floor", "--data", "lj55"]) == 2  # refused before any sampling
+    assert "'lj55' has no annealing settings" in capsys.readouterr().err
 
 
 def test_sample_energy_refuses_another_set_size_or_a_single_sample(tmp_path, capsys,

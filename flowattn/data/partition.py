@@ -298,6 +298,9 @@ def system_floor(
 
     if name not in FLOOR_SETTINGS:
         known = ", ".join(sorted(FLOOR_SETTINGS))
+        if name in PARTICLE_SYSTEMS:
+            raise DataError(f"{name!r} has no annealing settings for its floor (measured only "
+                            f"for {known})")
         raise DataError(f"{name!r} has no known energy: use one of {known}")
     system = PARTICLE_SYSTEMS[name]
     options = FLOOR_SETTINGS[name]
