@@ -259,7 +259,8 @@ def add_sets_subparsers(subparsers) -> None:
         "floor", help="entropy floor of a particle system's test split",
         description="The NLL a perfect model scores on the test split of dw4 or lj13: its mean "
         "energy plus log Z by annealed importance sampling, with standard errors.")
-    floor.add_argument("--data", required=True, help="dw4 or lj13 (lj55 has no annealing settings yet)")
+    floor.add_argument("--data", required=True,
+                       help="dw4 or lj13 (lj55 has no annealing settings yet)")
     floor.add_argument("--chains", type=int, help="annealing chains (default: the system's)")
     floor.add_argument("--stages", type=int, help="annealing stages (default: the system's)")
     floor.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
