@@ -117,6 +117,8 @@ DATA_DOCUMENTED = {
             "val_sets": 1000},
     "lj13": {"blocks": 8, "mlp": False, "steps": 2000, "warmup": 100, "eval_every": 500,
              "checkpoint_every": 500},
+    "lj55": {"blocks": 8, "mlp": False, "radial_basis": 32, "steps": 400, "batch_size": 32,
+             "warmup": 50, "eval_every": 100, "checkpoint_every": 100, "val_sets": 200},
 }
 
 
