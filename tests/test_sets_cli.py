@@ -460,3 +460,41 @@ def test_inducing_points_build_induced_attention_or_fail_clearly(tmp_path, capsy
     assert run_cli("fit", "--data", "dw4", "--num-train", "64", "--no-progress",
                    "--inducing-points", "4", "--steps", "1", "--out", str(tmp_path / "y")) != 0
     assert "inducing_points" in capsys.readouterr().err
+
+
+def test_rnode_weights_add_the_penalties_per_dimension_to_the_objective_only():
+    from flowattn.sets.train import SetsTask
+    from flowattn.training.distributed import Distributed
+
+    settings = {"data": "gaussian-sets", "num_train": 32, "val_sets": 8, "flow": "cnf",
+                "field_hidden": 8, "location": False, "divergence": "exact"}
+    plain = SetsRunConfig.build(settings)
+    weighted = SetsRunConfig.build({**settings, "kinetic_weight": 0.5, "jacobian_weight": 0.25})
+    one = Distributed(rank=0, world=1, device=torch.device("cpu"))
+    x, mask = torch.randn(4, 8, 2), None
+    dims = 16.0  # 8 points in R^2
+
+    torch.manual_seed(0)
+    task = SetsTask(weighted, one, plots=False)
+    objective, nll, count = task.loss(task.forward_module, (x, mask))
+    cnf = next(m for m in task.flow.modules() if hasattr(m, "kinetic_energy"))
+    kinetic, frobenius = cnf.kinetic_energy.mean(), cnf.jacobian_frobenius.mean()
+    assert kinetic > 0 and frobenius > 0 and count == 4
+    torch.testing.assert_close(objective, nll + (0.5 * kinetic + 0.25 * frobenius) / dims)
+    objective.backward()  # the penalties are differentiable through the solve
+    assert all(p.grad is not None for p in task.flow.parameters() if p.requires_grad)
+
+    torch.manual_seed(0)
+    task = SetsTask(plain, one, plots=False)
+    objective, same_nll, _ = task.loss(task.forward_module, (x, mask))
+    assert objective is same_nll  # no weights: nothing integrated, nothing added
+    cnf = next(m for m in task.flow.modules() if hasattr(m, "kinetic_energy"))
+    assert cnf.kinetic_energy is None
+    torch.testing.assert_close(same_nll, nll, rtol=1e-5, atol=1e-6)  # the same model and NLL
+
+
+def test_rnode_weights_are_refused_outside_continuous_flows():
+    with pytest.raises(ConfigError, match="kinetic_weight is a setting of continuous flows"):
+        SetsRunConfig.build({"kinetic_weight": 0.1})
+    with pytest.raises(ConfigError, match="jacobian_weight"):
+        SetsRunConfig.build({"flow": "coupling", "jacobian_weight": 0.1})

@@ -140,6 +140,12 @@ class SetsFlow(Section):
                                      "attention, 32 for egnn)")
     t1: float = Field(1.0, gt=0, description="cnf: integration time")
     ode_tol: float = Field(1e-4, gt=0, description="cnf: absolute and relative ODE tolerance")
+    kinetic_weight: float = Field(0.0, ge=0, description="cnf: weight of RNODE's kinetic "
+                                  "energy int ||f||^2 dt in the training loss (per dimension, "
+                                  "as the NLL; 0: not integrated)")
+    jacobian_weight: float = Field(0.0, ge=0, description="cnf: weight of RNODE's Jacobian "
+                                   "Frobenius norm int ||df/dz||_F^2 dt in the training loss "
+                                   "(per dimension; 0: not integrated)")
     divergence: Literal["auto", "exact", "hutchinson"] = Field(
         "auto", description="cnf: divergence in training (auto: exact when N D <= 64); "
         "evaluation is exact when N D <= 64")
@@ -165,6 +171,10 @@ class SetsFlow(Section):
                 raise ValueError(f"{name} is a setting of radial interactions: use it with "
                                  f"flow=resflow and interaction=radial (here {self.flow}, "
                                  f"{self.interaction})")
+        for name in ("kinetic_weight", "jacobian_weight"):
+            if self.flow != "cnf" and getattr(self, name) > 0:
+                raise ValueError(f"{name} is a setting of continuous flows: use it with "
+                                 f"flow=cnf (here {self.flow})")
         if self.flow != "cnf" and self.field != "auto":
             raise ValueError(f"field={self.field!r} is a setting of continuous flows: use it "
                              "with flow=cnf")
@@ -381,7 +391,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     # likelihoods are reported with the exact trace wherever it is affordable
     cnf = CNF(field, t1=flow.t1, atol=flow.ode_tol, rtol=flow.ode_tol,
               divergence=divergence, eval_divergence="exact" if small else divergence,
-              zero_com=zero_com)
+              zero_com=zero_com, regularise=flow.kinetic_weight > 0 or flow.jacobian_weight > 0)
     if not location:
         return SetFlow(cnf, dim, zero_com)
     return SetFlow(CompositeTransform([SetLocation(dim), cnf]), dim, zero_com)

@@ -184,10 +184,19 @@ class SetsTask:
         return _batch(self.train_data, index[dist.rank :: dist.world], dist.device)
 
     def loss(self, module: nn.Module, batch):
+        """The NLL per dimension, plus RNODE's penalties (per dimension too) when weighted:
+        the value logged as the training loss is the NLL alone."""
         x, mask = batch
         log_prob = module(x, mask)
-        loss = -log_prob.mean() / set_dims(x, mask, self.train_data.zero_com).mean()
-        return loss, loss, x.shape[0]
+        dims = set_dims(x, mask, self.train_data.zero_com).mean()
+        nll = -log_prob.mean() / dims
+        flow = self.config.flow
+        if not (flow.kinetic_weight > 0 or flow.jacobian_weight > 0):
+            return nll, nll, x.shape[0]
+        penalty = sum(flow.kinetic_weight * cnf.kinetic_energy.mean()
+                      + flow.jacobian_weight * cnf.jacobian_frobenius.mean()
+                      for cnf in self.flow.modules() if hasattr(cnf, "kinetic_energy"))
+        return nll + penalty / dims, nll, x.shape[0]
 
     def train_stats(self) -> dict[str, int]:
         """Field evaluations of the latest forward and backward solve (continuous flows)."""
