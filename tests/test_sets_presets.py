@@ -115,8 +115,8 @@ DATA_DOCUMENTED = {
     "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0, "steps": 12000,
             "batch_size": 128, "warmup": 100, "eval_every": 1000, "checkpoint_every": 1000,
             "val_sets": 1000},
-    "lj13": {"blocks": 8, "mlp": False, "steps": 2000, "warmup": 100, "eval_every": 500,
-             "checkpoint_every": 500},
+    "lj13": {"blocks": 8, "mlp": False, "radial_max_slope": 4.0, "steps": 2000, "warmup": 100,
+             "eval_every": 500, "checkpoint_every": 500},
     "lj55": {"blocks": 8, "mlp": False, "radial_basis": 32, "steps": 400, "batch_size": 32,
              "warmup": 50, "eval_every": 100, "checkpoint_every": 100, "val_sets": 200},
 }
