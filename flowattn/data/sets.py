@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..errors import DataError
+from ..errors import DataError, InputError
 from ..files import atomic_write
 
 __all__ = ["SetData", "load_npz", "save_npz"]
@@ -127,6 +127,18 @@ def validate(x, mask, name: str = "data") -> None:
     if not finite.all():
         bad = (~finite).any(-1).any(-1).nonzero().flatten()[:5].tolist()
         raise DataError(f"{name}: x holds NaN or Inf values (sets {bad})")
+
+
+def check_names(names: Sequence[str], known: Sequence[str], argument: str, noun: str) -> None:
+    """Refuse a parameter ``argument`` of a generator that must be a non-empty list of distinct
+    names from ``known`` (each a ``noun``), naming what is wrong."""
+    if isinstance(names, str) or len(names) == 0:
+        raise InputError(f"{argument} must be a non-empty list of names, got {names!r}")
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise InputError(f"unknown {noun} {unknown[0]!r}: use names from {list(known)}")
+    if len(set(names)) != len(names):
+        raise InputError(f"{argument} must not repeat, got {list(names)}")
 
 
 def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> SetData:

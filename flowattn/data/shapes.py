@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .sets import SetData
+from .sets import SetData, check_names
 
 __all__ = ["SHAPES", "shape_sets", "shape_sets_log_prob", "shape_sets_iid_log_prob",
            "shape_sets_log_joint"]
@@ -207,12 +207,6 @@ def _check(num_sets: int, min_size: int, max_size: int, shapes: Sequence[str],
     if min_size < 1 or max_size < min_size:
         raise InputError(f"set sizes need 1 <= min_size <= max_size, got min_size={min_size}, "
                          f"max_size={max_size}")
-    if isinstance(shapes, str) or len(shapes) == 0:
-        raise InputError(f"shapes must be a non-empty list of names, got {shapes!r}")
-    unknown = [name for name in shapes if name not in SHAPES]
-    if unknown:
-        raise InputError(f"unknown shape {unknown[0]!r}: use names from {sorted(SHAPES)}")
-    if len(set(shapes)) != len(shapes):
-        raise InputError(f"shapes must not repeat, got {list(shapes)}")
+    check_names(shapes, sorted(SHAPES), "shapes", "shape")
     if not 0 < scale < 1:
         raise InputError(f"scale must lie in (0, 1) (shapes have unit variance), got {scale}")

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .sets import SetData
+from .sets import SetData, check_names
 
 __all__ = ["SURFACES", "surface_clouds", "surface_distance", "random_rotations"]
 
@@ -198,12 +198,6 @@ def _check(num_sets: int, set_size: int, kinds: Sequence[str], noise: float) -> 
         raise InputError(f"num_sets must be positive, got {num_sets}")
     if set_size < 1:
         raise InputError(f"set_size must be positive, got {set_size}")
-    if isinstance(kinds, str) or len(kinds) == 0:
-        raise InputError(f"kinds must be a non-empty list of names, got {kinds!r}")
-    unknown = [name for name in kinds if name not in SURFACES]
-    if unknown:
-        raise InputError(f"unknown surface {unknown[0]!r}: use names from {list(SURFACES)}")
-    if len(set(kinds)) != len(kinds):
-        raise InputError(f"kinds must not repeat, got {list(kinds)}")
+    check_names(kinds, list(SURFACES), "kinds", "surface")
     if not (math.isfinite(noise) and noise > 0):
         raise InputError(f"noise must be a positive number, got {noise}")
