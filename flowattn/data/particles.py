@@ -148,14 +148,15 @@ def metropolis(
     step = torch.full((chains, 1, 1), system.initial_step, dtype=torch.float64)
     kept, accepted, total = [], 0.0, 0
     steps = system.burn_in + per_chain * system.thin
+    move, proposals = ((_particle_sweep, chains * n) if system.moves == "particle"
+                       else (_joint_move, chains))
     for t in tqdm(range(steps), desc=f"sampling {system.name}", disable=not progress):
         adapt = t < system.burn_in
-        sweep = _particle_sweep if system.moves == "particle" else _joint_move
-        x, energy, step, accept = sweep(system, x, energy, step, generator, adapt)
+        x, energy, step, accept = move(system, x, energy, step, generator, adapt)
         if adapt:
             continue
         accepted += accept
-        total += chains * (n if system.moves == "particle" else 1)
+        total += proposals
         if (t - system.burn_in + 1) % system.thin == 0:
             kept.append(x.clone())
     samples = torch.stack(kept, 1).reshape(-1, n, dim)[:num_samples]
