@@ -7,6 +7,7 @@ Run from the repository root:
     python benchmarks/resflow.py --sections training --reference /path/to/residual-flows
     python benchmarks/resflow.py --sections training set --before /path/to/older/flowattn
     python benchmarks/resflow.py --sections set-reference --reference /path/to/residual-flows
+    python benchmarks/resflow.py --sections particles --before /path/to/older/flowattn
 
 Every section prints a Markdown table. Sections can be selected with --sections.
 """
@@ -366,6 +367,45 @@ def bench_set_step(quick: bool, before: str | None = None, steps: int | None = N
     step_table(times, "flowattn before" if before else "flowattn")
 
 
+# ------------------------------------------------------------------------------ particle step
+PARTICLES = {"dw4": (4, 2), "lj13": (13, 3), "lj55": (55, 3)}
+
+
+def _particle_model(system: str, package: str = "flowattn"):
+    """The flow that ``flowattn sets fit --data SYSTEM`` trains (the system's own defaults: radial
+    and many-body residuals with closed-form Jacobians, exact log-det), and its batch size."""
+    config = importlib.import_module(f"{package}.sets.config")
+    settings = config.SetsRunConfig.build(config.SetsRunConfig.nest({"data": system}))
+    n, d = PARTICLES[system]
+    torch.manual_seed(0)
+    flow = config.build_flow(settings.flow, d, n, True).train()
+    return flow, flow.log_prob, settings.train.batch_size
+
+
+def bench_particle_step(quick: bool, before: str | None = None, steps: int | None = None,
+                        systems: tuple[str, ...] = tuple(PARTICLES)) -> None:
+    print("### Particle-flow training step: the flow and batch size of `flowattn sets fit --data "
+          "SYSTEM` (radial + many-body residuals, closed-form Jacobians, exact log-det), "
+          "zero-centre-of-mass Gaussian configurations, float32\n")
+    if before:
+        load_before(before)
+    for system in systems:
+        print(f"{system}:\n")
+        flow, log_prob, batch = _particle_model(system)
+        configs = [("flowattn", flow, log_prob)]
+        if before:
+            configs.append(("flowattn before", *_particle_model(system, "flowattn_before")[:2]))
+        n, d = PARTICLES[system]
+        torch.manual_seed(1)
+        data = torch.randn(batch, n, d)
+        data = data - data.mean(1, keepdim=True)
+        for _, model, _ in configs:
+            model.standardise(data)
+        count = steps or (2 if quick else 10 if n > 20 else 30)
+        times = time_steps(configs, data, count, warmup=2)
+        step_table(times, "flowattn before" if before else "flowattn")
+
+
 # ------------------------------------------------------------------------------ set, reference
 SET_REFERENCE = "Residual Flows reference code"
 
@@ -545,6 +585,7 @@ SECTIONS = {
     "inverse": bench_inverse,
     "training": bench_training_step,
     "set": bench_set_step,
+    "particles": bench_particle_step,
     "set-reference": bench_set_reference,
     "compile": bench_compile,
 }
@@ -571,6 +612,8 @@ def main() -> None:
             bench_training_step(args.quick, args.reference, args.before, args.steps)
         elif name == "set":
             bench_set_step(args.quick, args.before, args.steps)
+        elif name == "particles":
+            bench_particle_step(args.quick, args.before, args.steps)
         elif name == "set-reference":
             bench_set_reference(args.quick, args.reference, args.steps)
         elif name == "compile":

@@ -211,15 +211,33 @@ class NeighbourhoodInteraction(nn.Module):
         pair_slope = 0.5 * (slope[:, :, None] + slope[:, None, :])
         iso = (pair_slope * radial).sum(-1)  # sum_c m_c phi_c' / rho
         aniso = (pair_slope * (dd_phi - radial) / rho**2).sum(-1)
-        eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+        B, N, D = x.shape
+        eye = torch.eye(D, dtype=x.dtype, device=x.device)
         outer = diff[..., :, None] * diff[..., None, :]
         pair = aniso[..., None, None] * outer + iso[..., None, None] * eye  # A_ij (B,N,N,D,D)
-        same = torch.eye(x.shape[1], dtype=x.dtype, device=x.device)  # delta_ik
-        laplacian = torch.einsum("ik,bide->bidke", same, pair.sum(2))
-        laplacian = laplacian - pair.permute(0, 1, 3, 2, 4)
-        # grad_{x_k} s_i^c = delta_ik sum_j P_ij^c - P_ik^c with P_ij^c = (phi_c'/rho)(x_i - x_j)/n
-        pull = radial[..., None] * diff[..., None, :]  # (B, N, N, C, D)
-        grad_s = torch.einsum("ik,bice->bicke", same, pull.sum(2))
-        grad_s = grad_s - pull.permute(0, 1, 3, 2, 4)  # (B, N_i, C, N_k, D)
-        embedding = 0.5 * torch.einsum("bicke,bicd,bidlf->bkelf", grad_s, hess_f, grad_s)
+        laplacian = _with_diagonal(pair.sum(2), -pair.permute(0, 1, 3, 2, 4))
+        # grad_{x_k} s_i^c = delta_ik S_i^c - Q_i^c,k with Q_i^c,k = P_ik^c = (phi_c'/rho)(x_i -
+        # x_k)/n and S_i^c = sum_k Q_i^c,k; then (1/2) sum_i G_i^T Hess F(s_i) G_i expands into
+        # sum_i Q_i^T H_i Q_i (one product over the N C rows of all the Q_i), the cross terms
+        # -S_i^T H_i Q_i in block row i (and their transposes in block column i), and
+        # S_i^T H_i S_i on the diagonal, with H_i = Hess F(s_i) / 2
+        C = radial.shape[-1]
+        q = radial.transpose(2, 3)[..., None] * diff[:, :, None]  # (B, N_i, C, N_k, D)
+        total = q.sum(3)  # S_i (B, N, C, D)
+        q = q.reshape(B, N, C, N * D)
+        hq = (0.5 * hess_f) @ q  # H_i Q_i (B, N, C, N D)
+        embedding = q.reshape(B, N * C, N * D).transpose(1, 2) @ hq.reshape(B, N * C, N * D)
+        cross = total.transpose(2, 3) @ hq  # S_i^T H_i Q_i (B, N_i, D, N D)
+        inner = total.transpose(2, 3) @ (0.5 * hess_f) @ total  # S_i^T H_i S_i (B, N, D, D)
+        embedding = embedding.reshape(B, N, D, N, D) - cross.reshape(B, N, D, N, D)
+        embedding = embedding - cross.reshape(B, N, D, N, D).permute(0, 3, 4, 1, 2)
+        embedding = _with_diagonal(inner, embedding)
         return self.scale().to(x) * (laplacian + embedding)
+
+
+def _with_diagonal(diagonal: Tensor, rest: Tensor) -> Tensor:
+    """``rest`` (B, N, *S, N, D) plus delta_ik ``diagonal`` (B, N, *S, D) at [:, i, ..., k, :]."""
+    out = rest.clone()
+    # the diagonal over the two set dimensions is a view of shape (B, *S, D, N)
+    out.diagonal(0, 1, -2).add_(diagonal.movedim(1, -1))
+    return out

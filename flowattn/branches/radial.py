@@ -131,27 +131,42 @@ class RadialInteraction(nn.Module):
 
     def psi(self, d: Tensor) -> Tensor:
         """psi(d) = int_0^d psi'(t) dt, closed form."""
-        w = self.effective_weight().to(d)
-        c = self.centres.to(d)
-        root2s = math.sqrt(2.0) * self.width
-        terms = torch.erf((d[..., None] - c) / root2s) + torch.erf(c / root2s)
-        return self.width * math.sqrt(math.pi / 2) * (terms * w).sum(-1)
+        return self._profile(d, slope=False)[0]
 
     def dpsi(self, d: Tensor) -> Tensor:
         """psi'(d), the sum of Gaussian bumps."""
+        return self._profile(d, value=False)[1]
+
+    def _profile(self, d: Tensor, value: bool = True,
+                 slope: bool = True) -> tuple[Tensor | None, Tensor | None]:
+        """(psi(d), psi'(d)) from one evaluation of the K bumps' argument z_k = (d - mu_k) /
+        (s sqrt 2): psi = s sqrt(pi/2) (sum_k w_k erf(z_k) + sum_k w_k erf(mu_k / (s sqrt 2)))
+        and psi' = sum_k w_k exp(-z_k^2), each a matrix-vector product over the bumps."""
         w = self.effective_weight().to(d)
-        bumps = torch.exp(-((d[..., None] - self.centres.to(d)) ** 2) / (2 * self.width**2))
-        return (bumps * w).sum(-1)
+        c = self.centres.to(d)
+        root2s = math.sqrt(2.0) * self.width
+        z = (d[..., None] - c) / root2s
+        psi = dpsi = None
+        if value:
+            offset = torch.erf(c / root2s) @ w
+            psi = self.width * math.sqrt(math.pi / 2) * (torch.erf(z) @ w + offset)
+        if slope:
+            dpsi = torch.exp(-z * z) @ w
+        return psi, dpsi
 
     def _pairs(self, x: Tensor, mask: Tensor | None):
-        diff = x[:, :, None] - x[:, None, :]  # (B, N, N, D): x_i - x_j
+        """Each unordered pair i < j once: its indices (P,), x_i - x_j (B, P, D), |x_i - x_j|^2
+        and the distance (B, P), the weight c_ij = 1/n of present pairs (B, P), and eps (the
+        distance is clamped at eps)."""
+        first, second = torch.triu_indices(x.shape[1], x.shape[1], 1, device=x.device)
+        diff = x[:, first] - x[:, second]
         eps = torch.finfo(x.dtype).eps ** 0.5
         sq = diff.pow(2).sum(-1)
         dist = sq.clamp_min(eps * eps).sqrt()
         present = present_weights(x, mask)
-        weight = present[:, :, None] * present[:, None, :]
-        n = present.sum(1).clamp_min(1.0)[:, None, None]
-        return diff, sq, dist, weight / n, eps
+        n = present.sum(1, keepdim=True).clamp_min(1.0)
+        weight = present[:, first] * present[:, second] / n
+        return (first, second), diff, sq, dist, weight, eps
 
     def jacobian(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         r"""The exact Jacobian dg_i/dx_k, shape (B, N, D, N, D), in closed form.
@@ -159,18 +174,21 @@ class RadialInteraction(nn.Module):
         J_h(r) = psi'(d) r̂ r̂ᵀ + (psi(d)/d)(I - r̂ r̂ᵀ), and dg_i/dx_k = delta_ik sum_j
         c_ij J_h(x_i - x_j) - c_ik J_h(x_i - x_k) with c_ij = 1/n for present pairs. One pass
         over the pairs instead of N D backward passes: the residual block uses it for its exact
-        log-determinant.
+        log-determinant. J_h is even in r, so each unordered pair is evaluated once.
         """
-        diff, sq, dist, c, eps = self._pairs(x, mask)
-        unit = diff / dist[..., None]
-        along = self.dpsi(dist)
-        across = self.psi(dist) / dist
+        (first, second), diff, sq, dist, c, eps = self._pairs(x, mask)
+        psi, along = self._profile(dist)
+        across = psi / dist
         # below eps the field is the linear map (psi(eps)/eps) r, isotropic
         along = torch.where(sq < eps * eps, across, along)
-        outer = unit[..., :, None] * unit[..., None, :]  # (B, N, N, D, D)
+        unit = diff / dist[..., None]
+        outer = unit[..., :, None] * unit[..., None, :]  # (B, P, D, D)
         eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
-        jh = along[..., None, None] * outer + across[..., None, None] * (eye - outer)
-        jh = jh * c[..., None, None]
+        pair = (c * along)[..., None, None] * outer + (c * across)[..., None, None] * (eye - outer)
+        B, N, D = x.shape
+        jh = x.new_zeros(B, N, N, D, D)
+        jh[:, first, second] = pair
+        jh[:, second, first] = pair
         diag = torch.diag_embed(jh.sum(2).transpose(-3, -1)).permute(0, 3, 1, 4, 2)
         return diag - jh.permute(0, 1, 3, 2, 4)
 
@@ -178,6 +196,7 @@ class RadialInteraction(nn.Module):
         if causal:
             raise InputError("RadialInteraction acts on sets; a causal mask would break the "
                              "symmetric Jacobian its bound relies on")
-        diff, _, dist, c, _ = self._pairs(x, mask)
-        coupling = c * self.psi(dist) / dist  # (B, N, N); the i = j terms multiply a zero vector
-        return (coupling[..., None] * diff).sum(2)
+        (first, second), diff, _, dist, c, _ = self._pairs(x, mask)
+        psi, _ = self._profile(dist, slope=False)
+        force = (c * psi / dist)[..., None] * diff  # the pull of j on i; i's on j is its negative
+        return x.new_zeros(x.shape).index_add(1, first, force).index_add(1, second, -force)
