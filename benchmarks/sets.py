@@ -1,8 +1,11 @@
 """Density estimation on sets: test NLL, training and sampling time per data set and flow.
 
-Variants: ``resflow`` (contractive attention residual flow with equivariant linear layers),
-``linear`` (the same without attention: elements interact only through the equivariant linear
-maps), ``iid`` (no interaction at all: the i.i.d.-points baseline), ``no-location``
+Variants: ``resflow`` (the residual flow ``flowattn sets fit`` trains by default: contractive
+attention with equivariant linear layers, or the data set's own defaults, e.g. radial blocks on
+particles and ``repulsive-sets``), ``attention`` and ``radial`` (the residual flow with that
+interaction, whatever the data's defaults), ``linear`` (attention left out: elements interact
+only through the equivariant linear maps), ``iid`` (no interaction at all: the i.i.d.-points
+baseline), ``no-location``
 (``resflow`` without the spline flow of each set's centroid), ``cnf`` (continuous flow with
 an L2-attention field), ``coupling`` (set-coupling layers), ``small``, ``medium`` and ``large``
 (the ``--preset`` settings) and ``nflows-maf``: the flattened baseline
@@ -23,6 +26,8 @@ interactions.
         --variants resflow linear iid                             # sets that need interactions
     python benchmarks/sets.py --data dw4 --num-train 100000 --steps 4000 --variants resflow
     python benchmarks/sets.py --data shape-sets --variants large nflows-maf  # side by side
+    python benchmarks/sets.py --data repulsive-sets \
+        --variants attention linear iid resflow nflows-maf   # resflow: radial, its default
     python benchmarks/sets.py --quick
 """
 
@@ -41,6 +46,8 @@ from flowattn.sets import SetsRunConfig, fit, load_flow
 REFERENCE_NLL = {"dw4": 7.48, "lj13": 16.9}  # per configuration, E-NF convention
 VARIANTS = {
     "resflow": {"flow": "resflow"},
+    "attention": {"flow": "resflow", "interaction": "attention"},
+    "radial": {"flow": "resflow", "interaction": "radial"},
     "linear": {"flow": "resflow", "interaction": "linear"},
     "iid": {"flow": "resflow", "interaction": "none"},
     "no-location": {"flow": "resflow", "location": False},

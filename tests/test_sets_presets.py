@@ -110,7 +110,7 @@ def test_a_resumed_run_keeps_the_preset_values_it_started_with(tmp_path, monkeyp
 
 # ----------------------------------------------------------------------------- data defaults
 
-# the particle systems' own defaults as docs/sets.md states them, written out
+# the data sets' own defaults as docs/sets.md states them, written out
 DATA_DOCUMENTED = {
     "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0, "steps": 12000,
             "batch_size": 128, "warmup": 100, "eval_every": 1000, "checkpoint_every": 1000,
@@ -119,6 +119,7 @@ DATA_DOCUMENTED = {
              "eval_every": 500, "checkpoint_every": 500},
     "lj55": {"blocks": 8, "mlp": False, "radial_basis": 32, "steps": 400, "batch_size": 32,
              "warmup": 50, "eval_every": 100, "checkpoint_every": 100, "val_sets": 200},
+    "repulsive-sets": {"interaction": "radial", "radial_max_slope": 4.0},
 }
 
 
@@ -127,10 +128,11 @@ def test_particle_data_get_their_documented_defaults(data):
     assert sets_config.DATA_DEFAULTS[data] == DATA_DOCUMENTED[data]
     flat = SetsRunConfig.build({"data": data}).flat()
     assert {key: flat[key] for key in DATA_DOCUMENTED[data]} == DATA_DOCUMENTED[data]
-    assert flat == {**SetsRunConfig.build({"data": data, "interaction": "radial"}).flat(),
-                    "interaction": "auto"}
-    rows = [line for line in DOCS.read_text().splitlines()
-            if line.startswith(f"| `{data}` | `blocks")]
+    radial = SetsRunConfig.build({"data": data, "interaction": "radial"}).flat()
+    assert flat == {**radial, "interaction": DATA_DOCUMENTED[data].get("interaction", "auto")}
+    section = DOCS.read_text().split("### Defaults of the built-in data sets", 1)[1]
+    rows = [line for line in section.split("\n## ", 1)[0].splitlines()
+            if line.startswith(f"| `{data}` |")]
     assert len(rows) == 1, f"docs/sets.md needs one table row for the {data} defaults"
     cell = rows[0].strip("|").split("|")[1].replace("`", "").strip()
     shown = {key: {True: "yes", False: "no"}[value] if isinstance(value, bool) else str(value)
@@ -146,8 +148,13 @@ def test_data_defaults_yield_to_given_settings_and_apply_only_to_radial_residual
         flat = SetsRunConfig.build({"data": "dw4", **other}).flat()
         assert {key: flat[key] for key in DATA_DOCUMENTED["dw4"]} == \
             {key: general[key] for key in DATA_DOCUMENTED["dw4"]}, other
-    for data in ("gaussian-sets", "shape-sets", "repulsive-sets"):
+    for data in ("gaussian-sets", "shape-sets"):
         assert SetsRunConfig.build({"data": data}).flat() == {**general, "data": data}
+    # defaults measured with radial interactions: any other interaction, an explicit auto
+    # (attention on these data) included, starts from the general defaults
+    for interaction in ("auto", "attention", "linear", "none"):
+        flat = SetsRunConfig.build({"data": "repulsive-sets", "interaction": interaction}).flat()
+        assert flat == {**general, "data": "repulsive-sets", "interaction": interaction}
 
 
 def test_runs_saved_before_the_data_defaults_keep_the_settings_they_ran_with():
