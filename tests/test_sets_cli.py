@@ -355,6 +355,15 @@ def test_sets_of_points_on_a_line_are_plotted_one_set_per_row(tmp_path):
     assert path.stat().st_size > 1000
 
 
+def test_within_set_distances_take_each_pair_of_present_elements_once():
+    from flowattn.sets.plots import within_set_distances
+
+    x = torch.randn(3, 5, 2, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 1, 0, 1, 1]], dtype=torch.bool)
+    expected = [torch.pdist(x[b, mask[b]]) for b in range(3)]
+    torch.testing.assert_close(within_set_distances(x, mask), torch.cat(expected))
+
+
 # -- data at any offset and scale, tiny batches, and the error of the reported NLL ------------
 
 

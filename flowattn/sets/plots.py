@@ -68,20 +68,45 @@ def _scatter(ax, x: Tensor, mask: Tensor, title: str, highlight: int = 6) -> Non
 
 def plot_sets(data: SetData, samples: Tensor, sample_mask: Tensor, path: Path) -> Path:
     """Scatter of data sets beside sampled sets (first two coordinates, or one set per row for
-    points on a line; a few sets coloured)."""
+    points on a line; a few sets coloured). For points on a line a third panel compares the
+    distances between two points of a set, where repulsion or attraction shows."""
     count = samples.shape[0]
     data_mask = (data.mask[:count] if data.mask is not None
                  else torch.ones(count, data.set_size, dtype=torch.bool))
-    fig, axes = plt.subplots(1, 2, figsize=(10, 5))
+    line = data.dim == 1
+    fig, axes = plt.subplots(1, 3 if line else 2, figsize=(15 if line else 10, 5))
     _scatter(axes[0], data.x[:count], data_mask, f"data ({count} sets)")
     _scatter(axes[1], samples, sample_mask, f"samples ({count} sets)")
     axes[1].set_xlim(axes[0].get_xlim())  # same window, so the two can be compared
     axes[1].set_ylim(axes[0].get_ylim())
+    if line:
+        real = within_set_distances(data.x[:count], data_mask)
+        fake = within_set_distances(samples, sample_mask)
+        bins = torch.linspace(0.0, float(torch.quantile(real, 0.99)), 50)
+        for d, label in ((real, "data"), (fake, "samples")):  # the largest 1 % left out
+            axes[2].hist(d[d <= bins[-1]], bins=bins, density=True, histtype="step",
+                         label=label)
+        axes[2].set_xlabel("distance between two points of a set (99 % of the data's)")
+        axes[2].legend()
     fig.suptitle(f"{data.name}: every element in grey, six sets in colour")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def within_set_distances(x: Tensor, mask: Tensor) -> Tensor:
+    """The distances ||x_i - x_j|| of every pair i < j of present elements of each set of ``x``
+    (B, N, D), flattened.
+
+    Examples:
+        >>> x = torch.tensor([[[0.0], [1.0], [3.0]]])
+        >>> within_set_distances(x, torch.tensor([[True, True, False]])).tolist()
+        [1.0]
+    """
+    first, second = torch.triu_indices(x.shape[1], x.shape[1], 1)
+    distances = (x[:, first] - x[:, second]).norm(dim=-1)
+    return distances[mask[:, first] & mask[:, second]]
 
 
 def plot_particles(data: SetData, samples: Tensor, energy_name: str, path: Path) -> Path:
