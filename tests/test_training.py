@@ -223,6 +223,43 @@ def test_resume_alone_continues_with_the_stored_settings(tmp_path):
     assert steps == sorted(set(steps))
 
 
+def test_keep_best_ends_with_the_state_of_the_lowest_validation_loss(tmp_path, monkeypatch):
+    from flowattn.data import load_dataset
+    from flowattn.sets.train import SetsTask, evaluate, load_flow
+
+    losses = iter([3.0, 1.0, 2.0, 5.0, 0.5])  # validations at steps 2, 4, 6 (, 8, 10)
+    scored = SetsTask.evaluate
+    monkeypatch.setattr(SetsTask, "evaluate",
+                        lambda self, dist: {**scored(self, dist), "loss": next(losses)})
+    out = tmp_path / "run"
+    summary = fit_tiny(out, steps=6, keep_best=True)
+    assert summary["best_step"] == 4 and summary["best_val_loss"] == 1.0
+    best = read_checkpoint(out / "best.pt", "sets")
+    last = read_checkpoint(out / "checkpoint.pt", "sets")
+    assert (best["step"], last["step"]) == (4, 6)
+    flow, record = load_flow(out)  # a run folder: its best state
+    assert record["step"] == 4
+    for name, value in flow.state_dict().items():
+        torch.testing.assert_close(value, best["model"][name])
+    assert any(not torch.equal(best["model"][k], last["model"][k]) for k in best["model"])
+    assert load_flow(out / "checkpoint.pt")[1]["step"] == 6  # a file: that file
+    # the reported test NLL is the best state's
+    test = load_dataset("gaussian-sets", {"train": 64}, seed=0)["test"]
+    assert evaluate(flow, test)["nll"] == pytest.approx(summary["test_nll"], rel=1e-6)
+    # resumed, the run keeps its best and replaces it only by a lower validation loss
+    summary = fit(out=out, resume=True, flags={"steps": 10}, progress=False, plots=False)
+    assert summary["best_step"] == 10 and read_checkpoint(out / "best.pt", "sets")["step"] == 10
+
+
+def test_without_keep_best_a_run_ends_with_its_last_state(tmp_path):
+    from flowattn.sets.train import load_flow
+
+    out = tmp_path / "run"
+    summary = fit_tiny(out)
+    assert not (out / "best.pt").exists() and summary["best_step"] in (2, 4)
+    assert load_flow(out)[1]["step"] == 4
+
+
 def test_resume_refuses_changed_run_settings_by_name_and_accepts_safe_ones(tmp_path):
     out = tmp_path / "run"
     fit_tiny(out, steps=2)

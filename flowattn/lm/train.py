@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..errors import CheckpointError, ConfigError, NonFiniteError
-from ..training.checkpoint import read_checkpoint
+from ..training.checkpoint import read_model
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
@@ -164,7 +164,7 @@ def load_checkpoint(path: str | Path,
         CheckpointError: naming the file, if it is missing, unreadable or not a language-model
             checkpoint.
     """
-    record = read_checkpoint(path, "lm", map_location=device)
+    record = read_model(path, "lm", map_location=device)
     try:
         if record["version"] == 1:  # format 1: the model's settings and vocabulary at the top
             task = {"model_config": record["model_config"], "vocab": record["vocab"],

@@ -22,7 +22,7 @@ from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import set_dims
 from ..flows.builders import SetFlow
 from ..flows.residual import InvertibleResidual
-from ..training.checkpoint import read_checkpoint
+from ..training.checkpoint import read_model
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
 from ..training.run import data_fingerprint, plan_run
@@ -293,7 +293,7 @@ def load_flow(checkpoint: str | Path, device: str | torch.device = "cpu") -> tup
     Raises:
         CheckpointError: naming the file, if it is missing, unreadable or not a sets checkpoint.
     """
-    record = read_checkpoint(checkpoint, "sets", map_location=device)
+    record = read_model(checkpoint, "sets", map_location=device)
     try:
         if record["version"] == 1:
             config = SetsRunConfig.build(legacy_settings(record["config"]), record["path"])

@@ -26,10 +26,11 @@ import torch
 from ..errors import CheckpointError, RunError
 from ..files import atomic_write
 
-__all__ = ["CHECKPOINT", "VERSION", "save_checkpoint", "read_checkpoint", "find_checkpoint",
-           "check_resumable"]
+__all__ = ["CHECKPOINT", "BEST", "VERSION", "save_checkpoint", "read_checkpoint",
+           "read_model", "find_checkpoint", "check_resumable"]
 
 CHECKPOINT = "checkpoint.pt"
+BEST = "best.pt"  # the state at the lowest validation loss, in runs with keep_best
 VERSION = 2
 LEGACY_NAMES = ("ckpt.pt",)  # the language-model checkpoint name of format version 1
 
@@ -97,6 +98,23 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
         raise CheckpointError(f"{path} was written in checkpoint format version {version}; this "
                               f"flowattn reads versions up to {VERSION}: upgrade flowattn")
     return {**record, "kind": found, "version": version, "path": str(path)}
+
+
+def read_model(location: str | os.PathLike, kind: str,
+               map_location: str | torch.device = "cpu") -> dict:
+    """The checkpoint whose model a run folder ends with: :data:`BEST` for a run trained with
+    ``keep_best`` (once it has validated), else the last checkpoint. A file given by its path is
+    read as it is. Returns what :func:`read_checkpoint` returns.
+
+    Raises:
+        CheckpointError: as :func:`read_checkpoint`.
+    """
+    record = read_checkpoint(location, kind, map_location)
+    best = Path(record["path"]).parent / BEST
+    keep_best = (record.get("config") or {}).get("train", {}).get("keep_best", False)
+    if Path(location).is_dir() and keep_best and best.is_file():
+        return read_checkpoint(best, kind, map_location)
+    return record
 
 
 def check_resumable(record: dict) -> None:

@@ -407,6 +407,9 @@ class TrainSettings(Section):
         None, gt=1, description="stop when the smoothed training loss exceeds this multiple of "
         "its best (for non-negative losses); none: stop only on non-finite values")
     eval_every: int = Field(250, ge=1, description="steps between validations")
+    keep_best: bool = Field(False, description="end with the parameters of the lowest "
+                            "validation loss (kept in best.pt), not the last: the final report "
+                            "and later evaluations and samples of the run folder use them")
     checkpoint_every: int = Field(250, ge=1, description="steps between checkpoints")
     log_every: int = Field(10, ge=1, description="steps between training-metric records")
     seed: int = Field(0, ge=0, description="seed of every random number generator")

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from ..errors import NonFiniteError
 from ..files import atomic_write_text
-from .checkpoint import CHECKPOINT, save_checkpoint
+from .checkpoint import BEST, CHECKPOINT, read_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .metrics import MetricsLog
 from .run import DIVERGED_FILE, SUMMARY_FILE, RunPlan
@@ -111,7 +111,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                                   fused=dist.device.type == "cuda")
     generator = torch.Generator().manual_seed(cfg.seed)  # the same batches on every process
     loop = {"smoothed": None, "best_smoothed": math.inf, "val_loss": math.nan,
-            "best_val_loss": math.inf, "train_loss": math.nan, "seconds": 0.0, "items": 0}
+            "best_val_loss": math.inf, "best_step": None, "train_loss": math.nan, "seconds": 0.0,
+            "items": 0}
     step = plan.start_step
     if plan.checkpoint is not None:
         record = plan.checkpoint
@@ -135,14 +136,14 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     module = dist.wrap(getattr(task, "forward_module", model))
     metrics = MetricsLog(out, step, enabled=main, tensorboard=tensorboard)
 
-    def save() -> None:
+    def save(name: str = CHECKPOINT) -> None:
         states = dist.gather(_rng_state(generator, dist.device))
         if main:
             save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
                              "data_fingerprint": plan.data, "step": step,
                              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "rng": states, "loop": dict(loop), "task": task.state(),
-                             "world_size": dist.world}, out / CHECKPOINT)
+                             "world_size": dist.world}, out / name)
 
     # ------------------------------------------------------------------ the loop
     bar = tqdm(total=cfg.steps, initial=step, disable=not (main and progress),
@@ -203,7 +204,10 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
         if step % cfg.eval_every == 0 or step == cfg.steps:
             result = task.evaluate(dist)
             loop["val_loss"] = result["loss"]
-            loop["best_val_loss"] = min(loop["best_val_loss"], result["loss"])
+            if result["loss"] < loop["best_val_loss"]:
+                loop["best_val_loss"], loop["best_step"] = result["loss"], step
+                if cfg.keep_best:
+                    save(BEST)
             metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
             if main:
                 (bar.write if progress else log)(
@@ -221,7 +225,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     # ------------------------------------------------------------------ summary
     summary = {"kind": plan.kind, "out": str(out), "step": step, "steps": cfg.steps,
                "train_loss": loop["train_loss"], "val_loss": loop["val_loss"],
-               "best_val_loss": loop["best_val_loss"], "train_seconds": loop["seconds"],
+               "best_val_loss": loop["best_val_loss"], "best_step": loop.get("best_step"),
+               "train_seconds": loop["seconds"],
                f"{task.items}_per_s": loop["items"] / loop["seconds"] if loop["seconds"] else
                math.nan, "params": sum(p.numel() for p in model.parameters()),
                "world_size": dist.world, "diverged": divergence is not None,
@@ -237,6 +242,10 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             atomic_write_text(json.dumps({**divergence, "message": message}, indent=2) + "\n",
                               out / DIVERGED_FILE)
     elif main:
+        if cfg.keep_best and (out / BEST).is_file():  # the final report is the best state's
+            model.load_state_dict(read_checkpoint(out / BEST, plan.kind, dist.device)["model"])
+            log(f"keep_best: the parameters of step {loop['best_step']} (validation loss "
+                f"{loop['best_val_loss']:.4f}) are the run's result")
         report = task.finish(out)
         summary.update(report)
         if "test" in report:
