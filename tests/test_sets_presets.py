@@ -18,11 +18,11 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "sets.md"
 # the values docs/sets.md states, written out: a change of PRESETS must change this too
 DOCUMENTED = {
     "small": {"flow": "coupling", "coupling_layers": 8, "coupling_hidden": 64,
-              "coupling_blocks": 2, "coupling_bins": 8, "steps": 1500},
+              "coupling_blocks": 2, "coupling_bins": 8, "steps": 1500, "keep_best": True},
     "medium": {"flow": "coupling", "coupling_layers": 8, "coupling_hidden": 64,
-               "coupling_blocks": 2, "coupling_bins": 8, "steps": 3000},
+               "coupling_blocks": 2, "coupling_bins": 8, "steps": 3000, "keep_best": True},
     "large": {"flow": "coupling", "coupling_layers": 12, "coupling_hidden": 64,
-              "coupling_blocks": 2, "coupling_bins": 8, "steps": 4500},
+              "coupling_blocks": 2, "coupling_bins": 8, "steps": 4500, "keep_best": True},
 }
 
 
@@ -47,11 +47,21 @@ def test_each_preset_resolves_to_the_values_in_the_docs(name):
     assert len(rows) == 1, f"docs/sets.md needs one table row for the {name} preset"
     cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
     values = DOCUMENTED[name]
-    assert cells[1:7] == [values["flow"], str(values["coupling_layers"]),
+    assert cells[1:8] == [values["flow"], str(values["coupling_layers"]),
                           str(values["coupling_hidden"]), str(values["coupling_blocks"]),
-                          str(values["coupling_bins"]), str(values["steps"])]
+                          str(values["coupling_bins"]), str(values["steps"]),
+                          {True: "best", False: "last"}[values["keep_best"]]]
     assert str(values["steps"]) in SetsRunConfig.model_fields["flow"].annotation \
         .model_fields["preset"].description
+
+
+def test_stored_runs_without_keep_best_keep_ending_with_their_last_state():
+    stored = SetsRunConfig.build({"preset": "large"}).to_dict()
+    del stored["train"]["keep_best"]  # a run stored before the setting existed
+    assert SetsRunConfig.from_stored(stored).train.keep_best is False
+    assert SetsRunConfig.build(stored).train.keep_best is True  # a new run: the preset's
+    stored["train"]["keep_best"] = True
+    assert SetsRunConfig.from_stored(stored).train.keep_best is True
 
 
 def test_settings_from_a_file_or_flags_override_the_preset(tmp_path):

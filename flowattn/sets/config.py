@@ -33,10 +33,11 @@ EVAL_PROBES = 4
 COUPLING_SETTINGS = ("coupling_layers", "coupling_hidden", "coupling_blocks", "coupling_bins")
 
 # Named settings for data that are not Gaussian: set-coupling flows (exact log-det, so no
-# estimator to choose) of growing depth and training length. Each was measured on shape-sets
-# (docs/benchmarks.md, "Presets and the flattened baseline"); a setting the user gives wins.
+# estimator to choose) of growing depth and training length, ending with the state of their
+# lowest validation loss. Each was measured on shape-sets (docs/benchmarks.md, "Presets and the
+# flattened baseline"); a setting the user gives wins.
 _COUPLING = {"flow": "coupling", "coupling_hidden": 64, "coupling_blocks": 2,
-             "coupling_bins": 8}
+             "coupling_bins": 8, "keep_best": True}
 PRESETS: dict[str, dict[str, Any]] = {
     "small": {**_COUPLING, "coupling_layers": 8, "steps": 1500},
     "medium": {**_COUPLING, "coupling_layers": 8, "steps": 3000},
@@ -230,6 +231,22 @@ class SetsRunConfig(RunConfig):
     def _apply_preset(cls, values: Any) -> Any:
         return apply_preset(values) if isinstance(values, Mapping) else values
 
+    @classmethod
+    def from_stored(cls, values: Mapping[str, Any], source: str = "") -> SetsRunConfig:
+        """The settings an earlier run stored: those it stored without ``keep_best`` (written
+        before the setting existed, and before the presets turned it on) ended with their last
+        state, and keep doing so.
+
+        Examples:
+            >>> stored = {"flow": {"preset": "large"}, "train": {"steps": 4500}}
+            >>> SetsRunConfig.from_stored(stored).train.keep_best
+            False
+        """
+        nested = cls.nest(values, source or "stored settings")
+        train = nested.setdefault("train", {})
+        train.setdefault("keep_best", False)
+        return cls.build(nested, source)
+
 
 def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
     """Nested settings with the values of their ``preset``, or of their data set's own
@@ -248,7 +265,7 @@ def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
 
     Examples:
         >>> apply_preset({"flow": {"preset": "large"}, "train": {"steps": 100}})["train"]
-        {'steps': 100}
+        {'steps': 100, 'keep_best': True}
         >>> apply_preset({"flow": {"preset": "large"}})["flow"]["coupling_layers"]
         12
         >>> apply_preset({"data": {"data": "dw4"}, "flow": {"blocks": 6}})["flow"]["blocks"]
