@@ -51,7 +51,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # DW4 reaches a test NLL of 7.47, LJ13 20.80 (the general defaults: 7.98 and 22.75); LJ55's
 # keeps a run at 3 s a step to about 20 minutes (test NLL 170.9). repulsive-sets, whose
 # elements repel in pairs, gets monotone radial blocks in place of attention (1.496 nats/dim
-# against attention's 1.722; truth 1.476): its defaults apply where the interaction is not
+# against 1.679 with attention; truth 1.476): its defaults apply where the interaction is not
 # given or is radial.
 DATA_DEFAULTS: dict[str, dict[str, Any]] = {
     "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0,
