@@ -48,7 +48,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 # Defaults of their own for built-in data sets, used by a residual flow with radial interactions
 # where no preset and no value is given. Each is the best setting measured within about an hour
 # of one CPU core (docs/benchmarks.md, "Particle systems" and "Sets that need interactions"):
-# DW4 reaches a test NLL of 7.47, LJ13 20.80 (the general defaults: 7.98 and 22.75); LJ55's
+# DW4 reaches a test NLL of 7.47, LJ13 20.37 (the general defaults: 7.98 and 22.75); LJ55's
 # keeps a run at 3 s a step to about 20 minutes (test NLL 170.9). repulsive-sets, whose
 # elements repel in pairs, gets monotone radial blocks in place of attention (1.496 nats/dim
 # against 1.679 with attention; truth 1.476): its defaults apply where the interaction is not
@@ -57,8 +57,8 @@ DATA_DEFAULTS: dict[str, dict[str, Any]] = {
     "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0,
             "steps": 12000, "batch_size": 128, "warmup": 100, "eval_every": 1000,
             "checkpoint_every": 1000, "val_sets": 1000},
-    "lj13": {"blocks": 8, "mlp": False, "radial_max_slope": 4.0, "steps": 2000, "warmup": 100,
-             "eval_every": 500, "checkpoint_every": 500},
+    "lj13": {"blocks": 8, "mlp": False, "radial_max_slope": 4.0, "steps": 5000, "warmup": 100,
+             "eval_every": 500, "checkpoint_every": 500, "keep_best": True},
     "lj55": {"blocks": 8, "mlp": False, "radial_basis": 32, "steps": 400, "batch_size": 32,
              "warmup": 50, "eval_every": 100, "checkpoint_every": 100, "val_sets": 200},
     "repulsive-sets": {"interaction": "radial", "radial_max_slope": 4.0},
