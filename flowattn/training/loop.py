@@ -136,14 +136,14 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     module = dist.wrap(getattr(task, "forward_module", model))
     metrics = MetricsLog(out, step, enabled=main, tensorboard=tensorboard)
 
-    def save(name: str = CHECKPOINT) -> None:
+    def save() -> None:
         states = dist.gather(_rng_state(generator, dist.device))
         if main:
             save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
                              "data_fingerprint": plan.data, "step": step,
                              "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                              "rng": states, "loop": dict(loop), "task": task.state(),
-                             "world_size": dist.world}, out / name)
+                             "world_size": dist.world}, out / CHECKPOINT)
 
     # ------------------------------------------------------------------ the loop
     bar = tqdm(total=cfg.steps, initial=step, disable=not (main and progress),
@@ -206,8 +206,11 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             loop["val_loss"] = result["loss"]
             if result["loss"] < loop["best_val_loss"]:
                 loop["best_val_loss"], loop["best_step"] = result["loss"], step
-                if cfg.keep_best:
-                    save(BEST)
+                if cfg.keep_best and main:  # no collective: the model alone is what it keeps
+                    save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
+                                     "data_fingerprint": plan.data, "step": step,
+                                     "model": model.state_dict(), "loop": dict(loop),
+                                     "task": task.state(), "world_size": dist.world}, out / BEST)
             metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
             if main:
                 (bar.write if progress else log)(
