@@ -15,6 +15,7 @@ in metrics.jsonl and diverged.json, the checkpoint keeps the last good state, th
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import time
@@ -258,5 +259,10 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
                  for k, v in summary.items()}
         atomic_write_text(json.dumps(clean, indent=2) + "\n", out / SUMMARY_FILE)
+    # DistributedDataParallel's reducer must go while its process group still exists: freed
+    # after the group (when this frame unwinds), it could block a process for good on the
+    # rendezvous store that process 0 has already taken down with it
+    del module
+    gc.collect()
     dist.leave()
     return summary
