@@ -209,6 +209,7 @@ def l2_attention_bound(
     norm: str | int = "inf",
     method: str = "tight",
     margin: Tensor | float | None = None,
+    weighted_counts: Tensor | None = None,
 ) -> Tensor:
     """Certified Lipschitz bound of tied L2 multi-head attention F for sets of ``n`` elements.
 
@@ -251,6 +252,10 @@ def l2_attention_bound(
     b_h(i, j) - b_h(i, i) <= B_h for every row (a self-offset beta_h, a bounded relative-position
     bias). ``margin`` holds B_h, one value per head (H,) or one for all; the bounds then use
     c_h = W_0((N - 1) e^{B_h} / e) in place of c (see :func:`logit_margin_constant`).
+    ``weighted_counts`` (with ``margin``) sharpens that: S_h (..., H) for each count of ``n``,
+    the largest sum over a row's other keys of e^{b_h(i, j) - b_h(i, i)} (at most
+    (N - 1) e^{B_h}; :meth:`~flowattn.attention.offsets.LogitOffsets.weighted_counts`), and
+    c_h = W_0(S_h / e).
 
     Arguments:
         n: sequence length(s) N >= 1.
@@ -261,6 +266,8 @@ def l2_attention_bound(
         method: "tight" or "thm3.2".
         margin: B_h, the most by which a row's other logits may exceed its own beyond the
             distance term (tight method only); None for plain L2 attention (B = 0).
+        weighted_counts: S_h (..., H), the offsets' weighted count of other keys for each
+            count of ``n`` (tight method, with ``margin``); None: (n - 1) e^{B_h}.
 
     Examples:
         >>> eye = torch.eye(1, dtype=torch.float64)
@@ -293,6 +300,8 @@ def l2_attention_bound(
         if (n_host < 1).any():
             raise InputError(f"sequence length must be >= 1, got {n}")
     n = n_host.to(w_q.device)
+    if weighted_counts is not None and margin is None:
+        raise InputError("weighted_counts needs the margin of the same offsets")
     if margin is not None:
         if method != "tight":
             raise InputError(
@@ -300,7 +309,10 @@ def l2_attention_bound(
                 "bias): use method='tight' with a logit margin"
             )
         margin = torch.as_tensor(margin, dtype=w_q.dtype, device=w_q.device).expand(heads)
-        c = logit_margin_constant(n.unsqueeze(-1), margin)  # (..., H)
+        if weighted_counts is None:
+            c = logit_margin_constant(n.unsqueeze(-1), margin)  # (..., H)
+        else:
+            c = phi_inverse(weighted_counts).to(device=w_q.device, dtype=w_q.dtype)
         return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host)
     if w0_of_count is not None:
         w0 = torch.tensor(w0_of_count, dtype=w_q.dtype, device=w_q.device)
@@ -455,12 +467,20 @@ def logit_margin_constant(n: int | Tensor, margin: Tensor | float = 0.0) -> Tens
     """c = W_0((N - 1) e^B / e): Kim et al.'s Lemma F.2 when other logits may exceed the self-logit
     by B beyond the distance term.
 
-    Row i of the core has weights P_ij = w_j e^{-u_j^2} / sum_k w_k e^{-u_k^2} with u_i = 0 and
-    w_j / w_i <= e^B (a self-offset or a bounded position bias). With a_j = (w_j / w_i) e^{-u_j^2}
-    the second moment sum_j P_ij u_j^2 = sum_{j != i} a_j u_j^2 / (1 + sum a_j) grows with every
-    u_j at fixed a_j, and u_j^2 = log((w_j / w_i) / a_j) <= log(e^B / a_j); so it is at most its
-    value with every ratio equal to e^B, which is the lemma with N - 1 replaced by (N - 1) e^B:
-    sum_j P_ij u_j^2 <= phi^{-1}((N - 1) e^B). B = 0 is the lemma itself. Differentiable in B.
+    Row i of the core has weights P_ij = rho_j e^{-t_j} / (1 + sum_{k != i} rho_k e^{-t_k}) with
+    t_j = ||z_i - z_j||^2 and rho_j = e^{b(i, j) - b(i, i)} the ratio of key j's offset to the
+    self-offset (all 1 without offsets). Its second moment obeys the weighted lemma
+
+        V(t) = sum_{j != i} rho_j t_j e^{-t_j} / (1 + sum_{j != i} rho_j e^{-t_j}) <= W_0(S / e),
+        S = sum_{j != i} rho_j,
+
+    with equality when every t_j = 1 + W_0(S / e): for any v >= 0, V(t) <= v is
+    sum_j rho_j e^{-t_j} (t_j - v) <= v, and e^{-t} (t - v) is largest at t = 1 + v, where it is
+    e^{-1-v}; so V <= v whenever S e^{-1-v} <= v, i.e. v e^v >= S / e. Kim et al.'s Lemma F.2 is
+    S = N - 1; ratios at most e^B give S <= (N - 1) e^B and this function's value,
+    phi^{-1}((N - 1) e^B). A sharper S, the actual sum of the ratios, is what
+    :meth:`~flowattn.attention.offsets.LogitOffsets.weighted_counts` provides (then
+    c = phi_inverse(S)). Differentiable in B.
 
     Examples:
         >>> bool(torch.isclose(logit_margin_constant(8, 0.0), phi_inverse(7)))

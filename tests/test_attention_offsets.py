@@ -1,6 +1,8 @@
 """Logit offsets of L2 attention: a self-offset and a bounded relative-position bias, each with
 its certificate, tested both ways (never exceeded; nearly attained)."""
 
+import math
+
 import pytest
 import torch
 
@@ -75,6 +77,92 @@ def test_margin_constant_is_the_lemma_at_zero_and_bounds_the_second_moment():
         t = torch.linspace(0, 8 + margin, 20001, dtype=torch.float64)
         w = (n - 1) * torch.exp(margin - t)
         assert (w * t / (1 + w)).max().item() == pytest.approx(c, rel=1e-6)
+
+
+def test_weighted_lemma_bounds_the_second_moment_and_is_attained():
+    # sum_j P_ij t_j <= W_0(S / e) for any ratios rho_j with sum S, equality at t_j = 1 + c
+    g = torch.Generator().manual_seed(2)
+    for others in (1, 4, 11):
+        for _ in range(5):
+            rho = torch.exp(4 * torch.randn(others, generator=g, dtype=torch.float64))
+            c = phi_inverse(rho.sum()).item()
+            t = torch.rand(20000, others, generator=g, dtype=torch.float64) * 12
+            weights = rho * torch.exp(-t)
+            moment = (weights * t).sum(1) / (1 + weights.sum(1))
+            assert moment.max().item() <= c
+            at = rho * math.exp(-(1 + c))
+            attained = (at * (1 + c)).sum() / (1 + at.sum())
+            assert attained.item() == pytest.approx(c, rel=1e-12)
+            # the margin form is the special case with every ratio at the largest one
+            margin = rho.max().log()
+            assert logit_margin_constant(others + 1, margin).item() >= c - 1e-12
+
+
+def rows_keys_weights(offsets, length, causal, mask):
+    """For every row i that is present: (number of keys it sees, sum over its other keys of
+    e^{b(i, j) - b(i, i)}), written out from the offsets' logit table."""
+    b = offsets(length)  # (H, N, N)
+    ratios = torch.exp(b - b.diagonal(dim1=1, dim2=2).unsqueeze(-1))
+    seen = mask[None, :].expand(length, length).clone()
+    if causal:
+        seen &= torch.ones(length, length, dtype=torch.bool).tril()
+    out = []
+    for i in range(length):
+        if mask[i]:
+            others = seen[i].clone()
+            others[i] = False
+            out.append((int(seen[i].sum()), (ratios[:, i] * others).sum(-1)))
+    return out
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_weighted_counts_bound_every_row_and_are_met_by_causal_rows(causal):
+    length = 6
+    offsets = LogitOffsets(2, self_offset=2.0, position_bias=3.0, max_distance=3).double()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in offsets.parameters():
+            p.copy_(3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    table = offsets.weighted_counts(range(1, length + 1), causal)  # (N, H)
+    assert table.shape == (length, 2)
+    best = torch.zeros(length, 2, dtype=torch.float64)
+    for bits in range(1, 2**length):  # every padding mask
+        mask = torch.tensor([(bits >> k) & 1 == 1 for k in range(length)])
+        for count, sums in rows_keys_weights(offsets, length, causal, mask):
+            assert (sums <= table[count - 1] * (1 + 1e-12)).all(), (bits, count)
+            best[count - 1] = torch.maximum(best[count - 1], sums)
+    if causal:  # some row and padding realise the n - 1 largest past ratios: exact
+        torch.testing.assert_close(best, table, rtol=1e-12, atol=0)
+    # no position bias: (n - 1) e^beta, the margin form
+    plain = LogitOffsets(2, self_offset=2.0).double()
+    n = torch.arange(1, 9)
+    torch.testing.assert_close(plain.weighted_counts(n),
+                               (n - 1)[:, None] * plain.offset().exp().detach())
+
+
+def test_a_previous_token_head_pays_for_one_key_not_for_all():
+    # causal, H = D = 1, identity weights, b(1) at the cap 6 and every other offset far below:
+    # the certificate follows W_0(S / e) with S ~ e^6 (one key), not W_0((N - 1) e^6 / e), and the
+    # optimised inputs come within the stated factor of it
+    n = 6
+    module = L2MHA(1, 1, position_bias=6.0, max_distance=n).double()
+    with torch.no_grad():
+        for w in (module.w_q, module.w_v, module.w_o):
+            w.fill_(1.0)
+        module.offsets.position_logit.fill_(-30.0)
+        module.offsets.position_logit[0, n + 1] = 30.0  # k = i - j = 1
+    f = one_set_map(module, causal=True)
+    for p, factor in (("inf", 9.0), ("2,inf", 9.0)):
+        bound = module.lipschitz_bound(n, p, causal=True).item()
+        margin_form = l2_attention_bound(
+            n, module.w_q.reshape(1, 1, 1), module.w_v.reshape(1, 1, 1), module.w_o, p,
+            margin=module.offsets.margin(),
+        ).item()
+        best, _ = lipschitz_lower_bound(f, (n, 1), p, restarts=4, steps=60)
+        assert best <= bound <= factor * best, (best, bound, bound / best)
+        assert bound < 0.8 * margin_form
+    # the default (either direction) counts the unseen future offsets (b = -30 here) too
+    assert module.lipschitz_bound(n, "inf").item() >= module.lipschitz_bound(n, "inf", causal=True).item()
 
 
 def test_column_constant_with_a_margin_bounds_the_core_column_sums():

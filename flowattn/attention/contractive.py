@@ -53,20 +53,24 @@ class ContractiveAttention(nn.Module):
         and the counts never leave the device."""
         batch, length = x.shape[:2]
         if mask is None and (self.norm == "2" or not causal):
-            return self._bound(length, every_count=False).reshape(1, 1, 1)
-        table = self._bound(length, every_count=True)  # (N,)
+            return self._bound(length, every_count=False, causal=causal).reshape(1, 1, 1)
+        table = self._bound(length, every_count=True, causal=causal)  # (N,)
         if self.norm == "2":
             return table[mask.sum(1) - 1][:, None, None]
         n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
         return table[n - 1].unsqueeze(-1)
 
     @torch.compiler.disable
-    def _bound(self, length: int, every_count: bool) -> Tensor:
-        """F's bound for N = ``length`` keys, or the table (N,) for 1..N keys. Evaluated eagerly
-        under ``torch.compile`` as well: the key counts and the cached Lambert W constants are
-        host values, which a graph with a dynamic N cannot enumerate (the weights' part is still
-        differentiated)."""
-        counts = range(1, length + 1) if every_count else length
+    def _bound(self, length: int, every_count: bool, causal: bool = False) -> Tensor:
+        """F's bound for N = ``length`` keys, or the table (N,) for 1..N keys (rows of causal
+        attention if ``causal``). Evaluated eagerly under ``torch.compile`` as well: the key
+        counts and the cached Lambert W constants are host values, which a graph with a dynamic
+        N cannot enumerate (the weights' part is still differentiated)."""
+        return self._certificate(range(1, length + 1) if every_count else length, causal)
+
+    def _certificate(self, counts: int | range, causal: bool) -> Tensor:
+        """F's bound for ``counts`` keys in the module's norm (a subclass whose bound can use
+        the causal structure overrides this)."""
         return self.attention.lipschitz_bound(counts, self.norm)
 
     def _dropout_mask(self, y: Tensor) -> Tensor | None:

@@ -194,7 +194,9 @@ class L2MHA(nn.Module):
     self-offset beta_h <= ``self_offset`` lowers the diagonal logit, and a learnt bias of the
     relative position i - j below ``position_bias`` (sequences only: it depends on the order)
     raises or lowers the others; the certificate stays valid with Lemma F.2's constant taken at
-    the margin B_h = beta_h + max_k b_h(k) (:func:`~flowattn.lipschitz.logit_margin_constant`).
+    W_0(S_h / e), S_h the sum over a row's other keys of e^{b_h(i, j) - b_h(i, i)}, at most
+    (N - 1) e^{B_h} with the margin B_h = beta_h + max_k b_h(k)
+    (:func:`~flowattn.lipschitz.logit_margin_constant`).
     With offsets the logits are written out (centred as in the fused path) instead of going
     through the fused kernel.
 
@@ -523,16 +525,20 @@ class L2MHA(nn.Module):
         ]
 
     def lipschitz_bound(
-        self, n: int | Tensor, norm: str | int = "inf", method: str | None = None
+        self, n: int | range | Tensor, norm: str | int = "inf", method: str | None = None,
+        causal: bool = False,
     ) -> Tensor:
         """Certified bound on Lip_p(F) for sets of ``n`` elements.
 
         ``method``: ``"tight"`` (products of the weights, ``docs/attention.md``) or
         ``"thm3.2"`` (Kim et al. 2021, Thm 3.2); by default the module's ``certificate``.
-        ``norm``: "inf", 2, or "2,inf" (max_i ||x_i||_2; tight method only). With logit
-        offsets the tight certificate is taken at their margin. ``n`` may be a
-        tensor of per-row counts (the number of keys each query sees under a mask, App. G); the
-        result then has its shape. Differentiable in the weights.
+        ``norm``: "inf", 2, or "2,inf" (max_i ||x_i||_2; tight method only). ``n`` may be a
+        range or a tensor of per-row counts (the number of keys each query sees under a mask,
+        App. G) in a sequence of length max(n); the result then has its shape. With logit
+        offsets the tight certificate is taken at their weighted count of keys
+        (:meth:`LogitOffsets.weighted_counts`): ``causal=True`` certifies causal rows only
+        (keys in the past), sharper when the bias of future positions, which such rows never
+        see, is high; the default holds for both. Differentiable in the weights.
         """
         if not self.tied:
             raise InputError(
@@ -545,8 +551,14 @@ class L2MHA(nn.Module):
                 "rows void the certificate; call .eval() or use dropout=0"
             )
         wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
-        margin = None if self.offsets is None else self.offsets.margin()
-        return l2_attention_bound(n, wq, wv, self.w_o, norm, method or self.certificate, margin)
+        method = method or self.certificate
+        if self.offsets is None or method != "tight":
+            margin = None if self.offsets is None else self.offsets.margin()  # thm3.2 refuses it
+            return l2_attention_bound(n, wq, wv, self.w_o, norm, method, margin)
+        counts = self.offsets.weighted_counts(n, causal)
+        return l2_attention_bound(
+            n, wq, wv, self.w_o, norm, method, self.offsets.margin(), weighted_counts=counts
+        )
 
 
 class ContractiveL2MHA(ContractiveAttention):
@@ -585,7 +597,7 @@ class ContractiveL2MHA(ContractiveAttention):
         parametrization: ``"raw"`` (default) or ``"orthogonal"`` (orthogonal query map with
             per-head scales, where the tight certificate is nearly attained; see :class:`L2MHA`).
         self_offset: cap of the learnt self-offsets of F (see :class:`L2MHA`); the division
-            is by the certificate at the offsets' current margin.
+            is by the certificate at the offsets' current values.
         position_bias: cap of F's learnt relative-position bias.
         max_distance: relative offsets beyond this share one bias.
 
@@ -649,6 +661,9 @@ class ContractiveL2MHA(ContractiveAttention):
         with _cached(self.attention):  # the parametrised W^Q once for F and its bound
             y = self._divided(x, mask, causal)
         return self._classic_dropout(y)
+
+    def _certificate(self, counts: int | range, causal: bool) -> Tensor:
+        return self.attention.lipschitz_bound(counts, self.norm, causal=causal)
 
     def linearise(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False

@@ -27,8 +27,11 @@ class LogitOffsets(nn.Module):
       k = 1, a local head lowers the far offsets).
 
     In both cases b_h(i, j) - b_h(i, i) <= B_h := beta_h + max_{k != 0} b_h(k) for every row,
-    which is all the certificate needs (:func:`~flowattn.lipschitz.logit_margin_constant`):
-    Kim et al.'s constant W_0((N - 1)/e) becomes W_0((N - 1) e^{B_h}/e), about B_h more. The
+    which bounds the certificate's constant (:func:`~flowattn.lipschitz.logit_margin_constant`):
+    Kim et al.'s W_0((N - 1)/e) becomes at most W_0((N - 1) e^{B_h}/e), about B_h more. The
+    certificates use the sharper W_0(S_h/e) with S_h the sum of the ratios e^{b_h(i, j) -
+    b_h(i, i)} over a row's other keys (:meth:`weighted_counts`): a bias raised for one
+    position costs one term, not N - 1. The
     position bias depends on the order of the elements: use it for sequences, not for sets (the
     self-offset keeps permutation equivariance).
 
@@ -99,6 +102,42 @@ class LogitOffsets(nn.Module):
             others = torch.cat([table[:, :k], table[:, k + 1 :]], dim=1)
             parts.append(others.amax(dim=1))
         return parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+    def weighted_counts(self, n: int | range | Tensor, causal: bool = False) -> Tensor:
+        """S_h(n) (..., H): for every row that sees ``n`` keys (itself included), an upper bound
+        on sum_{j != i} e^{b_h(i, j) - b_h(i, i)}, the row's other keys each weighted by the
+        ratio of its offset to the self-offset.
+
+        Certificates use c_h = W_0(S_h / e) (:func:`~flowattn.lipschitz.logit_margin_constant`),
+        which is at most W_0((n - 1) e^{B_h} / e) and equals it when every offset sits at the
+        margin B_h. The keys are the rows of one sequence of length max(``n``): a row sees n - 1
+        others at distinct relative positions k = i - j, all past ones (k > 0) if ``causal``,
+        so S_h(n) = e^{beta_h} times the sum of the n - 1 largest e^{b_h(k)} among those k
+        (exact for a causal row without padding when b_h decreases in k). Differentiable in the
+        offsets' parameters.
+
+        Examples:
+            >>> offsets = LogitOffsets(heads=1, self_offset=2.0)  # beta = 1: S = (n - 1) e
+            >>> offsets.weighted_counts(range(1, 4)).detach().squeeze(-1)
+            tensor([0.0000, 2.7183, 5.4366])
+        """
+        counts = torch.tensor(list(n)) if isinstance(n, range) else torch.as_tensor(n)
+        ref = self.offset_logit if self.offset_logit is not None else self.position_logit
+        counts = counts.to(ref.device)
+        length = int(counts.max()) if counts.numel() else 1
+        k = torch.arange(1, max(length, 1), device=ref.device)
+        if not causal:
+            k = torch.cat([k, -k])
+        table = self.position_table()
+        if table is None:
+            weights = torch.ones(self.heads, k.numel(), dtype=ref.dtype, device=ref.device)
+        else:
+            k = k.clamp(-self.max_distance, self.max_distance) + self.max_distance
+            weights = table[:, k].exp().sort(dim=1, descending=True).values
+        top = torch.cat([weights.new_zeros(self.heads, 1), weights.cumsum(dim=1)], dim=1)
+        sums = top[:, counts - 1].movedim(0, -1)  # (..., H): the n - 1 largest weights
+        beta = self.offset()
+        return sums if beta is None else sums * beta.exp()
 
     def forward(self, length: int, device=None, dtype=None) -> Tensor:
         """The additive offsets (H, N, N) of the logits of a sequence of ``length`` elements."""
