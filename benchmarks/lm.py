@@ -82,8 +82,9 @@ NANOGPT = dict(
 # The settings of every model before tied L2 attention got defaults of its own
 # (defaults_version 1), spelt out: every variant measured before then keeps them, so that its
 # name still means what was measured (docs/benchmarks.md).
+# They also keep defaults_version 2: offsets certified by their margin alone, LayerNorm gain 1.
 OLD = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
-           contractive_norm="inf")
+           contractive_norm="inf", defaults_version=2)
 OFFSETS = dict(self_offset=4.0, position_bias=4.0)
 VARIANTS = {
     "dp": dict(attention="dp"),
@@ -134,6 +135,15 @@ VARIANTS = {
     "invertible-mixed": dict(invertible=True, **{**OLD, **OFFSETS, "init": "glorot-l2",
                                                  "contractive_norm": "2,inf"}),
     "lstm": dict(model="lstm"),
+    # defaults_version 3 (docs/benchmarks.md, "Contractive attention: the weighted count and the
+    # LayerNorm gain"): the version-2 defaults, then each change alone and the gain's scan
+    "contractive-l2-v2": dict(attention="contractive-l2", defaults_version=2),
+    "invertible-v2": dict(invertible=True, defaults_version=2),
+    "contractive-l2-weighted": dict(attention="contractive-l2", norm_gain=1.0, init_scale=1 / 4),
+    "contractive-l2-gain2": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 8),
+    "contractive-l2-gain4": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 16),
+    "contractive-l2-gain4-s8": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 8),
+    "contractive-l2-gain8": dict(attention="contractive-l2", norm_gain=8.0, init_scale=1 / 32),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")

@@ -143,7 +143,8 @@ def test_weighted_counts_bound_every_row_and_are_met_by_causal_rows(causal):
 def test_a_previous_token_head_pays_for_one_key_not_for_all():
     # causal, H = D = 1, identity weights, b(1) at the cap 6 and every other offset far below:
     # the certificate follows W_0(S / e) with S ~ e^6 (one key), not W_0((N - 1) e^6 / e), and the
-    # optimised inputs come within the stated factor of it
+    # optimised inputs come within 2.6x of it (measured 2.48x: with one favoured key the
+    # self-weight is small and the variance step tr Cov <= second moment is what is loose)
     n = 6
     module = L2MHA(1, 1, position_bias=6.0, max_distance=n).double()
     with torch.no_grad():
@@ -152,7 +153,7 @@ def test_a_previous_token_head_pays_for_one_key_not_for_all():
         module.offsets.position_logit.fill_(-30.0)
         module.offsets.position_logit[0, n + 1] = 30.0  # k = i - j = 1
     f = one_set_map(module, causal=True)
-    for p, factor in (("inf", 9.0), ("2,inf", 9.0)):
+    for p, factor in (("inf", 2.6), ("2,inf", 2.6)):
         bound = module.lipschitz_bound(n, p, causal=True).item()
         margin_form = l2_attention_bound(
             n, module.w_q.reshape(1, 1, 1), module.w_v.reshape(1, 1, 1), module.w_o, p,

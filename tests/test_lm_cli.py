@@ -183,7 +183,7 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, "--print-config")
     assert code == 0
     for line in ("self_offset: auto", "position_bias: auto", "init: auto", "init_scale: auto",
-                 "contractive_norm: auto", "defaults_version: 2"):
+                 "contractive_norm: auto", "norm_gain: auto", "defaults_version: 3"):
         assert f"  {line}\n" in stdout
     code, stdout, _ = run(capsys, "lm", "train", "--attention", "l2-tied", "--self-offset", "2",
                           "--init-scale", "auto", "--print-config", "json")
@@ -193,7 +193,8 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
         run(capsys, "lm", "train", "--help")
     text = " ".join(capsys.readouterr().out.split())
     assert "--self-offset X|auto" in text and "auto: 4 for l2-tied and contractive-l2" in text
-    assert "auto: 1/2 for l2-tied, 1/4 for contractive-l2" in text
+    assert "auto: 1/2 for l2-tied, 1/16 otherwise" in text
+    assert "--norm-gain X|auto" in text and "auto: 4 for contractive-l2" in text
 
 
 def test_a_bad_number_or_auto_setting_is_a_one_line_usage_error(corpus, tmp_path, capsys):

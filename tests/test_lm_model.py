@@ -455,7 +455,7 @@ def test_logit_offsets_reach_the_l2_attention_of_the_lm_and_only_it():
 
 # The settings every model had before tied L2 attention got defaults of its own, written out.
 OLD_SETTINGS = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
-                    contractive_norm="inf")
+                    contractive_norm="inf", norm_gain=1.0)
 
 
 def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -482,8 +482,8 @@ def test_defaults_of_every_other_model_build_the_model_of_the_old_explicit_setti
     (dict(attention="l2-tied"), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
                                      init_scale=0.5, contractive_norm="inf")),
     (dict(attention="contractive-l2"), dict(self_offset=4.0, position_bias=4.0,
-                                            init="glorot-l2", init_scale=0.25,
-                                            contractive_norm="2,inf")),
+                                            init="glorot-l2", init_scale=1 / 16,
+                                            contractive_norm="2,inf", norm_gain=4.0)),
     (dict(invertible=True), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
                                  init_scale=1 / 16, contractive_norm="2,inf")),
 ], ids=["l2-tied", "contractive-l2", "invertible"])
@@ -498,6 +498,32 @@ def test_tied_l2_attention_defaults_to_its_measured_settings(kw, measured):
     old = tiny(**kw, defaults_version=1)
     assert {k: getattr(old, k) for k in OLD_SETTINGS} == OLD_SETTINGS
     assert _same_state(_seeded(old), _seeded(tiny(**kw, **OLD_SETTINGS)))
+
+
+def test_version_3_certifies_offsets_by_their_weighted_count_and_raises_the_norm_gain():
+    new = tiny(attention="contractive-l2")
+    torch.manual_seed(0)
+    new_model = build_model(new)
+    attn = new_model.blocks[0].attn.attention
+    assert attn.offset_certificate == "weighted"
+    assert all(torch.equal(b.norm_attn.weight, torch.full_like(b.norm_attn.weight, 4.0))
+               for b in new_model.blocks)
+    # version 2 (configs stored then): the margin form and gain 1, the measured row of then
+    v2 = tiny(attention="contractive-l2", defaults_version=2)
+    assert (v2.init_scale, v2.norm_gain) == (0.25, 1.0)
+    torch.manual_seed(0)
+    old_model = build_model(v2)
+    assert old_model.blocks[0].attn.attention.offset_certificate == "margin"
+    assert all(torch.equal(b.norm_attn.weight, torch.ones_like(b.norm_attn.weight))
+               for b in old_model.blocks)
+    # the gain is that of the pre-attention LayerNorm: elsewhere auto means 1 and a value is
+    # refused
+    assert tiny(attention="contractive-l2", norm_position="post").norm_gain == 1.0
+    assert tiny(invertible=True).norm_gain == 1.0 and tiny(attention="dp").norm_gain == 1.0
+    with pytest.raises(ValueError, match="norm_gain=2.0 needs a pre-norm LayerNorm"):
+        tiny(attention="dp", norm_position="post", norm_gain=2.0)
+    with pytest.raises(ValueError, match="norm_gain=2.0 needs a pre-norm LayerNorm"):
+        tiny(invertible=True, norm_gain=2.0)
 
 
 def test_a_setting_given_explicitly_overrides_its_auto_value():

@@ -204,7 +204,7 @@ def test_checkpoints_of_format_version_1_still_load(corpus, tmp_path):
 
 # The settings every model had before tied L2 attention got defaults of its own (version 2).
 OLD_SETTINGS = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
-                    contractive_norm="inf")
+                    contractive_norm="inf", norm_gain=1.0)
 
 
 def as_stored_before_version_2(network: dict, drop: tuple[str, ...]) -> None:

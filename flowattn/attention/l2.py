@@ -32,6 +32,7 @@ from .projections import Projection
 __all__ = ["L2MHA", "ContractiveL2MHA"]
 
 PARAMETRIZATIONS = ("raw", "orthogonal")
+OFFSET_CERTIFICATES = ("weighted", "margin")
 
 
 def square_weight(dim: int) -> nn.Parameter:
@@ -216,6 +217,10 @@ class L2MHA(nn.Module):
         self_offset: cap of the learnt self-offsets beta_h (0: none).
         position_bias: cap B of the learnt relative-position bias (0: none).
         max_distance: relative offsets |i - j| beyond this share one bias.
+        offset_certificate: ``"weighted"`` (default): with offsets, Lemma F.2's constant from
+            the weighted count of keys (:meth:`LogitOffsets.weighted_counts`); ``"margin"``:
+            from the margin B_h alone, the looser form that language models stored with
+            ``defaults_version`` < 3 were trained with.
 
     Attributes:
         similarity: ``"l2"``, the kind of logits (shared by every attention module).
@@ -245,8 +250,13 @@ class L2MHA(nn.Module):
         self_offset: float = 0.0,
         position_bias: float = 0.0,
         max_distance: int = 64,
+        offset_certificate: str = "weighted",
     ):
         super().__init__()
+        if offset_certificate not in OFFSET_CERTIFICATES:
+            raise InputError(f"offset_certificate must be one of {OFFSET_CERTIFICATES}, got "
+                             f"{offset_certificate!r}")
+        self.offset_certificate = offset_certificate
         if dim % heads != 0:
             raise InputError(f"heads={heads} must divide dim={dim}")
         if not 0.0 <= dropout < 1.0:
@@ -555,7 +565,9 @@ class L2MHA(nn.Module):
         if self.offsets is None or method != "tight":
             margin = None if self.offsets is None else self.offsets.margin()  # thm3.2 refuses it
             return l2_attention_bound(n, wq, wv, self.w_o, norm, method, margin)
-        counts = self.offsets.weighted_counts(n, causal)
+        counts = None
+        if self.offset_certificate == "weighted":
+            counts = self.offsets.weighted_counts(n, causal)
         return l2_attention_bound(
             n, wq, wv, self.w_o, norm, method, self.offsets.margin(), weighted_counts=counts
         )
@@ -600,6 +612,8 @@ class ContractiveL2MHA(ContractiveAttention):
             is by the certificate at the offsets' current values.
         position_bias: cap of F's learnt relative-position bias.
         max_distance: relative offsets beyond this share one bias.
+        offset_certificate: ``"weighted"`` or ``"margin"``, how the offsets enter F's
+            certificate (see :class:`L2MHA`).
 
     Attributes:
         attention: the tied :class:`L2MHA` F.
@@ -627,6 +641,7 @@ class ContractiveL2MHA(ContractiveAttention):
         self_offset: float = 0.0,
         position_bias: float = 0.0,
         max_distance: int = 64,
+        offset_certificate: str = "weighted",
     ):
         super().__init__()
         if dropout != 0.0:
@@ -648,6 +663,7 @@ class ContractiveL2MHA(ContractiveAttention):
             self_offset=self_offset,
             position_bias=position_bias,
             max_distance=max_distance,
+            offset_certificate=offset_certificate,
         )
         self.dim, self.heads = dim, heads
 

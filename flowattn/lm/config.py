@@ -17,7 +17,8 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
-           "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "auto_settings"]
+           "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "VERSION_3_CHANGES",
+           "auto_settings"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -28,11 +29,14 @@ FORMATS = ("auto", "text", "ptb-char")
 DEFAULT_CORPUS = "builtin:pydoc-topics"
 
 AUTO = "auto"
-DEFAULTS_VERSION = 2  # 2: tied L2 attention has defaults of its own (stored configs carry it)
+# 2: tied L2 attention has defaults of its own; 3: logit offsets certified by their weighted
+# count of keys, and contractive attention reads a LayerNorm of gain 4 (stored configs carry it)
+DEFAULTS_VERSION = 3
 # What "auto" means for every model but tied L2 attention, and for every model under
 # defaults_version 1 (the settings written before version 2 existed).
 PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "init": "default",
-                                  "init_scale": 1.0 / 16, "contractive_norm": "inf"}
+                                  "init_scale": 1.0 / 16, "contractive_norm": "inf",
+                                  "norm_gain": 1.0}
 # What "auto" means for tied L2 attention under defaults_version 2, by (attention, invertible):
 # the best measured row of each (benchmarks/lm.py variants; docs/benchmarks.md, "Letting tied
 # attention read other tokens"), validation nats/char at nanoGPT's CPU budget against the
@@ -40,13 +44,21 @@ PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "ini
 TIED_L2_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {
     # l2-tied-offsets-glorot-s2: 1.9403 (plain: 2.4116)
     ("l2-tied", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
-                         "init_scale": 1.0 / 2, "contractive_norm": "inf"},
+                         "init_scale": 1.0 / 2, "contractive_norm": "inf", "norm_gain": 1.0},
     # contractive-l2-mixed-s4: 2.2052 (plain: 2.4823)
     ("contractive-l2", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
-                                "init_scale": 1.0 / 4, "contractive_norm": "2,inf"},
+                                "init_scale": 1.0 / 4, "contractive_norm": "2,inf",
+                                "norm_gain": 1.0},
     # invertible-mixed: 2.4512 (plain: 2.4824)
     ("contractive-l2", True): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
-                               "init_scale": 1.0 / 16, "contractive_norm": "2,inf"},
+                               "init_scale": 1.0 / 16, "contractive_norm": "2,inf",
+                               "norm_gain": 1.0},
+}
+# Version 3 changes contractive attention alone (benchmarks/lm.py variant contractive-l2-gain4):
+# the pre-attention LayerNorm starts at gain 4 and the L2 weights at s = 1/16, the same logits
+# as s = 1/4 at gain 1 with four times the branch's output.
+VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
+    ("contractive-l2", False): {"init_scale": 1.0 / 16, "norm_gain": 4.0},
 }
 
 _Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -60,8 +72,8 @@ class LMSettings(Section):
     the settings a model is built from) to defaults that depend on ``invertible``:
     contractive-l2 attention and a channel affine map (``actnorm``) inside the invertible
     stack, dot-product attention and LayerNorm otherwise; ``residual_alpha`` to 1 / layers.
-    ``self_offset``, ``position_bias``, ``init``, ``init_scale`` and ``contractive_norm`` left
-    as ``"auto"`` resolve to what :func:`auto_settings` gives for the attention: measured
+    ``self_offset``, ``position_bias``, ``init``, ``init_scale``, ``contractive_norm`` and
+    ``norm_gain`` left as ``"auto"`` resolve to what :func:`auto_settings` gives for the attention: measured
     defaults for tied L2 attention, the plain ones (no offsets, GPT-2 initialisation) for
     every other model. ``defaults_version`` fixes which table ``"auto"`` means, so that a
     stored config always rebuilds the model it trained.
@@ -100,7 +112,10 @@ class LMSettings(Section):
         "l2-tied and contractive-l2, default otherwise)")
     init_scale: _Scale | Literal["auto"] = Field(
         AUTO, description="scale s of L2 attention weights under --init glorot-l2 (auto: 1/2 "
-        "for l2-tied, 1/4 for contractive-l2, 1/16 otherwise and with --invertible)")
+        "for l2-tied, 1/16 otherwise)")
+    norm_gain: _Scale | Literal["auto"] = Field(
+        AUTO, description="initial gain of the normalisation before each attention branch "
+        "(pre-norm LayerNorm or CenterNorm; auto: 4 for contractive-l2 in that position, else 1)")
     ff_mult: int = Field(4, ge=1, description="feed-forward hidden width as a multiple of D")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability")
     bias: bool = Field(False, description="biases in linear layers and norms")
@@ -121,9 +136,10 @@ class LMSettings(Section):
     ortho_affinity: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                   "matrices (lambda)")
     defaults_version: int = Field(
-        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 2, tied L2 "
-        "attention's measured defaults; 1, the plain ones for every model, as before version 2 "
-        "(a stored config without this key is version 1)")
+        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 3, tied L2 "
+        "attention's measured defaults with offsets certified by their weighted count of keys "
+        "and norm gain 4 for contractive-l2; 2, the same without those two; 1, the plain ones "
+        "for every model, as before version 2 (a stored config without this key is version 1)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> LMSettings:
@@ -142,7 +158,9 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
                   version: int = DEFAULTS_VERSION) -> dict[str, Any]:
     """What the ``"auto"`` settings of a model resolve to.
 
-    Version 2 (:data:`DEFAULTS_VERSION`): for tied L2 attention (``l2-tied``, and
+    Version 3 (:data:`DEFAULTS_VERSION`) is version 2 with :data:`VERSION_3_CHANGES`:
+    contractive attention reads a LayerNorm whose gain starts at 4 (``norm_gain``), with its
+    L2 weights four times smaller. Version 2: for tied L2 attention (``l2-tied``, and
     ``contractive-l2`` alone or inside the invertible stack) the best measured row of
     :data:`TIED_L2_DEFAULTS`: logit offsets with caps 4 (a token can weight another above
     itself), Kim et al. (2021, App. H)'s ``glorot-l2`` initialisation with the scale s measured
@@ -157,7 +175,11 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
         True
     """
     if version >= 2 and model == "transformer":
-        return dict(TIED_L2_DEFAULTS.get((attention, bool(invertible)), PLAIN_DEFAULTS))
+        key = (attention, bool(invertible))
+        settings = dict(TIED_L2_DEFAULTS.get(key, PLAIN_DEFAULTS))
+        if version >= 3:
+            settings.update(VERSION_3_CHANGES.get(key, {}))
+        return settings
     return dict(PLAIN_DEFAULTS)
 
 
@@ -174,11 +196,15 @@ def _resolve(values: dict) -> dict:
     if not (isinstance(attention, str) and isinstance(model, str)):
         attention, model = "", ""  # refused by the fields' own checks
     auto = auto_settings(attention, invertible, model, version)
-    for key, value in auto.items():
-        if values.get(key, AUTO) == AUTO:
-            values[key] = value
+    automatic = {key for key in auto if values.get(key, AUTO) == AUTO}
+    for key in automatic:
+        values[key] = auto[key]
     if values.get("norm") is None:
         values["norm"] = "actnorm" if invertible else "layernorm"
+    pre_norm = (values.get("norm_position", "pre") == "pre"
+                and values["norm"] in ("layernorm", "centernorm"))
+    if "norm_gain" in automatic and not pre_norm:
+        values["norm_gain"] = 1.0  # the gain is that of a pre-norm LayerNorm or CenterNorm
     if values.get("final_norm") is None:
         if invertible:
             values["final_norm"] = "layernorm"
@@ -200,6 +226,11 @@ def _check(config: _Resolved) -> None:
     if (config.self_offset or config.position_bias) and config.attention not in l2:
         raise ValueError(f"self_offset and position_bias are options of L2 attention (l2, "
                          f"l2-tied, contractive-l2), not of {config.attention!r} attention")
+    if config.norm_gain != 1.0 and (config.norm not in ("layernorm", "centernorm")
+                                    or config.norm_position != "pre" or config.invertible):
+        raise ValueError(f"norm_gain={config.norm_gain} needs a pre-norm LayerNorm or CenterNorm "
+                         "outside an invertible stack (it is the gain of the normalisation "
+                         "before the attention branch)")
     if config.norm == "centernorm" and config.dim < 2:
         raise ValueError("centernorm needs dim >= 2")
     if config.model == "lstm":

@@ -191,9 +191,12 @@ def _attention(config: LMConfig) -> nn.Module:
         return ScaledCosineMHA(d, h, dropout=p)
     # Contractive attention refuses attention-weight dropout (it voids the bound); inside an
     # invertible stack it applies contractive output dropout itself.
+    # defaults_version 3 certifies offsets by their weighted count of keys; a config stored
+    # before keeps the margin form it trained with
+    count = "weighted" if config.defaults_version >= 3 else "margin"
     return ContractiveL2MHA(
         d, h, coeff=config.contractive_coeff, norm=config.contractive_norm,
-        output_dropout=p if config.invertible else 0.0, **offsets,
+        output_dropout=p if config.invertible else 0.0, offset_certificate=count, **offsets,
     )
 
 
@@ -533,6 +536,9 @@ class TransformerLM(_CharLM):
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
         initialise(self, config.init, config.init_scale)
+        if config.norm_gain != 1.0:  # the normalisation each attention branch reads
+            for block in self.blocks:
+                block.norm_attn.weight.data.fill_(config.norm_gain)
 
     def embed(self, idx: Tensor) -> Tensor:
         """Token plus position embeddings, (B, T, D): the input of the residual stack."""
