@@ -143,7 +143,12 @@ VARIANTS = {
     "contractive-l2-gain2": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 8),
     "contractive-l2-gain4": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 16),
     "contractive-l2-gain4-s8": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 8),
+    "contractive-l2-gain4-s4": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 4),
     "contractive-l2-gain8": dict(attention="contractive-l2", norm_gain=8.0, init_scale=1 / 32),
+    "contractive-l2-gain8-s16": dict(attention="contractive-l2", norm_gain=8.0,
+                                     init_scale=1 / 16),
+    "contractive-l2-gain2-s4": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 4),
+    "invertible-s4": dict(invertible=True, init_scale=1 / 4),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")

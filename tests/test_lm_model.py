@@ -482,7 +482,7 @@ def test_defaults_of_every_other_model_build_the_model_of_the_old_explicit_setti
     (dict(attention="l2-tied"), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
                                      init_scale=0.5, contractive_norm="inf")),
     (dict(attention="contractive-l2"), dict(self_offset=4.0, position_bias=4.0,
-                                            init="glorot-l2", init_scale=1 / 16,
+                                            init="glorot-l2", init_scale=1 / 8,
                                             contractive_norm="2,inf", norm_gain=4.0)),
     (dict(invertible=True), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
                                  init_scale=1 / 16, contractive_norm="2,inf")),
