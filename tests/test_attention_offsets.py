@@ -367,3 +367,18 @@ def test_certificate_gradients_are_finite_for_rows_that_see_one_key(p, kwargs):
     for name, param in module.named_parameters():
         assert torch.isfinite(param.grad).all(), name
     assert torch.isfinite(x.grad).all()
+
+
+def test_the_margin_form_stays_available_for_models_trained_with_it():
+    module = make(ContractiveL2MHA, "both", seed=9, norm="2,inf")
+    margin = make(ContractiveL2MHA, "both", seed=9, norm="2,inf", offset_certificate="margin")
+    f, f_margin = module.attention, margin.attention
+    wq, wv = f_margin.head_weights(f_margin.w_q), f_margin.head_weights(f_margin.w_v)
+    expected = l2_attention_bound(6, wq, wv, f_margin.w_o, "2,inf",
+                                  margin=f_margin.offsets.margin())
+    torch.testing.assert_close(f_margin.lipschitz_bound(6, "2,inf", causal=True), expected)
+    assert f.lipschitz_bound(6, "2,inf", causal=True).item() < 0.95 * expected.item()
+    x = randn(2, 6, DIM, seed=10)  # the same weights, divided by different certificates
+    assert not torch.allclose(module(x, causal=True), margin(x, causal=True))
+    with pytest.raises(ValueError, match="offset_certificate"):
+        L2MHA(DIM, HEADS, self_offset=1.0, offset_certificate="loose")
