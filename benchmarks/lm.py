@@ -149,6 +149,7 @@ VARIANTS = {
                                      init_scale=1 / 16),
     "contractive-l2-gain2-s4": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 4),
     "invertible-s4": dict(invertible=True, init_scale=1 / 4),
+    "invertible-s2": dict(invertible=True, init_scale=1 / 2),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")

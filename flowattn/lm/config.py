@@ -73,10 +73,10 @@ class LMSettings(Section):
     contractive-l2 attention and a channel affine map (``actnorm``) inside the invertible
     stack, dot-product attention and LayerNorm otherwise; ``residual_alpha`` to 1 / layers.
     ``self_offset``, ``position_bias``, ``init``, ``init_scale``, ``contractive_norm`` and
-    ``norm_gain`` left as ``"auto"`` resolve to what :func:`auto_settings` gives for the attention: measured
-    defaults for tied L2 attention, the plain ones (no offsets, GPT-2 initialisation) for
-    every other model. ``defaults_version`` fixes which table ``"auto"`` means, so that a
-    stored config always rebuilds the model it trained.
+    ``norm_gain`` left as ``"auto"`` resolve to what :func:`auto_settings` gives for the
+    attention: measured defaults for tied L2 attention, the plain ones (no offsets, GPT-2
+    initialisation) for every other model. ``defaults_version`` fixes which table ``"auto"``
+    means, so that a stored config always rebuilds the model it trained.
     """
 
     block_size: int = Field(64, ge=1, description="context length T")
