@@ -148,6 +148,7 @@ VARIANTS = {
     "contractive-l2-gain8-s16": dict(attention="contractive-l2", norm_gain=8.0,
                                      init_scale=1 / 16),
     "contractive-l2-gain2-s4": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 4),
+    "invertible-weighted": dict(invertible=True, init_scale=1 / 16),
     "invertible-s4": dict(invertible=True, init_scale=1 / 4),
     "invertible-s2": dict(invertible=True, init_scale=1 / 2),
 }

@@ -485,11 +485,11 @@ def test_defaults_of_every_other_model_build_the_model_of_the_old_explicit_setti
                                             init="glorot-l2", init_scale=1 / 8,
                                             contractive_norm="2,inf", norm_gain=4.0)),
     (dict(invertible=True), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
-                                 init_scale=1 / 16, contractive_norm="2,inf")),
+                                 init_scale=1 / 2, contractive_norm="2,inf", norm_gain=1.0)),
 ], ids=["l2-tied", "contractive-l2", "invertible"])
 def test_tied_l2_attention_defaults_to_its_measured_settings(kw, measured):
-    # the rows of docs/benchmarks.md: l2-tied-offsets-glorot-s2, contractive-l2-mixed-s4,
-    # invertible-mixed
+    # the rows of docs/benchmarks.md: l2-tied-offsets-glorot-s2, contractive-l2-gain4-s8,
+    # invertible-s2
     new = tiny(**kw)
     assert {k: getattr(new, k) for k in measured} == measured
     assert _same_state(_seeded(new), _seeded(tiny(**kw, **measured)))
@@ -511,6 +511,9 @@ def test_version_3_certifies_offsets_by_their_weighted_count_and_raises_the_norm
     # version 2 (configs stored then): the margin form and gain 1, the measured row of then
     v2 = tiny(attention="contractive-l2", defaults_version=2)
     assert (v2.init_scale, v2.norm_gain) == (0.25, 1.0)
+    # the invertible stack: s = 1/2 today, 1/16 as stored under version 2
+    assert tiny(invertible=True).init_scale == 0.5
+    assert tiny(invertible=True, defaults_version=2).init_scale == 1 / 16
     torch.manual_seed(0)
     old_model = build_model(v2)
     assert old_model.blocks[0].attn.attention.offset_certificate == "margin"
@@ -518,7 +521,10 @@ def test_version_3_certifies_offsets_by_their_weighted_count_and_raises_the_norm
                for b in old_model.blocks)
     # the gain is that of the pre-attention LayerNorm: elsewhere auto means 1 and a value is
     # refused
-    assert tiny(attention="contractive-l2", norm_position="post").norm_gain == 1.0
+    post = tiny(attention="contractive-l2", norm_position="post")
+    # no pre-norm LayerNorm: gain 1, and the scale measured at gain 1 (not the one paired with 4)
+    assert (post.norm_gain, post.init_scale) == (1.0, 0.25)
+    assert tiny(attention="contractive-l2", norm_position="post", init_scale=0.5).init_scale == 0.5
     assert tiny(invertible=True).norm_gain == 1.0 and tiny(attention="dp").norm_gain == 1.0
     with pytest.raises(ValueError, match="norm_gain=2.0 needs a pre-norm LayerNorm"):
         tiny(attention="dp", norm_position="post", norm_gain=2.0)

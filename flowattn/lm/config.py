@@ -54,11 +54,14 @@ TIED_L2_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {
                                "init_scale": 1.0 / 16, "contractive_norm": "2,inf",
                                "norm_gain": 1.0},
 }
-# Version 3 changes contractive attention alone (benchmarks/lm.py variant contractive-l2-gain4-s8,
-# 2.0327 against 2.2050): the pre-attention LayerNorm starts at gain 4, four times the branch's
-# output, and the L2 weights at s = 1/8 (logits as s = 1/2 at gain 1).
+# Version 3 changes contractive attention alone. Outside the invertible stack (benchmarks/lm.py
+# variant contractive-l2-gain4-s8, 2.0327 against 2.2050): the pre-attention LayerNorm starts at
+# gain 4, four times the branch's output, and the L2 weights at s = 1/8 (logits as s = 1/2 at
+# gain 1). Inside it (no LayerNorm to scale; variant invertible-s2, 2.4076 against 2.4512): the
+# L2 weights at s = 1/2.
 VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
     ("contractive-l2", False): {"init_scale": 1.0 / 8, "norm_gain": 4.0},
+    ("contractive-l2", True): {"init_scale": 1.0 / 2},
 }
 
 _Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
@@ -112,7 +115,8 @@ class LMSettings(Section):
         "l2-tied and contractive-l2, default otherwise)")
     init_scale: _Scale | Literal["auto"] = Field(
         AUTO, description="scale s of L2 attention weights under --init glorot-l2 (auto: 1/2 "
-        "for l2-tied, 1/8 for contractive-l2, 1/16 otherwise and with --invertible)")
+        "for l2-tied and with --invertible, 1/8 for contractive-l2 (1/4 post-norm), 1/16 "
+        "otherwise)")
     norm_gain: _Scale | Literal["auto"] = Field(
         AUTO, description="initial gain of the normalisation before each attention branch "
         "(pre-norm LayerNorm or CenterNorm; auto: 4 for contractive-l2 in that position, else 1)")
@@ -160,8 +164,10 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
 
     Version 3 (:data:`DEFAULTS_VERSION`) is version 2 with :data:`VERSION_3_CHANGES`:
     contractive attention reads a LayerNorm whose gain starts at 4 (``norm_gain``), with its
-    L2 weights at s = 1/8. Version 2: for tied L2 attention (``l2-tied``, and
-    ``contractive-l2`` alone or inside the invertible stack) the best measured row of
+    L2 weights at s = 1/8; inside the invertible stack its L2 weights start at s = 1/2. Both
+    certify logit offsets by their weighted count of keys. Version 2: for tied L2 attention
+    (``l2-tied``, and ``contractive-l2`` alone or inside the invertible stack) the best
+    measured row of
     :data:`TIED_L2_DEFAULTS`: logit offsets with caps 4 (a token can weight another above
     itself), Kim et al. (2021, App. H)'s ``glorot-l2`` initialisation with the scale s measured
     best at width 128, and for contractive attention the ``2,inf`` certificate. Every other
@@ -203,8 +209,12 @@ def _resolve(values: dict) -> dict:
         values["norm"] = "actnorm" if invertible else "layernorm"
     pre_norm = (values.get("norm_position", "pre") == "pre"
                 and values["norm"] in ("layernorm", "centernorm"))
-    if "norm_gain" in automatic and not pre_norm:
-        values["norm_gain"] = 1.0  # the gain is that of a pre-norm LayerNorm or CenterNorm
+    if "norm_gain" in automatic and not pre_norm and values["norm_gain"] != 1.0:
+        # the gain is that of a pre-norm LayerNorm or CenterNorm; without one the scale of the
+        # L2 weights is the one measured at gain 1 (version 3 lowered it with the gain)
+        values["norm_gain"] = 1.0
+        if "init_scale" in automatic:
+            values["init_scale"] = auto_settings(attention, invertible, model, 2)["init_scale"]
     if values.get("final_norm") is None:
         if invertible:
             values["final_norm"] = "layernorm"
