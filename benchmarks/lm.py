@@ -148,6 +148,13 @@ VARIANTS = {
     "contractive-l2-gain8-s16": dict(attention="contractive-l2", norm_gain=8.0,
                                      init_scale=1 / 16),
     "contractive-l2-gain2-s4": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 4),
+    # version-3 contractive attention with other caps of its logit offsets (the constant of
+    # the certificate grows with them), another scale, a larger learning rate
+    "contractive-l2-caps1": dict(attention="contractive-l2", self_offset=1.0, position_bias=1.0),
+    "contractive-l2-caps2": dict(attention="contractive-l2", self_offset=2.0, position_bias=2.0),
+    "contractive-l2-caps8": dict(attention="contractive-l2", self_offset=8.0, position_bias=8.0),
+    "contractive-l2-gain4-s6": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 6),
+    "contractive-l2-lr2": dict(attention="contractive-l2", lr=2e-3),
     "invertible-weighted": dict(invertible=True, init_scale=1 / 16),
     "invertible-s4": dict(invertible=True, init_scale=1 / 4),
     "invertible-s2": dict(invertible=True, init_scale=1 / 2),

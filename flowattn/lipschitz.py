@@ -70,7 +70,7 @@ def _norm_name(p, mixed: bool = False) -> str:
 # ----------------------------------------------------------------------------- Lambert W
 
 
-def lambertw0(x: Tensor | float, iterations: int = 8) -> Tensor:
+def lambertw0(x: Tensor | float, iterations: int = 8, check: bool = True) -> Tensor:
     """Principal branch W_0 of the Lambert W function, w e^w = x, for x >= 0.
 
     Winitzki's approximation W(x) ~ L (1 - log(1 + L) / (2 + L)), L = log(1 + x) (relative error
@@ -78,28 +78,56 @@ def lambertw0(x: Tensor | float, iterations: int = 8) -> Tensor:
 
         w <- w - f / (e^w (w + 1) - (w + 2) f / (2 w + 2)),   f = w e^w - x.
 
-    Eight iterations reach machine precision in float64 over [0, 1e300].
+    Eight iterations reach machine precision in float64 over [0, 1e300]. The derivative is the
+    closed form W'(x) = 1 / (e^W (1 + W)) (differentiating w e^w = x), not that of the
+    iterations: one operation in the backward pass instead of the iterations' graph, and
+    differentiable again (second derivatives, ``torch.func``).
 
     Arguments:
         x: non-negative values (tensor or float).
         iterations: number of Halley steps.
+        check: refuse negative and NaN entries (reads the values back from their device; the
+            certificates, whose arguments are sums of exponentials, pass ``False``).
 
     Examples:
         >>> float(lambertw0(math.e))
         1.0
+        >>> x = torch.tensor(2.0, dtype=torch.float64, requires_grad=True)
+        >>> w = lambertw0(x)
+        >>> bool(torch.isclose(torch.autograd.grad(w, x)[0], 1 / (w.exp() * (1 + w))))
+        True
     """
     x = torch.as_tensor(x, dtype=torch.get_default_dtype() if not torch.is_tensor(x) else None)
     if not x.is_floating_point():
         x = x.to(torch.get_default_dtype())
-    if (x < 0).any() or torch.isnan(x).any():
+    if check and ((x < 0).any() or torch.isnan(x).any()):
         raise InputError("lambertw0 is implemented for x >= 0 only")
-    log1p = torch.log1p(x)
-    w = log1p * (1 - torch.log1p(log1p) / (2 + log1p))
-    for _ in range(iterations):
-        ew = torch.exp(w)
-        f = w * ew - x
-        w = w - f / (ew * (w + 1) - (w + 2) * f / (2 * w + 2))
-    return torch.where(x == 0, torch.zeros_like(w), w)
+    return _LambertW0.apply(x, iterations)
+
+
+class _LambertW0(torch.autograd.Function):
+    """W_0 by Halley's method, with the closed-form derivative (see :func:`lambertw0`)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(x: Tensor, iterations: int) -> Tensor:
+        log1p = torch.log1p(x)
+        w = log1p * (1 - torch.log1p(log1p) / (2 + log1p))
+        for _ in range(iterations):
+            ew = torch.exp(w)
+            f = w * ew - x
+            w = w - f / (ew * (w + 1) - (w + 2) * f / (2 * w + 2))
+        return torch.where(x == 0, torch.zeros_like(w), w)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.save_for_backward(output)  # the output: a second derivative goes through W again
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:
+        (w,) = ctx.saved_tensors
+        return grad / (torch.exp(w) * (1 + w)), None
 
 
 @torch.compiler.disable  # a host-side constant: not traced
@@ -110,13 +138,13 @@ def _phi_inverse_of_count(n: int) -> float:
     return float(phi_inverse(float(n - 1)))
 
 
-def phi_inverse(n_minus_one: Tensor | float) -> Tensor:
+def phi_inverse(n_minus_one: Tensor | float, check: bool = True) -> Tensor:
     """phi^{-1}(N - 1) = W_0((N - 1) / e), where phi(x) = x exp(x + 1) (Kim et al. 2021, Thm 3.2).
 
     Solving x e^{x + 1} = N - 1 gives x e^x = (N - 1) / e; the paper prints W_0(N / e), which is
-    larger and so also a valid, looser bound.
+    larger and so also a valid, looser bound. ``check``: as in :func:`lambertw0`.
     """
-    return lambertw0(torch.as_tensor(n_minus_one, dtype=torch.float64) / math.e)
+    return lambertw0(torch.as_tensor(n_minus_one, dtype=torch.float64) / math.e, check=check)
 
 
 # ----------------------------------------------------------------------------- matrix norms
@@ -312,7 +340,8 @@ def l2_attention_bound(
         if weighted_counts is None:
             c = logit_margin_constant(n.unsqueeze(-1), margin)  # (..., H)
         else:
-            c = phi_inverse(weighted_counts).to(device=w_q.device, dtype=w_q.dtype)
+            # sums of exponentials, non-negative: no check, so no read back from the device
+            c = phi_inverse(weighted_counts, check=False).to(device=w_q.device, dtype=w_q.dtype)
         return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host)
     if w0_of_count is not None:
         w0 = torch.tensor(w0_of_count, dtype=w_q.dtype, device=w_q.device)

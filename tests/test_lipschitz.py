@@ -1,5 +1,6 @@
 """flowattn.lipschitz: Lambert W, matrix norms, norm-layer bounds and the measurement tools."""
 
+import functools
 import math
 
 import pytest
@@ -45,6 +46,27 @@ def test_lambertw0_solves_its_defining_equation():
     x = torch.logspace(-5, 6, 100, dtype=torch.float64)
     w = lambertw0(x)
     torch.testing.assert_close(w * torch.exp(w), x, rtol=1e-13, atol=0)
+
+
+def test_lambertw0_derivatives_are_those_of_the_function_to_every_order():
+    # the closed form W' = 1 / (e^W (1 + W)) against finite differences (first and second
+    # order), through torch.func, and at 0 (W'(0) = 1)
+    x = torch.tensor([0.0, 1e-3, 0.5, 3.0, 40.0, 1e4], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambertw0, (x[1:].detach().requires_grad_(),))
+    assert torch.autograd.gradgradcheck(lambertw0, (x[1:].detach().requires_grad_(),))
+    (slope,) = torch.autograd.grad(lambertw0(x).sum(), x)
+    assert slope[0].item() == pytest.approx(1.0, rel=1e-12)
+    w_exact = torch.from_numpy(scipy_special.lambertw(x.detach().numpy(), 0).real)
+    exact = 1 / (torch.exp(w_exact) * (1 + w_exact))
+    torch.testing.assert_close(slope, exact, rtol=1e-12, atol=0)
+    unchecked = functools.partial(lambertw0, check=False)  # no value read back under vmap
+    jac = torch.func.jacrev(unchecked)(x.detach())
+    torch.testing.assert_close(jac, torch.diag(slope), rtol=1e-12, atol=0)
+    hess = torch.func.vmap(torch.func.grad(torch.func.grad(unchecked)))(x.detach())
+    w = lambertw0(x.detach())
+    # differentiating W' = 1 / (e^W (1 + W)) once more: W'' = -W' (2 + W) / (e^W (1 + W)^2)
+    expected = -slope.detach() * (2 + w) / (torch.exp(w) * (1 + w) ** 2)
+    torch.testing.assert_close(hess, expected, rtol=1e-10, atol=0)
 
 
 def test_lambertw0_rejects_negative_input():
