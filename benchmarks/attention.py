@@ -32,6 +32,7 @@ from machine import cpu_name
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import benchmark
 
+from flowattn import lipschitz
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, dot_product, l2
 
 SHAPES = [(32, 128, 128, 8), (8, 512, 256, 8)]  # (B, N, D, H)
@@ -52,12 +53,36 @@ class Patched(torch.nn.Module):
             return self.module(x)
 
 
+class _W0ThroughIterations:
+    """Lambert W_0 differentiated through its Halley iterations, as before
+    :func:`flowattn.lipschitz.lambertw0` had its closed-form derivative (same values)."""
+
+    halley = staticmethod(lipschitz._LambertW0.forward)
+
+    @staticmethod
+    def apply(x, iterations):
+        return _W0ThroughIterations.halley(x, iterations)  # traced by autograd
+
+
+class IteratedW0(torch.nn.Module):
+    """``module`` with its certificate's Lambert W_0 differentiated through the iterations."""
+
+    def __init__(self, module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, x):
+        with mock.patch.object(lipschitz, "_LambertW0", _W0ThroughIterations):
+            return self.module(x)
+
+
 def math_backend():
     return sdpa_kernel([SDPBackend.MATH])
 
 
 def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Module]:
     dp, fused = DotProductMHA(dim, heads), L2MHA(dim, heads, fused=True)
+    lm = ContractiveL2MHA(dim, heads, norm="2,inf", self_offset=4.0, position_bias=4.0)
     sdpa = F.scaled_dot_product_attention
     if second_order:  # before attend(): the math backend, the only twice-differentiable one
         return {
@@ -73,6 +98,10 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
         "L2MHA fused, direct SDPA": Patched(fused, l2, sdpa),
         "L2MHA reference": L2MHA(dim, heads, fused=False),
         "ContractiveL2MHA": ContractiveL2MHA(dim, heads),
+        # the language model's settings: logit offsets (their certificate's constant is
+        # W_0 of the offsets' weighted count, differentiated every step) and the mixed norm
+        "ContractiveL2MHA, LM": lm,
+        "ContractiveL2MHA, LM, W0 through its iterations": IteratedW0(lm),
     }
 
 
@@ -152,6 +181,10 @@ def main() -> None:
         if not args.second_order:
             fused, ref = times["L2MHA fused"], times["L2MHA reference"]
             print(f"| {shape} | reference / fused | | {ref / fused:.2f} |")
+            lm, iterated = (times["ContractiveL2MHA, LM"],
+                            times["ContractiveL2MHA, LM, W0 through its iterations"])
+            print(f"| {shape} | ContractiveL2MHA, LM: closed-form W0' / iterations | | "
+                  f"{lm / iterated:.2f} |")
 
 
 if __name__ == "__main__":

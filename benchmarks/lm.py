@@ -21,6 +21,10 @@ Three studies, each writing a JSON file and printing a Markdown table:
   itself, the mean largest weight on another token, and the share of rows (positions 1 to 63)
   where another token outweighs the token itself -- 0 % by construction for tied L2 attention
   without logit offsets (``l2-tied-legacy``).
+* ``budget``: for finished invertible ``attention`` runs of ``--variants`` (in ``--out``), each
+  block's certified branch constants against the largest Jacobian norms measured at the
+  branches' inputs on the first validation window (float64; about 5 minutes of one core and
+  6 GiB): how much of its Lipschitz budget each contractive branch spends on real text.
 * ``depth``: constant learning rate, no warm-up, 2 to 12 layers of post-norm Transformers
   with dot-product, tied-L2 and contractive-L2 attention (Kim et al. 2021, §5.4, Table 1):
   divergences and the best validation loss per depth, with a plot. Its default rows are the
@@ -37,6 +41,7 @@ meaning what was measured (``l2-tied-legacy`` etc. are the former defaults).
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
     python benchmarks/lm.py throughput --compile --nanogpt ../nanoGPT --variants dp l2-tied
     python benchmarks/lm.py self-weight --variants l2-tied-legacy l2-tied-offsets
+    python benchmarks/lm.py budget --variants invertible-s2 --out runs/lm-inv-s2
     python benchmarks/lm.py depth --depths 2 4 6 8 10 12
     python benchmarks/lm.py all --quick              # a fast smoke run of everything
 """
@@ -61,6 +66,7 @@ from pathlib import Path
 import torch
 from machine import cpu_name
 
+from flowattn.lipschitz import jacobian_norm
 from flowattn.lm.config import LMConfig, LMRunConfig
 from flowattn.lm.data import eval_windows, get_batch, load_corpus
 from flowattn.lm.model import attention_probabilities, build_model
@@ -153,6 +159,8 @@ VARIANTS = {
     "contractive-l2-caps1": dict(attention="contractive-l2", self_offset=1.0, position_bias=1.0),
     "contractive-l2-caps2": dict(attention="contractive-l2", self_offset=2.0, position_bias=2.0),
     "contractive-l2-caps8": dict(attention="contractive-l2", self_offset=8.0, position_bias=8.0),
+    "contractive-l2-caps16": dict(attention="contractive-l2", self_offset=16.0,
+                                  position_bias=16.0),
     "contractive-l2-gain4-s6": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 6),
     "contractive-l2-lr2": dict(attention="contractive-l2", lr=2e-3),
     "invertible-weighted": dict(invertible=True, init_scale=1 / 16),
@@ -370,6 +378,60 @@ def self_weight_rows(run: Path, windows: int = 32) -> list[dict]:
     return rows
 
 
+def budget_rows(run: Path, windows: int = 1) -> list[dict]:
+    """Per block of the invertible model in ``run``: each residual branch's certified constant
+    against the largest Jacobian norm measured at its inputs (captured by forward pre-hooks) on
+    the first ``windows`` validation windows, in float64. Attention in its own norm
+    (``contractive_norm``; for "2,inf" an ascent, so a lower bound on the local norm);
+    feed-forward per token: its Jacobian is block diagonal, so the largest token's spectral norm
+    is its exact norm in the "2,inf" norm."""
+    model, record, vocab = load_checkpoint(run)
+    if not model.config.invertible:
+        raise SystemExit(f"{run} holds a non-invertible model: the budget study needs one")
+    model = model.double().eval()
+    corpus = load_corpus(record["corpus"]["source"], vocab=vocab)
+    x, _ = next(eval_windows(corpus.val, model.config.block_size, windows))
+    inputs, hooks = {}, []
+    for i, block in enumerate(model.blocks):
+        for part in ("attn", "ff"):
+            hooks.append(getattr(block, part).register_forward_pre_hook(
+                lambda module, args, key=(part, i): inputs.__setitem__(key, args[0].detach())))
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    rows = []
+    for i, block in enumerate(model.blocks):
+        certified_attn, certified_ff = block.lipschitz_bounds(model.config.block_size)
+        attn, ff = [], []
+        for w in range(inputs[("attn", i)].shape[0]):
+            attn.append(float(jacobian_norm(
+                lambda z, block=block: block.attention_branch(z[None])[0],
+                inputs[("attn", i)][w], block.attn.norm)))
+            per_token = torch.func.vmap(torch.func.jacrev(
+                lambda v, block=block: block.ff_branch(v[None, None])[0, 0]))(inputs[("ff", i)][w])
+            ff.append(float(torch.linalg.matrix_norm(per_token.detach(), ord=2).max()))
+        rows.append({"block": i + 1, "norm": block.attn.norm,
+                     "attention": {"certified": certified_attn, "measured": max(attn)},
+                     "feed_forward": {"certified": certified_ff, "measured": max(ff)}})
+    return rows
+
+
+def budget(args, base: dict) -> dict:
+    out, lines = {}, []
+    for n in args.variants:
+        rows = budget_rows(args.out / f"attn-{n}")
+        out[n] = rows
+        for r in rows:
+            a, f = r["attention"], r["feed_forward"]
+            lines.append([n, str(r["block"]), f"{a['certified']:.3f}", f"{a['measured']:.3f}",
+                          f"{a['measured'] / a['certified']:.2f}", f"{f['certified']:.3f}",
+                          f"{f['measured']:.3f}", f"{f['measured'] / f['certified']:.2f}"])
+    print(table(lines, ["model", "block", "attention: certified", "measured", "spent",
+                        "feed-forward: certified", "measured", "spent"]))
+    return {"study": "budget", "machine": machine(), "runs": out}
+
+
 def self_weight(args, base: dict) -> dict:
     out = {}
     lines = []
@@ -499,7 +561,7 @@ def plot_depth(results: dict, names, depths, path: Path, base: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("study", choices=("peer", "attention", "throughput", "depth", "ngram",
-                                          "self-weight", "all"))
+                                          "self-weight", "budget", "all"))
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 150 steps, depths 2 4 6, fewer timing rounds")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
@@ -546,7 +608,8 @@ def main(argv=None) -> int:
     for study in studies:
         print(f"\n## {study}\n", flush=True)
         studies_by_name = {"peer": peer, "attention": attention, "throughput": throughput,
-                           "depth": depth, "ngram": ngram, "self-weight": self_weight}
+                           "depth": depth, "ngram": ngram, "self-weight": self_weight,
+                           "budget": budget}
         result = studies_by_name[study](args, base)
         result.update(quick=args.quick, steps=base["steps"], command=" ".join(sys.argv))
         path = args.out / f"lm_{study}.json"
