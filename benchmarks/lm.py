@@ -92,6 +92,8 @@ NANOGPT = dict(
 OLD = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
            contractive_norm="inf", defaults_version=2)
 OFFSETS = dict(self_offset=4.0, position_bias=4.0)
+# contractive attention with the caps it had until version 3 raised them to 8 (its scans below)
+CAPS4 = dict(attention="contractive-l2", **OFFSETS)
 VARIANTS = {
     "dp": dict(attention="dp"),
     "l2": dict(attention="l2"),
@@ -145,15 +147,15 @@ VARIANTS = {
     # LayerNorm gain"): the version-2 defaults, then each change alone and the gain's scan
     "contractive-l2-v2": dict(attention="contractive-l2", defaults_version=2),
     "invertible-v2": dict(invertible=True, defaults_version=2),
-    "contractive-l2-weighted": dict(attention="contractive-l2", norm_gain=1.0, init_scale=1 / 4),
-    "contractive-l2-gain2": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 8),
-    "contractive-l2-gain4": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 16),
-    "contractive-l2-gain4-s8": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 8),
-    "contractive-l2-gain4-s4": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 4),
-    "contractive-l2-gain8": dict(attention="contractive-l2", norm_gain=8.0, init_scale=1 / 32),
-    "contractive-l2-gain8-s16": dict(attention="contractive-l2", norm_gain=8.0,
+    "contractive-l2-weighted": dict(CAPS4, norm_gain=1.0, init_scale=1 / 4),
+    "contractive-l2-gain2": dict(CAPS4, norm_gain=2.0, init_scale=1 / 8),
+    "contractive-l2-gain4": dict(CAPS4, norm_gain=4.0, init_scale=1 / 16),
+    "contractive-l2-gain4-s8": dict(CAPS4, norm_gain=4.0, init_scale=1 / 8),
+    "contractive-l2-gain4-s4": dict(CAPS4, norm_gain=4.0, init_scale=1 / 4),
+    "contractive-l2-gain8": dict(CAPS4, norm_gain=8.0, init_scale=1 / 32),
+    "contractive-l2-gain8-s16": dict(CAPS4, norm_gain=8.0,
                                      init_scale=1 / 16),
-    "contractive-l2-gain2-s4": dict(attention="contractive-l2", norm_gain=2.0, init_scale=1 / 4),
+    "contractive-l2-gain2-s4": dict(CAPS4, norm_gain=2.0, init_scale=1 / 4),
     # version-3 contractive attention with other caps of its logit offsets (the constant of
     # the certificate grows with them), another scale, a larger learning rate
     "contractive-l2-caps1": dict(attention="contractive-l2", self_offset=1.0, position_bias=1.0),
@@ -161,8 +163,17 @@ VARIANTS = {
     "contractive-l2-caps8": dict(attention="contractive-l2", self_offset=8.0, position_bias=8.0),
     "contractive-l2-caps16": dict(attention="contractive-l2", self_offset=16.0,
                                   position_bias=16.0),
-    "contractive-l2-gain4-s6": dict(attention="contractive-l2", norm_gain=4.0, init_scale=1 / 6),
-    "contractive-l2-lr2": dict(attention="contractive-l2", lr=2e-3),
+    "contractive-l2-caps6": dict(attention="contractive-l2", self_offset=6.0, position_bias=6.0),
+    "contractive-l2-caps8-lr2": dict(attention="contractive-l2", self_offset=8.0,
+                                     position_bias=8.0, lr=2e-3),
+    "contractive-l2-caps8-lr3": dict(attention="contractive-l2", self_offset=8.0,
+                                     position_bias=8.0, lr=3e-3),
+    "contractive-l2-caps8-h8": dict(attention="contractive-l2", self_offset=8.0,
+                                    position_bias=8.0, heads=8),
+    "contractive-l2-caps8-h2": dict(attention="contractive-l2", self_offset=8.0,
+                                    position_bias=8.0, heads=2),
+    "contractive-l2-gain4-s6": dict(CAPS4, norm_gain=4.0, init_scale=1 / 6),
+    "contractive-l2-lr2": dict(CAPS4, lr=2e-3),
     "invertible-weighted": dict(invertible=True, init_scale=1 / 16),
     "invertible-s4": dict(invertible=True, init_scale=1 / 4),
     "invertible-s2": dict(invertible=True, init_scale=1 / 2),

@@ -192,7 +192,7 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     with pytest.raises(SystemExit):
         run(capsys, "lm", "train", "--help")
     text = " ".join(capsys.readouterr().out.split())
-    assert "--self-offset X|auto" in text and "auto: 4 for l2-tied and contractive-l2" in text
+    assert "--self-offset X|auto" in text and "auto: 8 for contractive-l2, 4 for l2-tied" in text
     assert "auto: 1/2 for l2-tied and with --invertible, 1/8 for contractive-l2" in text
     assert "--norm-gain X|auto" in text and "auto: 4 for contractive-l2" in text
 

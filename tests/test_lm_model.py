@@ -481,14 +481,14 @@ def test_defaults_of_every_other_model_build_the_model_of_the_old_explicit_setti
 @pytest.mark.parametrize("kw, measured", [
     (dict(attention="l2-tied"), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
                                      init_scale=0.5, contractive_norm="inf")),
-    (dict(attention="contractive-l2"), dict(self_offset=4.0, position_bias=4.0,
+    (dict(attention="contractive-l2"), dict(self_offset=8.0, position_bias=8.0,
                                             init="glorot-l2", init_scale=1 / 8,
                                             contractive_norm="2,inf", norm_gain=4.0)),
     (dict(invertible=True), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
                                  init_scale=1 / 2, contractive_norm="2,inf", norm_gain=1.0)),
 ], ids=["l2-tied", "contractive-l2", "invertible"])
 def test_tied_l2_attention_defaults_to_its_measured_settings(kw, measured):
-    # the rows of docs/benchmarks.md: l2-tied-offsets-glorot-s2, contractive-l2-gain4-s8,
+    # the rows of docs/benchmarks.md: l2-tied-offsets-glorot-s2, contractive-l2-caps8,
     # invertible-s2
     new = tiny(**kw)
     assert {k: getattr(new, k) for k in measured} == measured
@@ -510,7 +510,7 @@ def test_version_3_certifies_offsets_by_their_weighted_count_and_raises_the_norm
                for b in new_model.blocks)
     # version 2 (configs stored then): the margin form and gain 1, the measured row of then
     v2 = tiny(attention="contractive-l2", defaults_version=2)
-    assert (v2.init_scale, v2.norm_gain) == (0.25, 1.0)
+    assert (v2.init_scale, v2.norm_gain, v2.self_offset, v2.position_bias) == (0.25, 1.0, 4.0, 4.0)
     # the invertible stack: s = 1/2 today, 1/16 as stored under version 2
     assert tiny(invertible=True).init_scale == 0.5
     assert tiny(invertible=True, defaults_version=2).init_scale == 1 / 16

@@ -55,12 +55,13 @@ TIED_L2_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {
                                "norm_gain": 1.0},
 }
 # Version 3 changes contractive attention alone. Outside the invertible stack (benchmarks/lm.py
-# variant contractive-l2-gain4-s8, 2.0327 against 2.2050): the pre-attention LayerNorm starts at
-# gain 4, four times the branch's output, and the L2 weights at s = 1/8 (logits as s = 1/2 at
-# gain 1). Inside it (no LayerNorm to scale; variant invertible-s2, 2.4076 against 2.4512): the
-# L2 weights at s = 1/2.
+# variant contractive-l2-caps8, 2.0246 against 2.2050; 2.0432 with seed 1338): the
+# pre-attention LayerNorm starts at gain 4, four times the branch's output, the L2 weights at
+# s = 1/8 (logits as s = 1/2 at gain 1), and the offsets' caps are 8. Inside it (no LayerNorm
+# to scale; variant invertible-s2, 2.4076 against 2.4512): the L2 weights at s = 1/2.
 VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
-    ("contractive-l2", False): {"init_scale": 1.0 / 8, "norm_gain": 4.0},
+    ("contractive-l2", False): {"init_scale": 1.0 / 8, "norm_gain": 4.0, "self_offset": 8.0,
+                                "position_bias": 8.0},
     ("contractive-l2", True): {"init_scale": 1.0 / 2},
 }
 
@@ -93,10 +94,11 @@ class LMSettings(Section):
         "contractive-l2 with --invertible)")
     self_offset: _Cap | Literal["auto"] = Field(
         AUTO, description="cap of the learnt self-offsets of L2 attention (0: none; lets a "
-        "token weight another above itself; auto: 4 for l2-tied and contractive-l2, else 0)")
+        "token weight another above itself; auto: 8 for contractive-l2, 4 for l2-tied and "
+        "with --invertible, else 0)")
     position_bias: _Cap | Literal["auto"] = Field(
         AUTO, description="cap of the learnt relative-position bias of L2 attention (0: none; "
-        "auto: 4 for l2-tied and contractive-l2, else 0)")
+        "auto: 8 for contractive-l2, 4 for l2-tied and with --invertible, else 0)")
     max_distance: int = Field(64, ge=1, description="relative positions beyond this share one "
                               "position bias")
     norm: Literal["layernorm", "centernorm", "actnorm", "none"] | None = Field(
@@ -164,7 +166,8 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
 
     Version 3 (:data:`DEFAULTS_VERSION`) is version 2 with :data:`VERSION_3_CHANGES`:
     contractive attention reads a LayerNorm whose gain starts at 4 (``norm_gain``), with its
-    L2 weights at s = 1/8; inside the invertible stack its L2 weights start at s = 1/2. Both
+    L2 weights at s = 1/8 and logit offsets capped at 8; inside the invertible stack its L2
+    weights start at s = 1/2. Both
     certify logit offsets by their weighted count of keys. Version 2: for tied L2 attention
     (``l2-tied``, and ``contractive-l2`` alone or inside the invertible stack) the best
     measured row of
