@@ -177,6 +177,9 @@ VARIANTS = {
     "invertible-weighted": dict(invertible=True, init_scale=1 / 16),
     "invertible-s4": dict(invertible=True, init_scale=1 / 4),
     "invertible-s2": dict(invertible=True, init_scale=1 / 2),
+    # the invertible model (today's defaults) with contractive attention's caps, a larger rate
+    "invertible-caps8": dict(invertible=True, self_offset=8.0, position_bias=8.0),
+    "invertible-lr2": dict(invertible=True, lr=2e-3),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")
