@@ -180,6 +180,8 @@ VARIANTS = {
     # the invertible model (today's defaults) with contractive attention's caps, a larger rate
     "invertible-caps8": dict(invertible=True, self_offset=8.0, position_bias=8.0),
     "invertible-lr2": dict(invertible=True, lr=2e-3),
+    "invertible-lr3": dict(invertible=True, lr=3e-3),
+    "invertible-lr4": dict(invertible=True, lr=4e-3),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")
