@@ -182,6 +182,10 @@ VARIANTS = {
     "invertible-lr2": dict(invertible=True, lr=2e-3),
     "invertible-lr3": dict(invertible=True, lr=3e-3),
     "invertible-lr4": dict(invertible=True, lr=4e-3),
+    "invertible-lr6": dict(invertible=True, lr=6e-3),
+    "invertible-lr8": dict(invertible=True, lr=8e-3),
+    "invertible-lr12": dict(invertible=True, lr=1.2e-2),
+    "invertible-lr16": dict(invertible=True, lr=1.6e-2),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")
