@@ -186,6 +186,7 @@ VARIANTS = {
     "invertible-lr8": dict(invertible=True, lr=8e-3),
     "invertible-lr12": dict(invertible=True, lr=1.2e-2),
     "invertible-lr16": dict(invertible=True, lr=1.6e-2),
+    "invertible-lr8-warmup400": dict(invertible=True, lr=8e-3, warmup=400),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")
