@@ -39,15 +39,17 @@ SHAPES = [(32, 128, 128, 8), (8, 512, 256, 8)]  # (B, N, D, H)
 
 
 class Patched(torch.nn.Module):
-    """``module`` run with its kernel, the name ``attend`` in ``namespace``, replaced."""
+    """``module`` run with the name ``name`` in ``namespace`` (its kernel ``attend`` by
+    default) replaced by ``kernel``."""
 
-    def __init__(self, module, namespace, kernel, context=None):
+    def __init__(self, module, namespace, kernel, context=None, name="attend"):
         super().__init__()
         self.module, self.namespace, self.kernel, self.context = module, namespace, kernel, context
+        self.name = name
 
     def forward(self, x):
         with ExitStack() as stack:
-            stack.enter_context(mock.patch.object(self.namespace, "attend", self.kernel))
+            stack.enter_context(mock.patch.object(self.namespace, self.name, self.kernel))
             if self.context is not None:
                 stack.enter_context(self.context())
             return self.module(x)
@@ -62,18 +64,6 @@ class _W0ThroughIterations:
     @staticmethod
     def apply(x, iterations):
         return _W0ThroughIterations.halley(x, iterations)  # traced by autograd
-
-
-class IteratedW0(torch.nn.Module):
-    """``module`` with its certificate's Lambert W_0 differentiated through the iterations."""
-
-    def __init__(self, module):
-        super().__init__()
-        self.module = module
-
-    def forward(self, x):
-        with mock.patch.object(lipschitz, "_LambertW0", _W0ThroughIterations):
-            return self.module(x)
 
 
 def math_backend():
@@ -101,7 +91,8 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
         # the language model's settings: logit offsets (their certificate's constant is
         # W_0 of the offsets' weighted count, differentiated every step) and the mixed norm
         "ContractiveL2MHA, LM": lm,
-        "ContractiveL2MHA, LM, W0 through its iterations": IteratedW0(lm),
+        "ContractiveL2MHA, LM, W0 through its iterations": Patched(
+            lm, lipschitz, _W0ThroughIterations, name="_LambertW0"),
     }
 
 

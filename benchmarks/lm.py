@@ -372,23 +372,33 @@ def ngram(args, base: dict) -> dict:
 
 
 @torch.no_grad()
+def branch_inputs(model, record: dict, vocab, windows: int, parts=("attn",)) -> dict:
+    """What each block's ``parts`` (``attn``, ``ff``) of ``model`` read on the first ``windows``
+    validation windows of its checkpoint's corpus, keyed (part, block index): captured by
+    forward pre-hooks during one forward pass."""
+    corpus = load_corpus(record["corpus"]["source"], vocab=vocab)
+    x, _ = next(eval_windows(corpus.val, model.config.block_size, windows))
+    inputs, hooks = {}, []
+    for i, block in enumerate(model.blocks):
+        for part in parts:
+            hooks.append(getattr(block, part).register_forward_pre_hook(
+                lambda module, args, key=(part, i): inputs.__setitem__(key, args[0].detach())))
+    with torch.no_grad():
+        model(x)
+    for hook in hooks:
+        hook.remove()
+    return inputs
+
+
 def self_weight_rows(run: Path, windows: int = 32) -> list[dict]:
     """Per layer of the model in ``run``: how attention weights a token against the others, on
     the first ``windows`` validation windows (each block's attention applied to its own input,
-    captured by a forward pre-hook), positions 1 to T - 1 (position 0 sees only itself)."""
+    :func:`branch_inputs`), positions 1 to T - 1 (position 0 sees only itself)."""
     model, record, vocab = load_checkpoint(run)
-    corpus = load_corpus(record["corpus"]["source"], vocab=vocab)
-    x, _ = next(eval_windows(corpus.val, model.config.block_size, windows))
-    inputs = {}
-    hooks = [block.attn.register_forward_pre_hook(
-        lambda module, args, i=i: inputs.__setitem__(i, args[0]))
-        for i, block in enumerate(model.blocks)]
-    model(x)
-    for hook in hooks:
-        hook.remove()
+    inputs = branch_inputs(model, record, vocab, windows)
     rows = []
     for i, block in enumerate(model.blocks):
-        p = attention_probabilities(block.attn, inputs[i])[:, :, 1:]  # (B, H, T-1, T)
+        p = attention_probabilities(block.attn, inputs[("attn", i)])[:, :, 1:]  # (B, H, T-1, T)
         own = p.diagonal(offset=1, dim1=-2, dim2=-1)  # row r is position r + 1
         others = p.clone()
         rows_index = torch.arange(p.shape[-2])
@@ -402,7 +412,8 @@ def self_weight_rows(run: Path, windows: int = 32) -> list[dict]:
 def budget_rows(run: Path, windows: int = 1) -> list[dict]:
     """Per block of the invertible model in ``run``: each residual branch's certified constant
     against the largest Jacobian norm measured at its inputs (captured by forward pre-hooks) on
-    the first ``windows`` validation windows, in float64. Attention in its own norm
+    the first ``windows`` validation windows (:func:`branch_inputs`), in float64. Attention in
+    its own norm
     (``contractive_norm``; for "2,inf" an ascent, so a lower bound on the local norm);
     feed-forward per token: its Jacobian is block diagonal, so the largest token's spectral norm
     is its exact norm in the "2,inf" norm."""
@@ -410,17 +421,7 @@ def budget_rows(run: Path, windows: int = 1) -> list[dict]:
     if not model.config.invertible:
         raise SystemExit(f"{run} holds a non-invertible model: the budget study needs one")
     model = model.double().eval()
-    corpus = load_corpus(record["corpus"]["source"], vocab=vocab)
-    x, _ = next(eval_windows(corpus.val, model.config.block_size, windows))
-    inputs, hooks = {}, []
-    for i, block in enumerate(model.blocks):
-        for part in ("attn", "ff"):
-            hooks.append(getattr(block, part).register_forward_pre_hook(
-                lambda module, args, key=(part, i): inputs.__setitem__(key, args[0].detach())))
-    with torch.no_grad():
-        model(x)
-    for hook in hooks:
-        hook.remove()
+    inputs = branch_inputs(model, record, vocab, windows, parts=("attn", "ff"))
     rows = []
     for i, block in enumerate(model.blocks):
         certified_attn, certified_ff = block.lipschitz_bounds(model.config.block_size)

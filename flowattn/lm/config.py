@@ -167,13 +167,12 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
     Version 3 (:data:`DEFAULTS_VERSION`) is version 2 with :data:`VERSION_3_CHANGES`:
     contractive attention reads a LayerNorm whose gain starts at 4 (``norm_gain``), with its
     L2 weights at s = 1/8 and logit offsets capped at 8; inside the invertible stack its L2
-    weights start at s = 1/2. Both
-    certify logit offsets by their weighted count of keys. Version 2: for tied L2 attention
-    (``l2-tied``, and ``contractive-l2`` alone or inside the invertible stack) the best
-    measured row of
-    :data:`TIED_L2_DEFAULTS`: logit offsets with caps 4 (a token can weight another above
-    itself), Kim et al. (2021, App. H)'s ``glorot-l2`` initialisation with the scale s measured
-    best at width 128, and for contractive attention the ``2,inf`` certificate. Every other
+    weights start at s = 1/2. Both certify logit offsets by their weighted count of keys.
+    Version 2: for tied L2 attention (``l2-tied``, and ``contractive-l2`` alone or inside the
+    invertible stack) the best measured row of :data:`TIED_L2_DEFAULTS`: logit offsets with
+    caps 4 (a token can weight another above itself), Kim et al. (2021, App. H)'s ``glorot-l2``
+    initialisation with the scale s measured best at width 128, and for contractive attention
+    the ``2,inf`` certificate. Every other
     model, and every model under version 1 (configs stored before version 2), gets
     :data:`PLAIN_DEFAULTS`: no offsets, GPT-2 initialisation, the inf-norm certificate.
 
