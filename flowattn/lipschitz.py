@@ -469,21 +469,21 @@ def _induced_constants(n: Tensor, inducing: int) -> Tensor:
         value, slope = spread(t, n)
         return 1 + t + 2 * value, 1 + 2 * slope
 
-    link = _concave_maximum(stage_one, n.shape)
+    link = _concave_maximum(stage_one, n)
 
     def stage_two(t: Tensor) -> tuple[Tensor, Tensor]:  # t = 1 - q
         value, slope = spread(t, float(inducing))
         return 2 * t * c_n + 2 * value * link, 2 * c_n + 2 * slope * link
 
-    return _concave_maximum(stage_two, n.shape)
+    return _concave_maximum(stage_two, n)
 
 
-def _concave_maximum(f: Callable[[Tensor], tuple[Tensor, Tensor]], shape) -> Tensor:
+def _concave_maximum(f: Callable[[Tensor], tuple[Tensor, Tensor]], like: Tensor) -> Tensor:
     """An upper bound on max_{t in (0, 1)} f(t) for concave f whose slope runs from +inf to
-    -inf: bisection on the slope, then the tangent bound f(t0) + |f'(t0)| (the interval has
-    length 1)."""
-    lo = torch.zeros(shape, dtype=torch.float64)
-    hi = torch.ones(shape, dtype=torch.float64)
+    -inf (one for each element of ``like``, on its device): bisection on the slope, then the
+    tangent bound f(t0) + |f'(t0)| (the interval has length 1)."""
+    lo = torch.zeros(like.shape, dtype=torch.float64, device=like.device)
+    hi = torch.ones(like.shape, dtype=torch.float64, device=like.device)
     for _ in range(60):
         mid = (lo + hi) / 2
         rising = f(mid)[1] > 0

@@ -133,7 +133,9 @@ class LogitOffsets(nn.Module):
             weights = torch.ones(self.heads, k.numel(), dtype=ref.dtype, device=ref.device)
         else:
             k = k.clamp(-self.max_distance, self.max_distance) + self.max_distance
-            weights = table[:, k].exp().sort(dim=1, descending=True).values
+            # stable: equal weights (every bias starts at 0) keep their order, so the gradient
+            # lands on the same entries on every device
+            weights = table[:, k].exp().sort(dim=1, descending=True, stable=True).values
         top = torch.cat([weights.new_zeros(self.heads, 1), weights.cumsum(dim=1)], dim=1)
         sums = top[:, counts - 1].movedim(0, -1)  # (..., H): the n - 1 largest weights
         beta = self.offset()

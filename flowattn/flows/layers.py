@@ -188,7 +188,7 @@ class _CentroidActNorm(VectorActNorm):
             mean, std = feature_moments(inputs)
             self.log_scale.data = -torch.log(std).to(self.log_scale)
             self.shift.data = (-mean / std).to(self.shift)
-            self.initialized.data = torch.tensor(True, dtype=torch.bool)
+            self.initialized.fill_(True)  # in place: the buffer stays on its device
 
 
 class _LUMatrix(nn.Module):
