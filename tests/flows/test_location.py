@@ -124,3 +124,13 @@ def test_learns_a_multimodal_location_that_attention_cannot():
         cov = torch.cov(scaled.T)
         gaussian = (0.5 * torch.logdet(2 * torch.pi * torch.e * cov) - torch.log(n).mean()).item()
     assert fitted < gaussian - 2.0  # the four modes are worth about 3 nats per set
+
+
+def test_initialisation_keeps_the_flag_buffer_in_place():
+    """The initialised flag is written in place, so it stays on the module's device (a new
+    tensor would land on the CPU under a module moved to a GPU)."""
+    loc = SetLocation(2)
+    first = loc.centroid_flow._transforms[0]
+    flag = first.initialized
+    loc.initialise(3 + torch.randn(16, 5, 2))
+    assert first.initialized is flag and bool(flag)
