@@ -70,8 +70,7 @@ def math_backend():
     return sdpa_kernel([SDPBackend.MATH])
 
 
-def modules(dim: int, heads: int, second_order: bool,
-            device: str = "cpu") -> dict[str, torch.nn.Module]:
+def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Module]:
     dp, fused = DotProductMHA(dim, heads), L2MHA(dim, heads, fused=True)
     lm = ContractiveL2MHA(dim, heads, norm="2,inf", self_offset=4.0, position_bias=4.0)
     sdpa = F.scaled_dot_product_attention
@@ -82,7 +81,7 @@ def modules(dim: int, heads: int, second_order: bool,
             "L2MHA fused": fused,
             "L2MHA fused, math SDPA": Patched(fused, l2, sdpa, math_backend),
         }
-    rows = {
+    return {
         "DotProductMHA": dp,
         "DotProductMHA, direct SDPA": Patched(dp, dot_product, sdpa),
         "L2MHA fused": fused,
@@ -95,15 +94,6 @@ def modules(dim: int, heads: int, second_order: bool,
         "ContractiveL2MHA, LM, W0 through its iterations": Patched(
             lm, lipschitz, _W0ThroughIterations, name="_LambertW0"),
     }
-    if torch.device(device).type != "cpu":
-        # the certificate's spectral norms from the solver library's SVD and QR, as on the CPU,
-        # in place of the matrix-product bound (flowattn.lipschitz.certified_spectral_norm)
-        svd_everywhere = ("cpu", torch.device(device).type)
-        rows["ContractiveL2MHA, solver SVD"] = Patched(
-            rows["ContractiveL2MHA"], lipschitz, svd_everywhere, name="_SVD_DEVICES")
-        rows["ContractiveL2MHA, LM, solver SVD"] = Patched(
-            lm, lipschitz, svd_everywhere, name="_SVD_DEVICES")
-    return rows
 
 
 def step(module: torch.nn.Module, x: torch.Tensor) -> None:
@@ -130,8 +120,7 @@ def run(shape, device, dtype, rounds, min_run_time, second_order=False) -> dict[
     torch.manual_seed(0)
     x = torch.randn(batch, length, dim, device=device, dtype=dtype, requires_grad=True)
     mods = {
-        k: m.to(device=device, dtype=dtype)
-        for k, m in modules(dim, heads, second_order, device).items()
+        k: m.to(device=device, dtype=dtype) for k, m in modules(dim, heads, second_order).items()
     }
     one = second_order_step if second_order else step
     for m in mods.values():  # warm-up: kernels, allocator
@@ -187,10 +176,6 @@ def main() -> None:
                             times["ContractiveL2MHA, LM, W0 through its iterations"])
             print(f"| {shape} | ContractiveL2MHA, LM: closed-form W0' / iterations | | "
                   f"{lm / iterated:.2f} |")
-            for name in ("ContractiveL2MHA", "ContractiveL2MHA, LM"):
-                if f"{name}, solver SVD" in times:
-                    ratio = times[name] / times[f"{name}, solver SVD"]
-                    print(f"| {shape} | {name}: product bound / solver SVD | | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

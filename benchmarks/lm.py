@@ -187,6 +187,15 @@ VARIANTS = {
     "invertible-lr12": dict(invertible=True, lr=1.2e-2),
     "invertible-lr16": dict(invertible=True, lr=1.6e-2),
     "invertible-lr8-warmup400": dict(invertible=True, lr=8e-3, warmup=400),
+    # around 8e-3 with 400 warm-up steps: the rate, the warm-up, the schedule's floor, decay
+    "invertible-lr6-warmup400": dict(invertible=True, lr=6e-3, warmup=400),
+    "invertible-lr12-warmup400": dict(invertible=True, lr=1.2e-2, warmup=400),
+    "invertible-lr8-warmup800": dict(invertible=True, lr=8e-3, warmup=800),
+    "invertible-lr16-warmup400": dict(invertible=True, lr=1.6e-2, warmup=400),
+    "invertible-lr12-warmup800": dict(invertible=True, lr=1.2e-2, warmup=800),
+    "invertible-lr8-warmup400-floor": dict(invertible=True, lr=8e-3, warmup=400, min_lr=8e-4),
+    "invertible-lr8-warmup400-wd0": dict(invertible=True, lr=8e-3, warmup=400,
+                                         weight_decay=0.0),
 }
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")

@@ -4,8 +4,7 @@ Upper bounds (certificates) are closed-form functions of the weights:
 
 * Theorem 3.2 of Kim, Papamakarios & Mnih (2021) for tied L2 multi-head attention,
 * Appendix N of the same paper for LayerNorm, and the exact constant of LipsFormer's CenterNorm,
-* matrix norms: the max-row-sum norm and the spectral norm (exact, a certified bound from matrix
-  products alone, or power iteration).
+* matrix norms: the max-row-sum norm and the spectral norm (exact, or power iteration).
 
 Lower bounds are measured: ``jacobian_norm`` at a point, and ``lipschitz_lower_bound`` which
 maximises it over inputs as in Kim et al. (2021), Appendix H.
@@ -31,8 +30,6 @@ __all__ = [
     "phi_inverse",
     "matrix_inf_norm",
     "spectral_norm_exact",
-    "spectral_norm_bound",
-    "certified_spectral_norm",
     "power_iteration",
     "PowerIteration",
     "l2_attention_bound",
@@ -161,63 +158,6 @@ def matrix_inf_norm(w: Tensor) -> Tensor:
 def spectral_norm_exact(w: Tensor) -> Tensor:
     """||W||_2 = sigma_max(W) from the singular values (exact; batched over leading dims)."""
     return torch.linalg.matrix_norm(w, ord=2)
-
-
-def spectral_norm_bound(w: Tensor, squarings: int = 10) -> Tensor:
-    """Certified upper bound on ||W||_2 from matrix products alone (batched over leading dims).
-
-    With G = W^T W (or W W^T, the smaller), eigenvalues lambda_1 >= ... >= lambda_r >= 0 and
-    m = 2^k (k = ``squarings``)::
-
-        ||W||_2^2 = lambda_1 <= (tr G^m)^{1/m}
-                             = lambda_1 (1 + sum_{i>1} (lambda_i / lambda_1)^m)^{1/m}
-                             <= r^{1/m} lambda_1
-
-    so the value is never below ||W||_2 and at most r^{1/(2m)} times it: 0.31 % for rank
-    r <= 512 at the default k = 10, and far less when the top singular value stands apart.
-    G^m comes from k squarings, each rescaled by its trace, in float64; no solver library and
-    no read back to the host, so on a GPU it costs k small matrix products where an SVD
-    costs milliseconds and a synchronisation. Differentiable.
-
-    Examples:
-        >>> w = torch.diag(torch.tensor([3.0, 1.0, 0.5]))
-        >>> round(float(spectral_norm_bound(w)), 4)
-        3.0
-        >>> bool(spectral_norm_bound(torch.eye(4)) >= 1)  # equal singular values: the worst case
-        True
-    """
-    if w.dim() < 2:
-        raise InputError(f"spectral_norm_bound expects matrices, got shape {tuple(w.shape)}")
-    x = w.to(torch.float64)
-    g = x.mT @ x if x.shape[-1] <= x.shape[-2] else x @ x.mT
-    tiny = torch.finfo(torch.float64).tiny
-    log_power = x.new_zeros(x.shape[:-2])  # G^m = exp(log_power) g with tr g = 1
-    for _ in range(squarings):
-        trace = g.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(tiny)
-        g = g / trace[..., None, None]
-        log_power = 2 * (log_power + trace.log())
-        g = g @ g
-    trace = g.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(tiny)
-    return torch.exp((log_power + trace.log()) / 2 ** (squarings + 1)).to(w.dtype)
-
-
-# Devices whose SVD is fast: there certificates use exact singular values; elsewhere (CUDA's
-# SVD takes milliseconds and synchronises with the host) the matrix-product bound.
-_SVD_DEVICES = ("cpu",)
-
-
-def certified_spectral_norm(w: Tensor) -> Tensor:
-    """||W||_2 as certificates use it: exact on the CPU (:func:`spectral_norm_exact`), and the
-    upper bound of :func:`spectral_norm_bound` (at most 0.31 % above, for rank <= 512) on other
-    devices. Either way never below ||W||_2.
-
-    Examples:
-        >>> round(float(certified_spectral_norm(torch.diag(torch.tensor([2.0, 1.0])))), 4)
-        2.0
-    """
-    if w.device.type in _SVD_DEVICES:
-        return spectral_norm_exact(w)
-    return spectral_norm_bound(w)
 
 
 def power_iteration(
@@ -424,9 +364,9 @@ def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, n
         v_term = matrix_inf_norm(w_v.transpose(1, 2)).amax()
         o_term = matrix_inf_norm(w_o.t())
         return (4 * w0 + head_dim**-0.5) * o_term * q_term * v_term
-    qv = torch.sqrt((certified_spectral_norm(w_q) ** 2 * certified_spectral_norm(w_v) ** 2).sum())
+    qv = torch.sqrt((spectral_norm_exact(w_q) ** 2 * spectral_norm_exact(w_v) ** 2).sum())
     sqrt_n = torch.sqrt(n.to(w_q.dtype))
-    return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * certified_spectral_norm(w_o)
+    return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral_norm_exact(w_o)
 
 
 def induced_attention_bound(
@@ -463,7 +403,7 @@ def induced_attention_bound(
     rank_one = induced_core_constant(n, inducing).to(device=w_q.device, dtype=w_q.dtype)
     m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
     c = (rank_one / 4).unsqueeze(-1).expand(*rank_one.shape, heads)
-    return _mixed_norm_bound(c, w_q, m, certified_spectral_norm(w_q))
+    return _mixed_norm_bound(c, w_q, m, spectral_norm_exact(w_q))
 
 
 def induced_core_constant(n: int | range | Tensor, inducing: int) -> Tensor:
@@ -637,7 +577,7 @@ def _pairwise_spectral(a: Tensor) -> Tensor:
     pairs h <= k (the matrix is symmetric: A_k A_h^T is the transpose of A_h A_k^T)."""
     heads = a.shape[0]
     h, k = torch.triu_indices(heads, heads, device=a.device)
-    upper = certified_spectral_norm(a[h] @ a[k].transpose(-1, -2))
+    upper = spectral_norm_exact(a[h] @ a[k].transpose(-1, -2))
     gamma = a.new_zeros(heads, heads).index_put((h, k), upper)
     return gamma + gamma.triu(1).transpose(0, 1)
 
@@ -650,7 +590,7 @@ def _tight_l2_attention_bound(
     (H,) the logit margins (only the 2-norm's column constant reads it, on the host)."""
     heads, dim, head_dim = w_q.shape
     m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
-    beta = certified_spectral_norm(w_q)  # (H,)
+    beta = spectral_norm_exact(w_q)  # (H,)
     if norm == "inf":
         g = w_q @ m  # (H, D, D): G_h = W^{Q,h} M_h = A_h W^{V,h} W^{O,h}
         omega = torch.minimum(dim**0.5 * beta, w_q.norm(dim=2).sum(dim=1))
@@ -663,9 +603,9 @@ def _tight_l2_attention_bound(
     m_cat = m.reshape(dim, dim)  # [M_1; ...; M_H]
     w_cat = w_q.permute(1, 0, 2).reshape(dim, dim)  # W^Q = [W^{Q,1}, ..., W^{Q,H}]
     weights = torch.minimum(
-        certified_spectral_norm(m_cat) * certified_spectral_norm(w_cat),
-        certified_spectral_norm((beta[:, None, None] * m).reshape(dim, dim))
-        * certified_spectral_norm((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
+        spectral_norm_exact(m_cat) * spectral_norm_exact(w_cat),
+        spectral_norm_exact((beta[:, None, None] * m).reshape(dim, dim))
+        * spectral_norm_exact((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
     )
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
@@ -682,15 +622,10 @@ def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor
     (head h's rank-one term has norm at most 4 c_h beta_h)."""
     heads, dim, _ = w_q.shape
     # G_h G_k^T = Q_h (R_h M_h M_k^T R_k^T) Q_k^T with W^{Q,h} = Q_h R_h (orthonormal Q_h): the
-    # d x d middle factor has the same spectral norm, at a fraction of an SVD's cost. Without
-    # a fast SVD (and QR) the D x D products G_h themselves go to the matrix-product bound.
-    if w_q.device.type in _SVD_DEVICES:
-        rm = torch.linalg.qr(w_q).R @ m  # (H, d, D)
-    else:
-        rm = w_q @ m  # (H, D, D): G_h
+    # d x d middle factor has the same spectral norm, at a fraction of the cost.
+    rm = torch.linalg.qr(w_q).R @ m  # (H, d, D)
     linear = torch.minimum(
-        _pairwise_spectral(rm).sum().sqrt(),
-        heads**0.5 * certified_spectral_norm(rm.reshape(-1, dim)),
+        _pairwise_spectral(rm).sum().sqrt(), heads**0.5 * spectral_norm_exact(rm.reshape(dim, dim))
     )
     gamma = _pairwise_spectral(m)
     cb = c * beta  # (..., H)
@@ -699,7 +634,7 @@ def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor
     tiny = torch.finfo(cb.dtype).tiny
     rank_one = torch.minimum(
         ((cb @ gamma) * cb).sum(dim=-1).clamp_min(tiny).sqrt(),
-        certified_spectral_norm(m.reshape(dim, dim)) * cb.norm(dim=-1),
+        spectral_norm_exact(m.reshape(dim, dim)) * cb.norm(dim=-1),
     )
     return linear + 4 * rank_one
 

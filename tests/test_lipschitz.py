@@ -6,7 +6,6 @@ import math
 import pytest
 import torch
 
-from flowattn.errors import InputError
 from flowattn.lipschitz import (
     PowerIteration,
     centernorm_lipschitz_bound,
@@ -21,7 +20,6 @@ from flowattn.lipschitz import (
     mixed_operator_norm,
     phi_inverse,
     power_iteration,
-    spectral_norm_bound,
     spectral_norm_exact,
 )
 
@@ -275,107 +273,3 @@ def test_jacobian_norm_in_the_mixed_norm_of_a_linear_map():
     assert value <= blocks.sum(dim=1).max().item() + 1e-12  # at most the block-row sums
     with pytest.raises(ValueError, match="sets"):
         jacobian_norm(lambda v: v, torch.zeros(4, dtype=torch.float64), "2,inf")
-
-
-def _matrices_with_spectra() -> list[torch.Tensor]:
-    """Matrices with known singular values: separated, equal (the bound's worst case: the
-    rank r enters as r^{1/(2m)}), clustered at the top, rank-deficient, wide, and zero."""
-    g = torch.Generator().manual_seed(0)
-
-    def with_singular_values(s: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-        u, _ = torch.linalg.qr(torch.randn(rows, rows, generator=g, dtype=torch.float64))
-        v, _ = torch.linalg.qr(torch.randn(cols, cols, generator=g, dtype=torch.float64))
-        k = s.numel()
-        return u[:, :k] @ torch.diag(s) @ v[:, :k].T
-
-    d = torch.float64
-    return [
-        torch.randn(128, 128, generator=g, dtype=d),
-        with_singular_values(torch.full((64,), 3.0, dtype=d), 64, 64),  # all equal
-        with_singular_values(torch.cat([torch.full((8,), 2.0, dtype=d),
-                                        torch.linspace(1.9, 0.1, 56, dtype=d)]), 64, 64),
-        with_singular_values(torch.tensor([5.0, 5.0, 1.0], dtype=d), 32, 16),  # rank 3
-        torch.randn(16, 80, generator=g, dtype=d) * 1e-3,  # wide, small
-        torch.zeros(4, 4, dtype=d),
-    ]
-
-
-def test_spectral_norm_bound_is_above_the_exact_norm_and_within_its_stated_factor():
-    for w in _matrices_with_spectra():
-        exact = spectral_norm_exact(w)
-        bound = spectral_norm_bound(w)
-        rank = int(torch.linalg.matrix_rank(w)) if bool(exact > 0) else 0
-        factor = max(rank, 1) ** (1 / 2**11)  # r^{1/(2m)}, m = 2^10
-        assert bool(bound >= exact * (1 - 1e-13)), (tuple(w.shape), float(bound), float(exact))
-        assert bool(bound <= exact * factor * (1 + 1e-12) + 1e-300), (
-            tuple(w.shape), float(bound / exact), factor)
-    # equal singular values attain the factor: the bound is r^{1/(2m)} above, not closer
-    w = _matrices_with_spectra()[1]
-    ratio = float(spectral_norm_bound(w) / spectral_norm_exact(w))
-    assert ratio == pytest.approx(64 ** (1 / 2**11), rel=1e-12)
-    assert float(spectral_norm_bound(w, squarings=6) / spectral_norm_exact(w)) == pytest.approx(
-        64 ** (1 / 2**7), rel=1e-12)
-
-
-def test_spectral_norm_bound_is_batched_keeps_the_dtype_and_has_the_svd_gradient():
-    g = torch.Generator().manual_seed(1)
-    w = torch.randn(3, 2, 24, 20, generator=g, dtype=torch.float64, requires_grad=True)
-    bound = spectral_norm_bound(w)
-    assert bound.shape == (3, 2) and bound.dtype == torch.float64
-    (grad,) = torch.autograd.grad(bound.sum(), w)
-    (exact,) = torch.autograd.grad(spectral_norm_exact(w).sum(), w)
-    # the top singular values of Gaussian matrices stand apart: the bound's gradient is the
-    # SVD's u v^T up to the (tiny) weight of the other singular directions
-    assert torch.allclose(grad, exact, atol=1e-6)
-    assert spectral_norm_bound(w.detach().float()).dtype == torch.float32
-    with pytest.raises(InputError, match="expects matrices"):
-        spectral_norm_bound(torch.ones(3))
-
-
-def test_certificates_without_an_svd_bound_the_exact_ones_from_above_within_their_factor(
-    monkeypatch,
-):
-    """The path a GPU takes (matrix-product bounds, no QR), run here by declaring that no
-    device has a fast SVD: every certificate of L2 attention is at least the CPU's and at
-    most f^3 times it, f = r^{1/2048} (rank r <= 128) for each of the at most three spectral
-    norms a term multiplies."""
-    import flowattn.lipschitz as lipschitz
-
-    g = torch.Generator().manual_seed(2)
-    cases = []
-    for heads, dim in ((1, 4), (2, 16), (4, 64), (4, 128)):
-        d = dim // heads
-        wq = torch.randn(heads, dim, d, generator=g, dtype=torch.float64) / dim**0.5
-        wv = torch.randn(heads, dim, d, generator=g, dtype=torch.float64) / dim**0.5
-        wo = torch.randn(dim, dim, generator=g, dtype=torch.float64) / dim**0.5
-        cases.append((wq, wv, wo))
-    # orthonormal heads: equal singular values everywhere, the bound's worst case
-    q, _ = torch.linalg.qr(torch.randn(64, 64, generator=g, dtype=torch.float64))
-    cases.append((q.T.reshape(4, 16, 64).transpose(1, 2), q.T.reshape(4, 16, 64).transpose(1, 2),
-                  torch.eye(64, dtype=torch.float64)))
-    kinds = [dict(norm=norm) for norm in ("inf", 2, "2,inf")]
-    kinds += [dict(norm="2,inf", margin=torch.tensor(2.0, dtype=torch.float64)),
-              dict(norm=2, method="thm3.2")]
-    exact = [l2_attention_bound(8, *w, **kind) for w in cases for kind in kinds]
-    monkeypatch.setattr(lipschitz, "_SVD_DEVICES", ())
-    bound = [l2_attention_bound(8, *w, **kind) for w in cases for kind in kinds]
-    ratios = torch.stack([b / e for b, e in zip(bound, exact, strict=True)])
-    assert bool((ratios >= 1 - 1e-12).all()), ratios
-    assert bool((ratios <= 128 ** (3 / 2**11) + 1e-12).all()), ratios
-    assert float(ratios.max()) > 1 + 1e-4  # the orthonormal case shows the bound's slack
-
-
-def test_spectrally_normalised_layer_without_an_svd_stays_within_its_coefficient(monkeypatch):
-    import flowattn.lipschitz as lipschitz
-    from flowattn.branches.mlp import SpectralLinear
-
-    torch.manual_seed(3)
-    layer = SpectralLinear(32, 48, coeff=0.9, mode="exact").double()
-    with torch.no_grad():
-        layer.weight.mul_(10)
-    exact = spectral_norm_exact(layer.effective_weight()).detach()
-    monkeypatch.setattr(lipschitz, "_SVD_DEVICES", ())
-    bounded = spectral_norm_exact(layer.effective_weight()).detach()
-    assert exact.item() == pytest.approx(0.9, rel=1e-12)
-    assert 0.9 / 32 ** (1 / 2**11) - 1e-12 <= float(bounded) <= 0.9 + 1e-12
-    assert float(layer.lipschitz_bound()) >= float(bounded) - 1e-12

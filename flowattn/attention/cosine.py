@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..lipschitz import _norm_name, certified_spectral_norm, matrix_inf_norm
+from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ..validation import check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -170,11 +170,11 @@ class ScaledCosineMHA(nn.Module):
             )
             return per_head.amax(-1) * matrix_inf_norm(self.w_o.t())
         per_head = (
-            2 * n * (n - 1) * self.tau * scale * certified_spectral_norm(wk)
-            + 2 * (n - 1) * self.tau * scale * certified_spectral_norm(wq)
-            + 2 * n * scale * certified_spectral_norm(wv)
+            2 * n * (n - 1) * self.tau * scale * spectral_norm_exact(wk)
+            + 2 * (n - 1) * self.tau * scale * spectral_norm_exact(wq)
+            + 2 * n * scale * spectral_norm_exact(wv)
         )
-        return per_head.pow(2).sum(-1).sqrt() * certified_spectral_norm(self.w_o)
+        return per_head.pow(2).sum(-1).sqrt() * spectral_norm_exact(self.w_o)
 
     def _tight_bound(self, n, norm: str, wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
         n = torch.as_tensor(n, device=wq.device)
@@ -187,21 +187,19 @@ class ScaledCosineMHA(nn.Module):
         if norm == "inf":
 
             def omega(w: Tensor) -> Tensor:  # >= ||W||_{2->1} per head
-                return torch.minimum(
-                    self.dim**0.5 * certified_spectral_norm(w), w.norm(dim=2).sum(1)
-                )
+                return torch.minimum(self.dim**0.5 * spectral_norm_exact(w), w.norm(dim=2).sum(1))
 
             per_head = (omega(wv) ** 2 + tau**2 * (omega(wq) ** 2 + omega(wk) ** 2)).sqrt()
             # (..., H) x (H, D) -> max over output coordinates r of sum_h
             return scale * (per_head @ o.norm(dim=1)).amax(dim=-1)
         per_head = (
-            certified_spectral_norm(wv) ** 2
-            + tau**2 * (certified_spectral_norm(wq) ** 2 + certified_spectral_norm(wk) ** 2)
+            spectral_norm_exact(wv) ** 2
+            + tau**2 * (spectral_norm_exact(wq) ** 2 + spectral_norm_exact(wk) ** 2)
         ).sqrt()  # (..., H)
-        gamma = certified_spectral_norm(o.unsqueeze(1) @ o.unsqueeze(0).transpose(-1, -2))
+        gamma = spectral_norm_exact(o.unsqueeze(1) @ o.unsqueeze(0).transpose(-1, -2))
         bound = scale * torch.minimum(
             ((per_head @ gamma) * per_head).sum(-1).sqrt(),
-            certified_spectral_norm(self.w_o) * per_head.norm(dim=-1),
+            spectral_norm_exact(self.w_o) * per_head.norm(dim=-1),
         )
         return bound * torch.sqrt(n.to(bound.dtype)) if norm == "2" else bound
 

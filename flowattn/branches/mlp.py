@@ -11,7 +11,6 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..lipschitz import certified_spectral_norm
 
 __all__ = [
     "LipSwish",
@@ -117,10 +116,9 @@ class SpectralLinear(nn.Module):
       on every call except inside :func:`frozen_power_iteration`. Power
       iteration *underestimates* sigma, so ||W_eff||_2 may exceed ``coeff`` by the estimate's
       error; :meth:`lipschitz_bound` reports the exact value, which is the certified one.
-    * evaluation mode with ``mode="auto"``, or always with ``mode="exact"``: the certified
-      spectral norm (:func:`~flowattn.lipschitz.certified_spectral_norm`: the exact largest
-      singular value on the CPU, a matrix-product upper bound at most 0.31 % above it on
-      other devices), so ||W_eff||_2 <= coeff holds exactly (up to floating point rounding).
+    * evaluation mode with ``mode="auto"``, or always with ``mode="exact"``: the exact largest
+      singular value (``torch.linalg.matrix_norm(ord=2)``), so ||W_eff||_2 <= coeff holds exactly
+      (up to floating point rounding of the SVD).
 
     Arguments:
         in_features: input width.
@@ -188,7 +186,7 @@ class SpectralLinear(nn.Module):
     def sigma(self, update: bool = True) -> Tensor:
         """The spectral-norm value used for normalisation (differentiable w.r.t. the weight)."""
         if self._uses_exact():
-            return certified_spectral_norm(self.weight)
+            return torch.linalg.matrix_norm(self.weight, ord=2)
         if update and self.training and not _POWER_ITERATION.frozen:
             self._power_iteration(self.n_power_iterations)
         # u^T W v is differentiable; u, v are constants (Miyato et al. 2018).
@@ -204,9 +202,9 @@ class SpectralLinear(nn.Module):
         return F.linear(x, self.effective_weight(update=True), self.bias)
 
     def lipschitz_bound(self) -> Tensor:
-        """Certified Lipschitz constant: the certified spectral norm of the applied matrix."""
+        """Certified Lipschitz constant: the exact spectral norm of the applied matrix."""
         with torch.no_grad():
-            return certified_spectral_norm(self.effective_weight(update=False))
+            return torch.linalg.matrix_norm(self.effective_weight(update=False), ord=2)
 
     def extra_repr(self) -> str:
         return (

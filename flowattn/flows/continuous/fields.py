@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from ...attention import L2MHA, DotProductMHA
 from ...errors import InputError
-from ...lipschitz import _norm_name, certified_spectral_norm, matrix_inf_norm
+from ...lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ...validation import check_sets
 from ..geometry import project
 
@@ -149,7 +149,7 @@ class AttentionField(_StackedAttentionField):
     def _matrix_norm(self, w: Tensor) -> Tensor:
         # pointwise linear maps have a block-diagonal Jacobian with blocks W (nn.Linear weight),
         # whose inf- and 2-norms equal those of W
-        return matrix_inf_norm(w) if self.norm == "inf" else certified_spectral_norm(w)
+        return matrix_inf_norm(w) if self.norm == "inf" else spectral_norm_exact(w)
 
     def raw_lipschitz_bound(self, n: int | Tensor, t: Tensor | float | None = None) -> Tensor:
         """The product bound before the ``max_lipschitz`` cap (see the class docstring)."""
