@@ -193,6 +193,10 @@ VARIANTS = {
     "invertible-lr8-warmup800": dict(invertible=True, lr=8e-3, warmup=800),
     "invertible-lr16-warmup400": dict(invertible=True, lr=1.6e-2, warmup=400),
     "invertible-lr12-warmup800": dict(invertible=True, lr=1.2e-2, warmup=800),
+    # at 1.2e-2 with 400 warm-up steps: a larger contraction coefficient, Adam's beta2 at 0.95
+    "invertible-lr12-warmup400-coeff97": dict(invertible=True, lr=1.2e-2, warmup=400,
+                                              contractive_coeff=0.97),
+    "invertible-lr12-warmup400-beta95": dict(invertible=True, lr=1.2e-2, warmup=400, beta2=0.95),
     "invertible-lr8-warmup400-floor": dict(invertible=True, lr=8e-3, warmup=400, min_lr=8e-4),
     "invertible-lr8-warmup400-wd0": dict(invertible=True, lr=8e-3, warmup=400,
                                          weight_decay=0.0),

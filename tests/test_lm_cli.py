@@ -183,7 +183,7 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, "--print-config")
     assert code == 0
     for line in ("self_offset: auto", "position_bias: auto", "init: auto", "init_scale: auto",
-                 "contractive_norm: auto", "norm_gain: auto", "defaults_version: 3"):
+                 "contractive_norm: auto", "norm_gain: auto", "defaults_version: 4", "lr: auto"):
         assert f"  {line}\n" in stdout
     code, stdout, _ = run(capsys, "lm", "train", "--attention", "l2-tied", "--self-offset", "2",
                           "--init-scale", "auto", "--print-config", "json")
@@ -195,6 +195,8 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     assert "--self-offset X|auto" in text and "auto: 8 for contractive-l2, 4 for l2-tied" in text
     assert "auto: 1/2 for l2-tied and with --invertible, 1/8 for contractive-l2" in text
     assert "--norm-gain X|auto" in text and "auto: 4 for contractive-l2" in text
+    assert "--lr X|auto" in text
+    assert "auto: 2e-3 for contractive-l2, 6e-3 with --invertible" in text
 
 
 def test_a_bad_number_or_auto_setting_is_a_one_line_usage_error(corpus, tmp_path, capsys):

@@ -319,3 +319,18 @@ def test_torchrun_trains_with_two_gloo_processes(corpus, tmp_path):
     # every process draws the same batch indices and keeps its share; dropout streams differ
     assert torch.equal(ckpt["rng"][0]["batches"], ckpt["rng"][1]["batches"])
     assert not torch.equal(ckpt["rng"][0]["torch"], ckpt["rng"][1]["torch"])
+
+
+@pytest.mark.parametrize(("network", "peak"), [(dict(attention="dp"), 1e-3),
+                                               (dict(attention="contractive-l2"), 2e-3),
+                                               (dict(invertible=True), 6e-3),
+                                               (dict(invertible=True, defaults_version=3), 1e-3),
+                                               (dict(invertible=True, lr=5e-4), 5e-4)])
+def test_the_loop_trains_at_the_models_own_learning_rate(corpus, tmp_path, network, peak):
+    out = tmp_path / "run"
+    run(tiny(corpus, steps=4, log_every=1, warmup=0, schedule="constant", **network), out)
+    assert {r["lr"] for r in records(out) if r["split"] == "train"} == {peak}
+    # the run keeps "auto" and its defaults version, and resumes at the same rate
+    stored = json.loads((out / "config.json").read_text())
+    assert stored["train"]["lr"] == network.get("lr", "auto")
+    assert LMRunConfig.from_stored(stored).training().lr == peak

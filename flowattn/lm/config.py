@@ -18,7 +18,7 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
            "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "VERSION_3_CHANGES",
-           "auto_settings"]
+           "AUTO_LR", "auto_settings", "auto_lr"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -30,8 +30,9 @@ DEFAULT_CORPUS = "builtin:pydoc-topics"
 
 AUTO = "auto"
 # 2: tied L2 attention has defaults of its own; 3: logit offsets certified by their weighted
-# count of keys, and contractive attention reads a LayerNorm of gain 4 (stored configs carry it)
-DEFAULTS_VERSION = 3
+# count of keys, and contractive attention reads a LayerNorm of gain 4; 4: the learning rate's
+# "auto" depends on the model (stored configs carry the version)
+DEFAULTS_VERSION = 4
 # What "auto" means for every model but tied L2 attention, and for every model under
 # defaults_version 1 (the settings written before version 2 existed).
 PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "init": "default",
@@ -64,6 +65,21 @@ VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
                                 "position_bias": 8.0},
     ("contractive-l2", True): {"init_scale": 1.0 / 2},
 }
+
+# What ``lr: auto`` means under defaults_version 4, by (attention, invertible): the peak learning
+# rate measured best at nanoGPT's CPU budget with version 3's network defaults (benchmarks/lm.py
+# variants; docs/benchmarks.md); nanoGPT's 1e-3 for every other model, and for every model
+# under earlier versions (the rate every model trained with before version 4).
+AUTO_LR: dict[tuple[str, bool], float] = {
+    # contractive-l2-caps8-lr2: 2.0197 / 2.0333 (seeds 1337 / 1338), 2.0246 / 2.0432 at 1e-3;
+    # 3e-3 does not train (2.4804)
+    ("contractive-l2", False): 2e-3,
+    # invertible-lr6: 2.1376 (seed 1337), 2.4076 at 1e-3; float32 invert-check 2.3e-5. Larger
+    # rates score better (1.2e-2 with 400 warm-up steps: 2.0702) but their float32 inverse
+    # misses invert-check's 1e-4 (8e-3: 1.06e-4; 1.2e-2: 1.2e-3)
+    ("contractive-l2", True): 6e-3,
+}
+NANOGPT_LR = 1e-3
 
 _Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 _Scale = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -142,10 +158,12 @@ class LMSettings(Section):
     ortho_affinity: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                   "matrices (lambda)")
     defaults_version: int = Field(
-        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 3, tied L2 "
-        "attention's measured defaults with offsets certified by their weighted count of keys "
-        "and norm gain 4 for contractive-l2; 2, the same without those two; 1, the plain ones "
-        "for every model, as before version 2 (a stored config without this key is version 1)")
+        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 4, version 3 "
+        "with the learning rate measured for the model (lr: auto); 3, tied L2 attention's "
+        "measured defaults with offsets certified by their weighted count of keys and norm gain "
+        "4 for contractive-l2, learning rate 1e-3; 2, the same without those two; 1, the plain "
+        "ones for every model, as before version 2 (a stored config without this key is "
+        "version 1)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> LMSettings:
@@ -189,6 +207,25 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
             settings.update(VERSION_3_CHANGES.get(key, {}))
         return settings
     return dict(PLAIN_DEFAULTS)
+
+
+def auto_lr(attention: str | None = None, invertible: bool = False,
+            model: str = "transformer", version: int = DEFAULTS_VERSION) -> float:
+    """The peak learning rate ``lr: auto`` resolves to: from version 4 on (:data:`AUTO_LR`)
+    2e-3 for contractive L2 attention and 6e-3 for the invertible model; nanoGPT's 1e-3 for
+    every other model and under earlier versions.
+
+    Examples:
+        >>> auto_lr("dp"), auto_lr("contractive-l2"), auto_lr(invertible=True)
+        (0.001, 0.002, 0.006)
+        >>> auto_lr(invertible=True, version=3)
+        0.001
+    """
+    if attention is None:
+        attention = "contractive-l2" if invertible else "dp"
+    if model != "transformer" or version < 4:
+        return NANOGPT_LR
+    return AUTO_LR.get((attention, bool(invertible)), NANOGPT_LR)
 
 
 def _resolve(values: dict) -> dict:
@@ -332,20 +369,29 @@ class LMTrain(TrainSettings.with_defaults(
         (False, True)
     """
 
+    lr: _Scale | Literal["auto"] = Field(
+        AUTO, description="peak learning rate (auto: 2e-3 for contractive-l2, 6e-3 with "
+        "--invertible, else 1e-3)")
     compile: bool = Field(False, description="train through torch.compile(model) (on CPU it "
                           "needs a C++ compiler); the checkpoint is the same with and without")
+
+    def model_post_init(self, __context) -> None:
+        if self.lr != AUTO:  # (an automatic rate is checked where it is resolved)
+            super().model_post_init(__context)
 
 
 class LMRunConfig(RunConfig):
     """Every setting of a ``flowattn lm train`` run. The defaults are nanoGPT's CPU
     configuration for Tiny Shakespeare (4 layers, 4 heads, width 128, block 64, batch 12, 2000
     steps, AdamW with learning rate 1e-3, 100 warm-up steps and cosine decay to 1e-4, beta2
-    0.99, weight decay 0.1, gradient clipping at 1.0, no dropout).
+    0.99, weight decay 0.1, gradient clipping at 1.0, no dropout), except that the learning
+    rate is the model's own (``lr: auto``, :func:`auto_lr`): 1e-3 for nanoGPT's model, larger
+    for contractive attention and the invertible model.
 
     Examples:
         >>> config = LMRunConfig.build({"layers": 2, "steps": 100})
-        >>> config.network.layers, config.train.steps, config.train.lr
-        (2, 100, 0.001)
+        >>> config.network.layers, config.train.steps, config.train.lr, config.training().lr
+        (2, 100, 'auto', 0.001)
     """
 
     RESUMABLE: ClassVar[frozenset[str]] = frozenset(
@@ -355,6 +401,29 @@ class LMRunConfig(RunConfig):
     data: LMData = LMData()
     network: LMSettings = LMSettings()
     train: LMTrain = LMTrain()
+
+    @model_validator(mode="after")
+    def _check_lr(self) -> LMRunConfig:
+        train = self.training()
+        if train.min_lr > train.lr:
+            raise ValueError(f"min_lr ({train.min_lr}) must not exceed lr ({train.lr})")
+        return self
+
+    def training(self) -> LMTrain:
+        """The training settings with ``lr: auto`` resolved for the network
+        (:func:`auto_lr`, by its ``defaults_version``).
+
+        Examples:
+            >>> LMRunConfig.build({"invertible": True}).training().lr
+            0.006
+            >>> LMRunConfig.build({"invertible": True, "defaults_version": 3}).training().lr
+            0.001
+        """
+        if self.train.lr != AUTO:
+            return self.train
+        net = self.network
+        lr = auto_lr(net.attention, net.invertible, net.model, net.defaults_version)
+        return self.train.model_copy(update={"lr": lr})
 
     @classmethod
     def from_stored(cls, values: Mapping[str, Any], source: str = "") -> LMRunConfig:

@@ -170,6 +170,12 @@ class RunConfig(Section):
         """
         return cls.build(values, source)
 
+    def training(self) -> TrainSettings:
+        """The ``train`` section as the training loop reads it. A command whose training
+        defaults depend on its other sections (the language model's ``lr: auto``) resolves
+        them here."""
+        return self.train
+
     def flat(self) -> dict:
         """``leaf name -> value`` over every section."""
         return {k: v for section in self.to_dict().values() for k, v in section.items()}

@@ -102,7 +102,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     The run continues bit-exactly from ``plan.checkpoint`` when there is one: model,
     optimiser, step, every random state and the loop's running statistics are restored.
     """
-    cfg = plan.config.train
+    cfg = plan.config.training()
     out, main = plan.out, dist.is_main
 
     # ------------------------------------------------------------------ optimiser and state
