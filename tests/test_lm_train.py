@@ -215,12 +215,17 @@ def as_stored_before_version_2(network: dict, drop: tuple[str, ...]) -> None:
 
 
 def store_as_before_version_2(out: Path, drop: tuple[str, ...] = ()) -> None:
+    """The run in ``out`` as flowattn stored it before version 2 (and so before version 4's
+    ``lr: auto``: the learning rate is stored as the number it trained with)."""
     path = out / "checkpoint.pt"
     record = torch.load(path, weights_only=True)
+    lr = LMRunConfig.from_stored(record["config"]).training().lr
+    record["config"]["train"]["lr"] = lr
     as_stored_before_version_2(record["config"]["network"], drop)
     as_stored_before_version_2(record["task"]["model_config"], drop)
     torch.save(record, path)
     config = json.loads((out / "config.json").read_text())
+    config["train"]["lr"] = lr
     as_stored_before_version_2(config["network"], drop)
     (out / "config.json").write_text(json.dumps(config))
 
