@@ -216,16 +216,17 @@ def as_stored_before_version_2(network: dict, drop: tuple[str, ...]) -> None:
 
 def store_as_before_version_2(out: Path, drop: tuple[str, ...] = ()) -> None:
     """The run in ``out`` as flowattn stored it before version 2 (and so before version 4's
-    ``lr: auto``: the learning rate is stored as the number it trained with)."""
+    automatic ``lr`` and ``warmup``: they are stored as the numbers it trained with)."""
     path = out / "checkpoint.pt"
     record = torch.load(path, weights_only=True)
-    lr = LMRunConfig.from_stored(record["config"]).training().lr
-    record["config"]["train"]["lr"] = lr
+    trained = LMRunConfig.from_stored(record["config"]).training()
+    numbers = {"lr": trained.lr, "warmup": trained.warmup}
+    record["config"]["train"].update(numbers)
     as_stored_before_version_2(record["config"]["network"], drop)
     as_stored_before_version_2(record["task"]["model_config"], drop)
     torch.save(record, path)
     config = json.loads((out / "config.json").read_text())
-    config["train"]["lr"] = lr
+    config["train"].update(numbers)
     as_stored_before_version_2(config["network"], drop)
     (out / "config.json").write_text(json.dumps(config))
 
@@ -339,3 +340,22 @@ def test_the_loop_trains_at_the_models_own_learning_rate(corpus, tmp_path, netwo
     stored = json.loads((out / "config.json").read_text())
     assert stored["train"]["lr"] == network.get("lr", "auto")
     assert LMRunConfig.from_stored(stored).training().lr == peak
+
+
+@pytest.mark.parametrize(("network", "warmup"), [(dict(attention="dp"), 100),
+                                                 (dict(attention="contractive-l2"), 400),
+                                                 (dict(invertible=True), 400),
+                                                 (dict(invertible=True, defaults_version=3), 100),
+                                                 (dict(invertible=True, warmup=7), 7)])
+def test_the_loop_warms_up_for_the_models_own_number_of_steps(corpus, tmp_path, network, warmup):
+    from flowattn.training.schedule import learning_rate
+
+    out = tmp_path / "run"
+    config = tiny(corpus, steps=4, log_every=1, schedule="constant", **network)
+    assert config.training().warmup == warmup
+    run(config, out)
+    peak = config.training().lr
+    logged = [(r["step"], r["lr"]) for r in records(out) if r["split"] == "train"]
+    assert [lr for _, lr in logged] == pytest.approx(
+        [learning_rate(step - 1, lr=peak, steps=4, schedule="constant", warmup=warmup)
+         for step, _ in logged], rel=1e-12)

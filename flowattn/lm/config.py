@@ -18,7 +18,7 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
            "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "VERSION_3_CHANGES",
-           "AUTO_LR", "auto_settings", "auto_lr"]
+           "AUTO_TRAINING", "auto_settings", "auto_training"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -66,20 +66,21 @@ VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
     ("contractive-l2", True): {"init_scale": 1.0 / 2},
 }
 
-# What ``lr: auto`` means under defaults_version 4, by (attention, invertible): the peak learning
-# rate measured best at nanoGPT's CPU budget with version 3's network defaults (benchmarks/lm.py
-# variants; docs/benchmarks.md); nanoGPT's 1e-3 for every other model, and for every model
-# under earlier versions (the rate every model trained with before version 4).
-AUTO_LR: dict[tuple[str, bool], float] = {
-    # contractive-l2-caps8-lr2: 2.0197 / 2.0333 (seeds 1337 / 1338), 2.0246 / 2.0432 at 1e-3;
-    # 3e-3 does not train (2.4804)
-    ("contractive-l2", False): 2e-3,
-    # invertible-lr6: 2.1376 (seed 1337), 2.4076 at 1e-3; float32 invert-check 2.3e-5. Larger
-    # rates score better (1.2e-2 with 400 warm-up steps: 2.0702) but their float32 inverse
-    # misses invert-check's 1e-4 (8e-3: 1.06e-4; 1.2e-2: 1.2e-3)
-    ("contractive-l2", True): 6e-3,
+# What ``lr`` and ``warmup`` left as "auto" mean under defaults_version 4, by (attention,
+# invertible): the peak learning rate and warm-up measured best at nanoGPT's CPU budget with
+# version 3's network defaults (benchmarks/lm.py variants; docs/benchmarks.md); nanoGPT's 1e-3
+# and 100 steps for every other model, and for every model under earlier versions (what every
+# model trained with before version 4).
+AUTO_TRAINING: dict[tuple[str, bool], dict[str, Any]] = {
+    # contractive-l2-caps8-lr2-warmup400: 1.9813 / 1.9898 (seeds 1337 / 1338); 2.0197 / 2.0333
+    # with 100 warm-up steps, 2.0246 / 2.0432 at 1e-3; 3e-3 with 400 warm-up steps 1.9882
+    ("contractive-l2", False): {"lr": 2e-3, "warmup": 400},
+    # invertible-lr6-warmup400: 2.1177 / 2.1248; 2.1376 / 2.1519 with 100 warm-up steps, 2.4076
+    # at 1e-3; float32 invert-check 3.8e-5. Larger rates score better (1.2e-2: 2.0702) but
+    # their float32 inverse misses invert-check's 1e-4 (8e-3: 1.2e-4; 1.2e-2: 1.3e-3)
+    ("contractive-l2", True): {"lr": 6e-3, "warmup": 400},
 }
-NANOGPT_LR = 1e-3
+NANOGPT_TRAINING: dict[str, Any] = {"lr": 1e-3, "warmup": 100}
 
 _Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 _Scale = Annotated[float, Field(gt=0, allow_inf_nan=False)]
@@ -159,11 +160,11 @@ class LMSettings(Section):
                                   "matrices (lambda)")
     defaults_version: int = Field(
         DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 4, version 3 "
-        "with the learning rate measured for the model (lr: auto); 3, tied L2 attention's "
-        "measured defaults with offsets certified by their weighted count of keys and norm gain "
-        "4 for contractive-l2, learning rate 1e-3; 2, the same without those two; 1, the plain "
-        "ones for every model, as before version 2 (a stored config without this key is "
-        "version 1)")
+        "with the learning rate and warm-up measured for the model (lr, warmup: auto); 3, tied "
+        "L2 attention's measured defaults with offsets certified by their weighted count of "
+        "keys and norm gain 4 for contractive-l2, learning rate 1e-3 after 100 steps; 2, the "
+        "same without those two; 1, the plain ones for every model, as before version 2 (a "
+        "stored config without this key is version 1)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> LMSettings:
@@ -209,23 +210,24 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
     return dict(PLAIN_DEFAULTS)
 
 
-def auto_lr(attention: str | None = None, invertible: bool = False,
-            model: str = "transformer", version: int = DEFAULTS_VERSION) -> float:
-    """The peak learning rate ``lr: auto`` resolves to: from version 4 on (:data:`AUTO_LR`)
-    2e-3 for contractive L2 attention and 6e-3 for the invertible model; nanoGPT's 1e-3 for
-    every other model and under earlier versions.
+def auto_training(attention: str | None = None, invertible: bool = False,
+                  model: str = "transformer", version: int = DEFAULTS_VERSION) -> dict[str, Any]:
+    """What ``lr`` and ``warmup`` left as ``"auto"`` resolve to: from version 4 on
+    (:data:`AUTO_TRAINING`) a peak rate of 2e-3 for contractive L2 attention and 6e-3 for the
+    invertible model, each after 400 warm-up steps; nanoGPT's 1e-3 after 100 steps for every
+    other model and under earlier versions.
 
     Examples:
-        >>> auto_lr("dp"), auto_lr("contractive-l2"), auto_lr(invertible=True)
-        (0.001, 0.002, 0.006)
-        >>> auto_lr(invertible=True, version=3)
-        0.001
+        >>> auto_training("dp"), auto_training("contractive-l2")
+        ({'lr': 0.001, 'warmup': 100}, {'lr': 0.002, 'warmup': 400})
+        >>> auto_training(invertible=True)["lr"], auto_training(invertible=True, version=3)["lr"]
+        (0.006, 0.001)
     """
     if attention is None:
         attention = "contractive-l2" if invertible else "dp"
     if model != "transformer" or version < 4:
-        return NANOGPT_LR
-    return AUTO_LR.get((attention, bool(invertible)), NANOGPT_LR)
+        return dict(NANOGPT_TRAINING)
+    return dict(AUTO_TRAINING.get((attention, bool(invertible)), NANOGPT_TRAINING))
 
 
 def _resolve(values: dict) -> dict:
@@ -372,11 +374,14 @@ class LMTrain(TrainSettings.with_defaults(
     lr: _Scale | Literal["auto"] = Field(
         AUTO, description="peak learning rate (auto: 2e-3 for contractive-l2, 6e-3 with "
         "--invertible, else 1e-3)")
+    warmup: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
+        AUTO, description="linear warm-up steps (auto: 400 for contractive-l2 and with "
+        "--invertible, else 100)")
     compile: bool = Field(False, description="train through torch.compile(model) (on CPU it "
                           "needs a C++ compiler); the checkpoint is the same with and without")
 
     def model_post_init(self, __context) -> None:
-        if self.lr != AUTO:  # (an automatic rate is checked where it is resolved)
+        if AUTO not in (self.lr, self.warmup):  # (automatic ones are checked once resolved)
             super().model_post_init(__context)
 
 
@@ -385,7 +390,8 @@ class LMRunConfig(RunConfig):
     configuration for Tiny Shakespeare (4 layers, 4 heads, width 128, block 64, batch 12, 2000
     steps, AdamW with learning rate 1e-3, 100 warm-up steps and cosine decay to 1e-4, beta2
     0.99, weight decay 0.1, gradient clipping at 1.0, no dropout), except that the learning
-    rate is the model's own (``lr: auto``, :func:`auto_lr`): 1e-3 for nanoGPT's model, larger
+    rate and warm-up are the model's own (``lr`` and ``warmup`` left as ``"auto"``,
+    :func:`auto_training`): nanoGPT's for nanoGPT's model, a larger rate after a longer warm-up
     for contractive attention and the invertible model.
 
     Examples:
@@ -403,27 +409,27 @@ class LMRunConfig(RunConfig):
     train: LMTrain = LMTrain()
 
     @model_validator(mode="after")
-    def _check_lr(self) -> LMRunConfig:
-        train = self.training()
-        if train.min_lr > train.lr:
-            raise ValueError(f"min_lr ({train.min_lr}) must not exceed lr ({train.lr})")
+    def _check_training(self) -> LMRunConfig:
+        self.training().model_post_init(None)  # the shared checks, on the resolved values
         return self
 
     def training(self) -> LMTrain:
-        """The training settings with ``lr: auto`` resolved for the network
-        (:func:`auto_lr`, by its ``defaults_version``).
+        """The training settings with ``lr`` and ``warmup`` left as ``"auto"`` resolved for
+        the network (:func:`auto_training`, by its ``defaults_version``).
 
         Examples:
-            >>> LMRunConfig.build({"invertible": True}).training().lr
-            0.006
+            >>> train = LMRunConfig.build({"invertible": True}).training()
+            >>> train.lr, train.warmup
+            (0.006, 400)
             >>> LMRunConfig.build({"invertible": True, "defaults_version": 3}).training().lr
             0.001
         """
-        if self.train.lr != AUTO:
+        automatic = [key for key in ("lr", "warmup") if getattr(self.train, key) == AUTO]
+        if not automatic:
             return self.train
         net = self.network
-        lr = auto_lr(net.attention, net.invertible, net.model, net.defaults_version)
-        return self.train.model_copy(update={"lr": lr})
+        values = auto_training(net.attention, net.invertible, net.model, net.defaults_version)
+        return self.train.model_copy(update={key: values[key] for key in automatic})
 
     @classmethod
     def from_stored(cls, values: Mapping[str, Any], source: str = "") -> LMRunConfig:

@@ -172,8 +172,8 @@ class RunConfig(Section):
 
     def training(self) -> TrainSettings:
         """The ``train`` section as the training loop reads it. A command whose training
-        defaults depend on its other sections (the language model's ``lr: auto``) resolves
-        them here."""
+        defaults depend on its other sections (the language model's automatic ``lr`` and
+        ``warmup``) resolves them here."""
         return self.train
 
     def flat(self) -> dict:
