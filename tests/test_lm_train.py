@@ -359,3 +359,16 @@ def test_the_loop_warms_up_for_the_models_own_number_of_steps(corpus, tmp_path, 
     assert [lr for _, lr in logged] == pytest.approx(
         [learning_rate(step - 1, lr=peak, steps=4, schedule="constant", warmup=warmup)
          for step, _ in logged], rel=1e-12)
+
+
+def test_the_shared_checks_see_the_resolved_learning_rate_and_warm_up(corpus):
+    with pytest.raises(ConfigError, match=r"min_lr \(0.0001\) must not exceed lr \(1e-05\)"):
+        tiny(corpus, lr=1e-5)
+    # a floor above contractive attention's automatic 2e-3 is refused; the invertible
+    # model's automatic 6e-3 admits it
+    with pytest.raises(ConfigError, match=r"min_lr \(0.003\) must not exceed lr \(0.002\)"):
+        tiny(corpus, attention="contractive-l2", min_lr=3e-3)
+    assert tiny(corpus, invertible=True, min_lr=3e-3).training().min_lr == 3e-3
+    with pytest.raises(ConfigError, match="the noam schedule needs warmup >= 1"):
+        tiny(corpus, schedule="noam", warmup=0)
+    assert tiny(corpus, schedule="noam").training().warmup == 100
