@@ -201,6 +201,12 @@ VARIANTS = {
     "invertible-lr12-warmup400-coeff97": dict(invertible=True, lr=1.2e-2, warmup=400,
                                               contractive_coeff=0.97),
     "invertible-lr12-warmup400-beta95": dict(invertible=True, lr=1.2e-2, warmup=400, beta2=0.95),
+    # a smaller contraction coefficient: the inverse's error grows at most like 1/(1 - coeff)
+    # per block, so a larger rate may keep float32 invertibility
+    "invertible-lr12-warmup400-coeff80": dict(invertible=True, lr=1.2e-2, warmup=400,
+                                              contractive_coeff=0.8),
+    "invertible-lr8-warmup400-coeff85": dict(invertible=True, lr=8e-3, warmup=400,
+                                             contractive_coeff=0.85),
     "invertible-lr8-warmup400-floor": dict(invertible=True, lr=8e-3, warmup=400, min_lr=8e-4),
     "invertible-lr8-warmup400-wd0": dict(invertible=True, lr=8e-3, warmup=400,
                                          weight_decay=0.0),
