@@ -203,6 +203,9 @@ VARIANTS = {
     "invertible-lr12-warmup400-beta95": dict(invertible=True, lr=1.2e-2, warmup=400, beta2=0.95),
     # a smaller contraction coefficient: the inverse's error grows at most like 1/(1 - coeff)
     # per block, so a larger rate may keep float32 invertibility
+    "l2-tied-warmup400": dict(attention="l2-tied", warmup=400),
+    "l2-tied-lr2-warmup400": dict(attention="l2-tied", lr=2e-3, warmup=400),
+    "dp-lr2-warmup400": dict(attention="dp", lr=2e-3, warmup=400),
     "invertible-lr12-warmup400-coeff80": dict(invertible=True, lr=1.2e-2, warmup=400,
                                               contractive_coeff=0.8),
     "invertible-lr8-warmup400-coeff85": dict(invertible=True, lr=8e-3, warmup=400,

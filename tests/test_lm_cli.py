@@ -196,7 +196,7 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     assert "auto: 1/2 for l2-tied and with --invertible, 1/8 for contractive-l2" in text
     assert "--norm-gain X|auto" in text and "auto: 4 for contractive-l2" in text
     assert "--lr X|auto" in text
-    assert "auto: 2e-3 for contractive-l2, 6e-3 with --invertible" in text
+    assert "auto: 2e-3 for l2-tied and contractive-l2, 6e-3 with --invertible" in text
 
 
 def test_a_bad_number_or_auto_setting_is_a_one_line_usage_error(corpus, tmp_path, capsys):

@@ -328,6 +328,8 @@ def test_torchrun_trains_with_two_gloo_processes(corpus, tmp_path):
 
 
 @pytest.mark.parametrize(("network", "peak"), [(dict(attention="dp"), 1e-3),
+                                               (dict(attention="l2-tied"), 2e-3),
+                                               (dict(attention="l2"), 1e-3),
                                                (dict(attention="contractive-l2"), 2e-3),
                                                (dict(invertible=True), 6e-3),
                                                (dict(invertible=True, defaults_version=3), 1e-3),
@@ -343,6 +345,7 @@ def test_the_loop_trains_at_the_models_own_learning_rate(corpus, tmp_path, netwo
 
 
 @pytest.mark.parametrize(("network", "warmup"), [(dict(attention="dp"), 100),
+                                                 (dict(attention="l2-tied"), 400),
                                                  (dict(attention="contractive-l2"), 400),
                                                  (dict(invertible=True), 400),
                                                  (dict(invertible=True, defaults_version=3), 100),
