@@ -206,6 +206,8 @@ VARIANTS = {
     "l2-tied-warmup400": dict(attention="l2-tied", warmup=400),
     "l2-tied-lr2-warmup400": dict(attention="l2-tied", lr=2e-3, warmup=400),
     "dp-lr2-warmup400": dict(attention="dp", lr=2e-3, warmup=400),
+    "l2-lr2-warmup400": dict(attention="l2", lr=2e-3, warmup=400),
+    "scaled-cosine-lr2-warmup400": dict(attention="scaled-cosine", lr=2e-3, warmup=400),
     "invertible-lr12-warmup400-coeff80": dict(invertible=True, lr=1.2e-2, warmup=400,
                                               contractive_coeff=0.8),
     "invertible-lr8-warmup400-coeff85": dict(invertible=True, lr=8e-3, warmup=400,
