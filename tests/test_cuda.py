@@ -169,7 +169,7 @@ def assert_matches_cpu(
             got = got.to(want.dtype)
         tol = atol * max(1.0, float(want.abs().max())) if scaled and want.numel() else atol
         torch.testing.assert_close(
-            got, want.detach(), rtol=rtol, atol=tol, equal_nan=True,
+            got, want.detach(), rtol=rtol, atol=tol,
             msg=lambda text, name=name: f"{what}: {name} differs between {DEVICE} and the "
             f"CPU\n{text}")
 

@@ -227,10 +227,15 @@ def auto_training(attention: str | None = None, invertible: bool = False,
         (0.006, 0.001)
     """
     if attention is None:
-        attention = "contractive-l2" if invertible else "dp"
+        attention = _default_attention(invertible)
     if model != "transformer" or version < 4:
         return dict(NANOGPT_TRAINING)
     return dict(AUTO_TRAINING.get((attention, bool(invertible)), NANOGPT_TRAINING))
+
+
+def _default_attention(invertible: bool) -> str:
+    """The attention an unset ``attention`` means: contractive inside the invertible stack."""
+    return "contractive-l2" if invertible else "dp"
 
 
 def _resolve(values: dict) -> dict:
@@ -238,7 +243,7 @@ def _resolve(values: dict) -> dict:
     values = dict(values)
     invertible = values.get("invertible", False) is True
     if values.get("attention") is None:
-        values["attention"] = "contractive-l2" if invertible else "dp"
+        values["attention"] = _default_attention(invertible)
     version = values.get("defaults_version", DEFAULTS_VERSION)
     if not isinstance(version, int) or isinstance(version, bool):
         version = DEFAULTS_VERSION  # refused by the field's own check
@@ -360,8 +365,8 @@ class LMData(Section):
 
 
 class LMTrain(TrainSettings.with_defaults(
-        "LMTrainDefaults", steps=2000, batch_size=12, lr=1e-3, schedule="cosine", warmup=100,
-        min_lr=1e-4, beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
+        "LMTrainDefaults", steps=2000, batch_size=12, schedule="cosine", min_lr=1e-4,
+        beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
         divergence_factor=2.0, eval_every=250, checkpoint_every=250, log_every=10, seed=1337,
         device="auto")):
     """The shared training settings with the language model's defaults, and ``compile``.
