@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
 from flowattn.errors import InverseNotConverged
@@ -455,7 +456,7 @@ def test_logit_offsets_reach_the_l2_attention_of_the_lm_and_only_it():
 
 # The settings every model had before tied L2 attention got defaults of its own, written out.
 OLD_SETTINGS = dict(self_offset=0.0, position_bias=0.0, init="default", init_scale=1 / 16,
-                    contractive_norm="inf", norm_gain=1.0)
+                    contractive_norm="inf", norm_gain=1.0, readout="linear")
 
 
 def _same_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
@@ -485,7 +486,8 @@ def test_defaults_of_every_other_model_build_the_model_of_the_old_explicit_setti
                                             init="glorot-l2", init_scale=1 / 8,
                                             contractive_norm="2,inf", norm_gain=4.0)),
     (dict(invertible=True), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
-                                 init_scale=1 / 2, contractive_norm="2,inf", norm_gain=1.0)),
+                                 init_scale=1 / 2, contractive_norm="2,inf", norm_gain=1.0,
+                                 readout="feed-forward")),
 ], ids=["l2-tied", "contractive-l2", "invertible"])
 def test_tied_l2_attention_defaults_to_its_measured_settings(kw, measured):
     # the rows of docs/benchmarks.md: l2-tied-offsets-glorot-s2, contractive-l2-caps8,
@@ -530,6 +532,54 @@ def test_version_3_certifies_offsets_by_their_weighted_count_and_raises_the_norm
         tiny(attention="dp", norm_position="post", norm_gain=2.0)
     with pytest.raises(ValueError, match="norm_gain=2.0 needs a pre-norm LayerNorm"):
         tiny(invertible=True, norm_gain=2.0)
+
+
+def test_version_5_reads_the_invertible_stack_through_a_feed_forward_readout():
+    assert tiny(invertible=True).readout == "feed-forward"
+    assert tiny(invertible=True, defaults_version=4).readout == "linear"  # stored then
+    for attention in ATTENTIONS:  # every other model keeps its linear readout
+        assert tiny(attention=attention).readout == "linear"
+    torch.manual_seed(0)
+    new = build_model(tiny(invertible=True)).double().eval()
+    old = build_model(tiny(invertible=True, defaults_version=4)).double().eval()
+    d, hidden = new.config.dim, new.config.ff_mult * new.config.dim
+    assert new.num_parameters() - old.num_parameters() == 2 * d * hidden + d  # FF + LayerNorm
+    # the readout sits outside the invertible stack: with the stack's parameters shared, the
+    # hidden states and their inverse are the same, the logits are not
+    missing, unexpected = new.load_state_dict(old.state_dict(), strict=False)
+    assert not unexpected and missing and all(k.startswith(("readout.", "norm_readout."))
+                                              for k in missing)
+    idx = torch.randint(V, (3, T))
+    e = new.embed(idx)
+    h_new, h_old = new.hidden_states(e)[0], old.hidden_states(e)[0]
+    assert torch.equal(h_new, h_old)
+    assert (invert_hidden_states(new, h_new, tol=1e-12) - e).abs().max() < 1e-9
+    z = new.norm_f(h_new)
+    expected = new.head(new.norm_readout(z + new.readout.proj(F.gelu(new.readout.fc(z)))))
+    assert torch.allclose(new.logits(h_new), expected, atol=1e-12)
+    assert (new.logits(h_new) - old.logits(h_old)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="LSTM baseline takes readout 'linear' only"):
+        tiny(model="lstm", readout="feed-forward")
+
+
+@pytest.mark.parametrize("init", INITS)
+def test_every_initialisation_scheme_initialises_the_readout_like_the_blocks(init):
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(attention="dp", readout="feed-forward", init=init, layers=3,
+                               dim=64))
+    fc, proj = model.readout.fc.weight, model.readout.proj.weight
+    if init == "default":  # GPT-2: N(0, 0.02), the residual projection 0.02 / sqrt(2 L)
+        assert abs(fc.std().item() / 0.02 - 1) < 0.05
+        assert abs(proj.std().item() / (0.02 / math.sqrt(2 * 3)) - 1) < 0.05
+    elif init == "spectral":
+        for w in (fc, proj):
+            assert abs(torch.linalg.matrix_norm(w.double(), ord=2).item() - 1.0) < 1e-5
+    else:  # glorot-l2: Glorot uniform; lipschitz: U[-l, l] with l = 1 / sqrt(fan_in)
+        for w in (fc, proj):
+            fan_in, fan_out = w.shape[1], w.shape[0]
+            bound = (math.sqrt(6 / (fan_in + fan_out)) if init == "glorot-l2"
+                     else math.sqrt(1 / fan_in))
+            assert bound * 0.9 < w.abs().max() <= bound
 
 
 def test_a_setting_given_explicitly_overrides_its_auto_value():

@@ -18,7 +18,7 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
            "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "VERSION_3_CHANGES",
-           "AUTO_TRAINING", "auto_settings", "auto_training"]
+           "VERSION_5_CHANGES", "AUTO_TRAINING", "READOUTS", "auto_settings", "auto_training"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -26,18 +26,20 @@ NORM_POSITIONS = ("pre", "post")
 INITS = ("default", "glorot-l2", "lipschitz", "spectral")
 MODELS = ("transformer", "lstm")
 FORMATS = ("auto", "text", "ptb-char")
+READOUTS = ("linear", "feed-forward")
 DEFAULT_CORPUS = "builtin:pydoc-topics"
 
 AUTO = "auto"
 # 2: tied L2 attention has defaults of its own; 3: logit offsets certified by their weighted
 # count of keys, and contractive attention reads a LayerNorm of gain 4; 4: the learning rate's
-# "auto" depends on the model (stored configs carry the version)
-DEFAULTS_VERSION = 4
+# "auto" depends on the model; 5: the invertible model reads its hidden states through a
+# feed-forward readout (stored configs carry the version)
+DEFAULTS_VERSION = 5
 # What "auto" means for every model but tied L2 attention, and for every model under
 # defaults_version 1 (the settings written before version 2 existed).
 PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "init": "default",
                                   "init_scale": 1.0 / 16, "contractive_norm": "inf",
-                                  "norm_gain": 1.0}
+                                  "norm_gain": 1.0, "readout": "linear"}
 # What "auto" means for tied L2 attention under defaults_version 2, by (attention, invertible):
 # the best measured row of each (benchmarks/lm.py variants; docs/benchmarks.md, "Letting tied
 # attention read other tokens"), validation nats/char at nanoGPT's CPU budget against the
@@ -45,15 +47,16 @@ PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "ini
 TIED_L2_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {
     # l2-tied-offsets-glorot-s2: 1.9403 (plain: 2.4116)
     ("l2-tied", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
-                         "init_scale": 1.0 / 2, "contractive_norm": "inf", "norm_gain": 1.0},
+                         "init_scale": 1.0 / 2, "contractive_norm": "inf", "norm_gain": 1.0,
+                         "readout": "linear"},
     # contractive-l2-mixed-s4: 2.2052 (plain: 2.4823)
     ("contractive-l2", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
                                 "init_scale": 1.0 / 4, "contractive_norm": "2,inf",
-                                "norm_gain": 1.0},
+                                "norm_gain": 1.0, "readout": "linear"},
     # invertible-mixed: 2.4512 (plain: 2.4824)
     ("contractive-l2", True): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
                                "init_scale": 1.0 / 16, "contractive_norm": "2,inf",
-                               "norm_gain": 1.0},
+                               "norm_gain": 1.0, "readout": "linear"},
 }
 # Version 3 changes contractive attention alone. Outside the invertible stack (benchmarks/lm.py
 # variant contractive-l2-caps8, 2.0246 against 2.2050; 2.0432 with seed 1338): the
@@ -64,6 +67,12 @@ VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
     ("contractive-l2", False): {"init_scale": 1.0 / 8, "norm_gain": 4.0, "self_offset": 8.0,
                                 "position_bias": 8.0},
     ("contractive-l2", True): {"init_scale": 1.0 / 2},
+}
+# Version 5 changes the invertible model alone: a feed-forward readout between the invertible
+# stack and the output layer (benchmarks/lm.py variant invertible-readout; docs/benchmarks.md,
+# "A readout for the invertible model").
+VERSION_5_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
+    ("contractive-l2", True): {"readout": "feed-forward"},
 }
 
 # What ``lr`` and ``warmup`` left as "auto" mean under defaults_version 4, by (attention,
@@ -143,6 +152,10 @@ class LMSettings(Section):
         AUTO, description="initial gain of the normalisation before each attention branch "
         "(pre-norm LayerNorm or CenterNorm; auto: 4 for contractive-l2 in that position, else 1)")
     ff_mult: int = Field(4, ge=1, description="feed-forward hidden width as a multiple of D")
+    readout: Literal["linear", "feed-forward", "auto"] = Field(
+        AUTO, description="what reads the final hidden states: linear, the final norm and the "
+        "output layer; feed-forward, a GELU feed-forward residual between the two, outside the "
+        "residual stack (auto: feed-forward with --invertible, linear otherwise)")
     dropout: float = Field(0.0, ge=0, lt=1, description="dropout probability")
     bias: bool = Field(False, description="biases in linear layers and norms")
     tie_embeddings: bool = Field(False, description="share the token embedding with the output "
@@ -162,7 +175,8 @@ class LMSettings(Section):
     ortho_affinity: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                   "matrices (lambda)")
     defaults_version: int = Field(
-        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 4, version 3 "
+        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 5, version 4 "
+        "with a feed-forward readout for the invertible model; 4, version 3 "
         "with the learning rate and warm-up measured for the model (lr, warmup: auto); 3, tied "
         "L2 attention's measured defaults with offsets certified by their weighted count of "
         "keys and norm gain 4 for contractive-l2, learning rate 1e-3 after 100 steps; 2, the "
@@ -186,7 +200,10 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
                   version: int = DEFAULTS_VERSION) -> dict[str, Any]:
     """What the ``"auto"`` settings of a model resolve to.
 
-    Version 3 (:data:`DEFAULTS_VERSION`) is version 2 with :data:`VERSION_3_CHANGES`:
+    Version 5 (:data:`DEFAULTS_VERSION`) is version 3 with :data:`VERSION_5_CHANGES`: the
+    invertible model reads its final hidden states through a feed-forward readout (version 4
+    changed only the training settings, :func:`auto_training`).
+    Version 3 is version 2 with :data:`VERSION_3_CHANGES`:
     contractive attention reads a LayerNorm whose gain starts at 4 (``norm_gain``), with its
     L2 weights at s = 1/8 and logit offsets capped at 8; inside the invertible stack its L2
     weights start at s = 1/2. Both certify logit offsets by their weighted count of keys.
@@ -203,12 +220,18 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
         (0.5, 'default')
         >>> auto_settings("l2-tied", version=1) == PLAIN_DEFAULTS
         True
+        >>> auto_settings("contractive-l2", invertible=True)["readout"]
+        'feed-forward'
+        >>> auto_settings("contractive-l2", invertible=True, version=4)["readout"]
+        'linear'
     """
     if version >= 2 and model == "transformer":
         key = (attention, bool(invertible))
         settings = dict(TIED_L2_DEFAULTS.get(key, PLAIN_DEFAULTS))
         if version >= 3:
             settings.update(VERSION_3_CHANGES.get(key, {}))
+        if version >= 5:
+            settings.update(VERSION_5_CHANGES.get(key, {}))
         return settings
     return dict(PLAIN_DEFAULTS)
 
@@ -293,6 +316,9 @@ def _check(config: _Resolved) -> None:
     if config.norm == "centernorm" and config.dim < 2:
         raise ValueError("centernorm needs dim >= 2")
     if config.model == "lstm":
+        if config.readout != "linear":
+            raise ValueError(f"the LSTM baseline takes readout 'linear' only, not "
+                             f"{config.readout!r}")
         if config.invertible:
             raise ValueError("invalid combination: the LSTM baseline cannot be invertible")
         if config.init != "default":

@@ -365,15 +365,19 @@ class _Weight:
 
 def _linear_weights(model: TransformerLM) -> list[_Weight]:
     found = []
-    for block in model.blocks:
+
+    def feed_forward(ff: nn.Module) -> None:
+        if isinstance(ff, FeedForward):
+            found.append(_Weight(ff.fc.weight, ff.fc.in_features, False, False, False))
+            found.append(_Weight(ff.proj.weight, ff.proj.in_features, False, True, False))
+
+    for block in model.blocks:  # this order is the initialisation's RNG order
         l2 = block.attn.similarity == "l2"
         for p in block.attn.projections():
             found.append(_Weight(p.weight, p.fan_in, l2, p.role == "output", p.layout == "raw"))
-        if isinstance(block.ff, FeedForward):
-            found.append(_Weight(block.ff.fc.weight, block.ff.fc.in_features, False, False, False))
-            found.append(
-                _Weight(block.ff.proj.weight, block.ff.proj.in_features, False, True, False)
-            )
+        feed_forward(block.ff)
+    if model.readout is not None:
+        feed_forward(model.readout)
     return found
 
 
@@ -532,6 +536,11 @@ class TransformerLM(_CharLM):
         self.drop = nn.Dropout(config.dropout)
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm_f = _norm(config.final_norm, config.dim, config.bias)
+        if config.readout == "feed-forward":  # outside the residual (and invertible) stack
+            self.readout = FeedForward(config.dim, config.ff_mult * config.dim, config.bias)
+            self.norm_readout = _norm("layernorm", config.dim, config.bias)
+        else:
+            self.readout = self.norm_readout = None
         self.head = nn.Linear(config.dim, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.head.weight = self.tok_emb.weight
@@ -557,8 +566,12 @@ class TransformerLM(_CharLM):
         return h, total
 
     def logits(self, h: Tensor) -> Tensor:
-        """Final normalisation and output layer."""
-        return self.head(self.norm_f(h))
+        """The readout of the final hidden states ``h``: z = N_f(h), then with the
+        feed-forward readout z <- LN(z + FF(z)), and the output layer."""
+        z = self.norm_f(h)
+        if self.readout is not None:
+            z = self.norm_readout(z + self.readout(z))
+        return self.head(z)
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         config = self.config
