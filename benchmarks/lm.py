@@ -100,13 +100,15 @@ VARIANTS = {
     # today's defaults of tied L2 attention (flowattn.lm.config.TIED_L2_DEFAULTS)
     "l2-tied": dict(attention="l2-tied"),
     "contractive-l2": dict(attention="contractive-l2"),
-    "invertible": dict(invertible=True),
-    # the invertible model without (version 4) and with (version 5) its feed-forward readout,
-    # and dot-product attention with the same readout (what the readout gives a free model)
+    # (its network defaults include the number of heads, 8, where nanoGPT's settings say 4)
+    "invertible": dict(invertible=True, heads="auto"),
+    # the invertible model of version 4, the feed-forward readout alone (version 5 adds 8
+    # heads and s = 1 to it: invertible-readout-h8-s1-lr6-warmup400 is version 5's row), and
+    # dot-product attention with the same readout (what the readout gives a free model)
     "invertible-v4": dict(invertible=True, defaults_version=4),
-    "invertible-readout": dict(invertible=True, readout="feed-forward"),
-    "invertible-readout-lr6-warmup400": dict(invertible=True, readout="feed-forward", lr=6e-3,
-                                             warmup=400),
+    "invertible-readout": dict(invertible=True, readout="feed-forward", init_scale=0.5),
+    "invertible-readout-lr6-warmup400": dict(invertible=True, readout="feed-forward",
+                                             init_scale=0.5, lr=6e-3, warmup=400),
     "invertible-readout-h8-s1-lr6-warmup400": dict(invertible=True, readout="feed-forward",
                                                    heads=8, init_scale=1.0, lr=6e-3,
                                                    warmup=400),

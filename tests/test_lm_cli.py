@@ -183,7 +183,7 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, "--print-config")
     assert code == 0
     for line in ("self_offset: auto", "position_bias: auto", "init: auto", "init_scale: auto",
-                 "contractive_norm: auto", "norm_gain: auto", "readout: auto",
+                 "contractive_norm: auto", "norm_gain: auto", "readout: auto", "heads: auto",
                  "defaults_version: 5", "lr: auto"):
         assert f"  {line}\n" in stdout
     code, stdout, _ = run(capsys, "lm", "train", "--attention", "l2-tied", "--self-offset", "2",
@@ -197,7 +197,8 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     assert "auto: 1/2 for l2-tied and with --invertible, 1/8 for contractive-l2" in text
     assert "--norm-gain X|auto" in text and "auto: 4 for contractive-l2" in text
     assert "--lr X|auto" in text
-    assert "--readout {linear,feed-forward,auto}" in text
+    assert "--readout {linear,feed-forward,auto}" in text and "--heads N|auto" in text
+    assert "attention heads H (auto: 8 with --invertible, 4 otherwise)" in text
     assert "auto: feed-forward with --invertible, linear otherwise" in text
     assert "auto: 2e-3 for l2-tied and contractive-l2, 6e-3 with --invertible" in text
 

@@ -486,7 +486,7 @@ def test_defaults_of_every_other_model_build_the_model_of_the_old_explicit_setti
                                             init="glorot-l2", init_scale=1 / 8,
                                             contractive_norm="2,inf", norm_gain=4.0)),
     (dict(invertible=True), dict(self_offset=4.0, position_bias=4.0, init="glorot-l2",
-                                 init_scale=1 / 2, contractive_norm="2,inf", norm_gain=1.0,
+                                 init_scale=1.0, contractive_norm="2,inf", norm_gain=1.0,
                                  readout="feed-forward")),
 ], ids=["l2-tied", "contractive-l2", "invertible"])
 def test_tied_l2_attention_defaults_to_its_measured_settings(kw, measured):
@@ -513,8 +513,8 @@ def test_version_3_certifies_offsets_by_their_weighted_count_and_raises_the_norm
     # version 2 (configs stored then): the margin form and gain 1, the measured row of then
     v2 = tiny(attention="contractive-l2", defaults_version=2)
     assert (v2.init_scale, v2.norm_gain, v2.self_offset, v2.position_bias) == (0.25, 1.0, 4.0, 4.0)
-    # the invertible stack: s = 1/2 today, 1/16 as stored under version 2
-    assert tiny(invertible=True).init_scale == 0.5
+    # the invertible stack: s = 1/2 under versions 3 and 4, 1/16 as stored under version 2
+    assert tiny(invertible=True, defaults_version=4).init_scale == 0.5
     assert tiny(invertible=True, defaults_version=2).init_scale == 1 / 16
     torch.manual_seed(0)
     old_model = build_model(v2)
@@ -535,10 +535,17 @@ def test_version_3_certifies_offsets_by_their_weighted_count_and_raises_the_norm
 
 
 def test_version_5_reads_the_invertible_stack_through_a_feed_forward_readout():
-    assert tiny(invertible=True).readout == "feed-forward"
-    assert tiny(invertible=True, defaults_version=4).readout == "linear"  # stored then
-    for attention in ATTENTIONS:  # every other model keeps its linear readout
-        assert tiny(attention=attention).readout == "linear"
+    # version 5's invertible model: the readout, 8 heads, s = 1 (the measured row
+    # invertible-readout-h8-s1-lr6-warmup400); version 4's (stored then): 4 heads, s = 1/2
+    new, old = (LMConfig(vocab_size=V, invertible=True, defaults_version=v) for v in (5, 4))
+    assert (new.readout, new.heads, new.init_scale) == ("feed-forward", 8, 1.0)
+    assert (old.readout, old.heads, old.init_scale) == ("linear", 4, 0.5)
+    for attention in ATTENTIONS:  # every other model keeps its linear readout and 4 heads
+        other = LMConfig(vocab_size=V, attention=attention)
+        assert (other.readout, other.heads) == ("linear", 4)
+    assert LMConfig(vocab_size=V, invertible=True, heads=2).heads == 2  # a value wins
+    with pytest.raises(ValueError, match="heads=8 must divide dim=12"):
+        LMConfig(vocab_size=V, invertible=True, dim=12)
     torch.manual_seed(0)
     new = build_model(tiny(invertible=True)).double().eval()
     old = build_model(tiny(invertible=True, defaults_version=4)).double().eval()
