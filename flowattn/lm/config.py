@@ -108,11 +108,13 @@ class LMSettings(Section):
     the settings a model is built from) to defaults that depend on ``invertible``:
     contractive-l2 attention and a channel affine map (``actnorm``) inside the invertible
     stack, dot-product attention and LayerNorm otherwise; ``residual_alpha`` to 1 / layers.
-    ``self_offset``, ``position_bias``, ``init``, ``init_scale``, ``contractive_norm`` and
-    ``norm_gain`` left as ``"auto"`` resolve to what :func:`auto_settings` gives for the
-    attention: measured defaults for tied L2 attention, the plain ones (no offsets, GPT-2
-    initialisation) for every other model. ``defaults_version`` fixes which table ``"auto"``
-    means, so that a stored config always rebuilds the model it trained.
+    ``self_offset``, ``position_bias``, ``init``, ``init_scale``, ``contractive_norm``,
+    ``norm_gain``, ``readout`` and ``heads`` left as ``"auto"`` resolve to what
+    :func:`auto_settings` gives for the attention: measured defaults for tied L2 attention (and
+    for the invertible model a feed-forward readout and 8 heads), the plain ones (no offsets,
+    GPT-2 initialisation, a linear readout, 4 heads) for every other model.
+    ``defaults_version`` fixes which table ``"auto"`` means, so that a stored config always
+    rebuilds the model it trained.
     """
 
     block_size: int = Field(64, ge=1, description="context length T")
