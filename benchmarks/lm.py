@@ -112,6 +112,11 @@ VARIANTS = {
     "invertible-readout-h8-s1-lr6-warmup400": dict(invertible=True, readout="feed-forward",
                                                    heads=8, init_scale=1.0, lr=6e-3,
                                                    warmup=400),
+    # version 5's invertible model at 7e-3 (between its 6e-3 and the 8e-3 whose float32 inverse
+    # fails)
+    "invertible-readout-h8-s1-lr7-warmup400": dict(invertible=True, readout="feed-forward",
+                                                   heads=8, init_scale=1.0, lr=7e-3,
+                                                   warmup=400),
     "dp-readout": dict(attention="dp", readout="feed-forward"),
     # the same models with the settings that were their defaults before
     "l2-tied-legacy": dict(attention="l2-tied", **OLD),
