@@ -18,7 +18,8 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
            "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "VERSION_3_CHANGES",
-           "VERSION_5_CHANGES", "AUTO_TRAINING", "READOUTS", "auto_settings", "auto_training"]
+           "VERSION_5_CHANGES", "SHAPE_DEFAULTS", "AUTO_TRAINING", "READOUTS", "auto_settings",
+           "auto_training"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -27,7 +28,6 @@ INITS = ("default", "glorot-l2", "lipschitz", "spectral")
 MODELS = ("transformer", "lstm")
 FORMATS = ("auto", "text", "ptb-char")
 READOUTS = ("linear", "feed-forward")
-DEFAULT_HEADS = 4  # nanoGPT's; what "auto" means for every model but version 5's invertible one
 DEFAULT_CORPUS = "builtin:pydoc-topics"
 
 AUTO = "auto"
@@ -40,7 +40,7 @@ DEFAULTS_VERSION = 5
 # defaults_version 1 (the settings written before version 2 existed).
 PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "init": "default",
                                   "init_scale": 1.0 / 16, "contractive_norm": "inf",
-                                  "norm_gain": 1.0, "readout": "linear"}
+                                  "norm_gain": 1.0}
 # What "auto" means for tied L2 attention under defaults_version 2, by (attention, invertible):
 # the best measured row of each (benchmarks/lm.py variants; docs/benchmarks.md, "Letting tied
 # attention read other tokens"), validation nats/char at nanoGPT's CPU budget against the
@@ -48,16 +48,15 @@ PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "ini
 TIED_L2_DEFAULTS: dict[tuple[str, bool], dict[str, Any]] = {
     # l2-tied-offsets-glorot-s2: 1.9403 (plain: 2.4116)
     ("l2-tied", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
-                         "init_scale": 1.0 / 2, "contractive_norm": "inf", "norm_gain": 1.0,
-                         "readout": "linear"},
+                         "init_scale": 1.0 / 2, "contractive_norm": "inf", "norm_gain": 1.0},
     # contractive-l2-mixed-s4: 2.2052 (plain: 2.4823)
     ("contractive-l2", False): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
                                 "init_scale": 1.0 / 4, "contractive_norm": "2,inf",
-                                "norm_gain": 1.0, "readout": "linear"},
+                                "norm_gain": 1.0},
     # invertible-mixed: 2.4512 (plain: 2.4824)
     ("contractive-l2", True): {"self_offset": 4.0, "position_bias": 4.0, "init": "glorot-l2",
                                "init_scale": 1.0 / 16, "contractive_norm": "2,inf",
-                               "norm_gain": 1.0, "readout": "linear"},
+                               "norm_gain": 1.0},
 }
 # Version 3 changes contractive attention alone. Outside the invertible stack (benchmarks/lm.py
 # variant contractive-l2-caps8, 2.0246 against 2.2050; 2.0432 with seed 1338): the
@@ -69,6 +68,9 @@ VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
                                 "position_bias": 8.0},
     ("contractive-l2", True): {"init_scale": 1.0 / 2},
 }
+# What "auto" means for the shape of every network under every version but version 5's
+# invertible model: nanoGPT's 4 heads and a linear readout (the final norm, then the output layer).
+SHAPE_DEFAULTS: dict[str, Any] = {"heads": 4, "readout": "linear"}
 # Version 5 changes the invertible model alone (benchmarks/lm.py variant
 # invertible-readout-h8-s1-lr6-warmup400: 2.0292 / 2.0487 / 2.0704 / 2.0636, seeds
 # 1337-1340; 2.1177 / 2.1248 before; docs/benchmarks.md, "A readout for the invertible
@@ -182,7 +184,7 @@ class LMSettings(Section):
                                   "matrices (lambda)")
     defaults_version: int = Field(
         DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 5, version 4 "
-        "with a feed-forward readout for the invertible model; 4, version 3 "
+        "with a feed-forward readout, 8 heads and s = 1 for the invertible model; 4, version 3 "
         "with the learning rate and warm-up measured for the model (lr, warmup: auto); 3, tied "
         "L2 attention's measured defaults with offsets certified by their weighted count of "
         "keys and norm gain 4 for contractive-l2, learning rate 1e-3 after 100 steps; 2, the "
@@ -206,9 +208,11 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
                   version: int = DEFAULTS_VERSION) -> dict[str, Any]:
     """What the ``"auto"`` settings of a model resolve to.
 
+    Every version starts from :data:`SHAPE_DEFAULTS` (4 heads, a linear readout).
     Version 5 (:data:`DEFAULTS_VERSION`) is version 3 with :data:`VERSION_5_CHANGES`: the
-    invertible model reads its final hidden states through a feed-forward readout (version 4
-    changed only the training settings, :func:`auto_training`).
+    invertible model reads its final hidden states through a feed-forward readout, with 8
+    heads and its L2 weights at s = 1 (version 4 changed only the training settings,
+    :func:`auto_training`).
     Version 3 is version 2 with :data:`VERSION_3_CHANGES`:
     contractive attention reads a LayerNorm whose gain starts at 4 (``norm_gain``), with its
     L2 weights at s = 1/8 and logit offsets capped at 8; inside the invertible stack its L2
@@ -224,7 +228,7 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
     Examples:
         >>> auto_settings("l2-tied")["init_scale"], auto_settings("dp")["init"]
         (0.5, 'default')
-        >>> auto_settings("l2-tied", version=1) == PLAIN_DEFAULTS
+        >>> auto_settings("l2-tied", version=1) == {**SHAPE_DEFAULTS, **PLAIN_DEFAULTS}
         True
         >>> auto_settings("contractive-l2", invertible=True)["readout"]
         'feed-forward'
@@ -233,13 +237,13 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
     """
     if version >= 2 and model == "transformer":
         key = (attention, bool(invertible))
-        settings = dict(TIED_L2_DEFAULTS.get(key, PLAIN_DEFAULTS))
+        settings = {**SHAPE_DEFAULTS, **TIED_L2_DEFAULTS.get(key, PLAIN_DEFAULTS)}
         if version >= 3:
             settings.update(VERSION_3_CHANGES.get(key, {}))
         if version >= 5:
             settings.update(VERSION_5_CHANGES.get(key, {}))
         return settings
-    return dict(PLAIN_DEFAULTS)
+    return {**SHAPE_DEFAULTS, **PLAIN_DEFAULTS}
 
 
 def auto_training(attention: str | None = None, invertible: bool = False,
@@ -283,8 +287,6 @@ def _resolve(values: dict) -> dict:
     automatic = {key for key in auto if values.get(key, AUTO) == AUTO}
     for key in automatic:
         values[key] = auto[key]
-    if values.get("heads", AUTO) == AUTO:  # only version 5's invertible model has its own
-        values["heads"] = auto.get("heads", DEFAULT_HEADS)
     if values.get("norm") is None:
         values["norm"] = "actnorm" if invertible else "layernorm"
     pre_norm = (values.get("norm_position", "pre") == "pre"
