@@ -198,7 +198,8 @@ VARIANTS = {
     "invertible-weighted": dict(invertible=True, defaults_version=3, init_scale=1 / 16),
     "invertible-s4": dict(invertible=True, defaults_version=3, init_scale=1 / 4),
     "invertible-s2": dict(invertible=True, defaults_version=3, init_scale=1 / 2),
-    # the invertible model (today's defaults) with contractive attention's caps, a larger rate
+    # the invertible model (version 3's defaults) with contractive attention's caps, a larger
+    # rate
     "invertible-caps8": dict(invertible=True, defaults_version=3,
                              self_offset=8.0, position_bias=8.0),
     "invertible-lr2": dict(invertible=True, defaults_version=3, lr=2e-3),
@@ -221,13 +222,13 @@ VARIANTS = {
                                               contractive_coeff=0.97),
     "invertible-lr12-warmup400-beta95": dict(invertible=True, defaults_version=4,
                                              lr=1.2e-2, warmup=400, beta2=0.95),
-    # a smaller contraction coefficient: the inverse's error grows at most like 1/(1 - coeff)
-    # per block, so a larger rate may keep float32 invertibility
     "l2-tied-warmup400": dict(attention="l2-tied", warmup=400),
     "l2-tied-lr2-warmup400": dict(attention="l2-tied", lr=2e-3, warmup=400),
     "dp-lr2-warmup400": dict(attention="dp", lr=2e-3, warmup=400),
     "l2-lr2-warmup400": dict(attention="l2", lr=2e-3, warmup=400),
     "scaled-cosine-lr2-warmup400": dict(attention="scaled-cosine", lr=2e-3, warmup=400),
+    # a smaller contraction coefficient: the inverse's error grows at most like 1/(1 - coeff)
+    # per block, so a larger rate may keep float32 invertibility
     "invertible-lr12-warmup400-coeff80": dict(invertible=True, defaults_version=4,
                                               lr=1.2e-2, warmup=400,
                                               contractive_coeff=0.8),
