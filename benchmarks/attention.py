@@ -7,9 +7,12 @@ The rows "direct SDPA" time the same module with its attention kernel,
 :func:`flowattn.attention.kernels.attend`, replaced by a direct call of
 :func:`torch.nn.functional.scaled_dot_product_attention` -- the first-order path as it was
 before ``attend`` made every module differentiable to any order -- so that what ``attend``
-costs on the fused path is measured in the same process. ``--second-order`` times a
-gradient-of-gradient step instead (a Jacobian penalty), against PyTorch's composite ("math")
-SDPA backend, the only twice-differentiable kernel before ``attend``.
+costs on the fused path is measured in the same process. The rows "SVD norms" time the
+contractive modules with the certificate's spectral norms from the SVD, as before
+:func:`flowattn.lipschitz.spectral_norm_exact` took them from a symmetric eigensolver.
+``--second-order`` times a gradient-of-gradient step instead (a Jacobian penalty), against
+PyTorch's composite ("math") SDPA backend, the only twice-differentiable kernel before
+``attend``.
 
     python benchmarks/attention.py                 # CPU, both default shapes
     python benchmarks/attention.py --device cuda   # on a GPU
@@ -66,6 +69,12 @@ class _W0ThroughIterations:
         return _W0ThroughIterations.halley(x, iterations)  # traced by autograd
 
 
+def svd_norm(w: torch.Tensor) -> torch.Tensor:
+    """The certificate's spectral norms from the SVD, as before
+    :func:`flowattn.lipschitz.spectral_norm_exact` used a symmetric eigensolver (same values)."""
+    return torch.linalg.matrix_norm(w, ord=2)
+
+
 def math_backend():
     return sdpa_kernel([SDPBackend.MATH])
 
@@ -73,6 +82,7 @@ def math_backend():
 def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Module]:
     dp, fused = DotProductMHA(dim, heads), L2MHA(dim, heads, fused=True)
     lm = ContractiveL2MHA(dim, heads, norm="2,inf", self_offset=4.0, position_bias=4.0)
+    contractive = ContractiveL2MHA(dim, heads)
     sdpa = F.scaled_dot_product_attention
     if second_order:  # before attend(): the math backend, the only twice-differentiable one
         return {
@@ -87,12 +97,16 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
         "L2MHA fused": fused,
         "L2MHA fused, direct SDPA": Patched(fused, l2, sdpa),
         "L2MHA reference": L2MHA(dim, heads, fused=False),
-        "ContractiveL2MHA": ContractiveL2MHA(dim, heads),
+        "ContractiveL2MHA": contractive,
+        "ContractiveL2MHA, SVD norms": Patched(
+            contractive, lipschitz, svd_norm, name="spectral_norm_exact"),
         # the language model's settings: logit offsets (their certificate's constant is
         # W_0 of the offsets' weighted count, differentiated every step) and the mixed norm
         "ContractiveL2MHA, LM": lm,
         "ContractiveL2MHA, LM, W0 through its iterations": Patched(
             lm, lipschitz, _W0ThroughIterations, name="_LambertW0"),
+        "ContractiveL2MHA, LM, SVD norms": Patched(
+            lm, lipschitz, svd_norm, name="spectral_norm_exact"),
     }
 
 
@@ -176,6 +190,9 @@ def main() -> None:
                             times["ContractiveL2MHA, LM, W0 through its iterations"])
             print(f"| {shape} | ContractiveL2MHA, LM: closed-form W0' / iterations | | "
                   f"{lm / iterated:.2f} |")
+            for name in ("ContractiveL2MHA", "ContractiveL2MHA, LM"):
+                ratio = times[name] / times[f"{name}, SVD norms"]
+                print(f"| {shape} | {name}: eigensolver / SVD norms | | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

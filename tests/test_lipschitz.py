@@ -92,6 +92,49 @@ def test_matrix_norms_match_numpy():
     )
 
 
+@pytest.mark.parametrize("shape", [(7, 5), (5, 7), (6, 6), (3, 8, 4), (2, 3, 4, 9)])
+def test_spectral_norm_and_its_gradient_are_those_of_the_largest_singular_value(shape):
+    # the eigensolver route against the SVD: values and derivatives u v^T, tall, wide, square
+    # and batched matrices, float64
+    g = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    value = spectral_norm_exact(w)
+    (grad,) = torch.autograd.grad(value.sum(), w)
+    u, s, vh = torch.linalg.svd(w.detach())
+    assert torch.allclose(value, s[..., 0], rtol=1e-13, atol=0)
+    assert torch.allclose(grad, u[..., :, :1] @ vh[..., :1, :], rtol=0, atol=1e-12)
+
+
+def test_spectral_norm_of_degenerate_matrices():
+    # W = 0: value 0 and a zero (finite) derivative; repeated singular values (a scaled
+    # orthogonal matrix, a rank-one matrix): the exact value and a unit-norm subgradient
+    zero = torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)
+    value = spectral_norm_exact(zero)
+    value.backward()
+    assert value.item() == 0.0 and torch.equal(zero.grad, torch.zeros_like(zero))
+    q = torch.linalg.qr(torch.randn(5, 5, dtype=torch.float64)).Q
+    for w in (2.5 * q, torch.outer(torch.arange(1.0, 6.0), torch.ones(3)).double()):
+        w = w.requires_grad_()
+        value = spectral_norm_exact(w)
+        (grad,) = torch.autograd.grad(value, w)
+        assert math.isclose(value.item(), torch.linalg.svdvals(w)[0].item(), rel_tol=1e-13)
+        # a subgradient u v^T of the largest singular value: unit spectral norm, <G, W> = sigma
+        assert math.isclose(torch.linalg.svdvals(grad)[0].item(), 1.0, rel_tol=1e-12)
+        assert math.isclose((grad * w).sum().item(), value.item(), rel_tol=1e-12)
+
+
+def test_spectral_norm_falls_back_to_the_svd_when_the_eigensolver_fails(monkeypatch):
+    def fails(*args, **kwargs):
+        raise torch.linalg.LinAlgError("linalg.eigh: failed to converge (simulated)")
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(2, 6, 4, generator=g, dtype=torch.float64)
+    expected = spectral_norm_exact(w)
+    monkeypatch.setattr(torch.linalg, "eigh", fails)
+    assert torch.equal(spectral_norm_exact(w), torch.linalg.matrix_norm(w, ord=2))
+    assert torch.allclose(spectral_norm_exact(w), expected, rtol=1e-13, atol=0)
+
+
 def test_power_iteration_converges_to_the_largest_singular_value_from_below():
     g = torch.Generator().manual_seed(1)
     w = torch.randn(20, 12, generator=g, dtype=torch.float64)
