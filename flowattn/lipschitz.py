@@ -730,9 +730,13 @@ def _core_column_constant(n: int, margin: float = 0.0) -> float:
 def _pairwise_spectral(a: Tensor, spectral: SpectralNorms, name: str) -> Tensor:
     """(H, p, q) -> (H, H): ||A_h A_k^T||_2 for every pair of heads, from the H (H + 1) / 2
     pairs h <= k (the matrix is symmetric: A_k A_h^T is the transpose of A_h A_k^T)."""
-    heads = a.shape[0]
+    heads, rows, _ = a.shape
+    stack = a.reshape(heads * rows, -1)
+    # every product A_h A_k^T is a block of the Gram matrix of the stacked rows: one matrix
+    # product, then the blocks h <= k (a gather of p x p blocks, not of the A_h)
+    blocks = (stack @ stack.mT).reshape(heads, rows, heads, rows).transpose(1, 2)
     h, k = torch.triu_indices(heads, heads, device=a.device)
-    upper = spectral(name, a[h] @ a[k].transpose(-1, -2))
+    upper = spectral(name, blocks[h, k])
     gamma = a.new_zeros(heads, heads).index_put((h, k), upper)
     return gamma + gamma.triu(1).transpose(0, 1)
 
