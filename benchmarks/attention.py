@@ -9,9 +9,7 @@ The rows "direct SDPA" time the same module with its attention kernel,
 before ``attend`` made every module differentiable to any order -- so that what ``attend``
 costs on the fused path is measured in the same process. The rows "SVD norms" time the
 contractive modules with the certificate's spectral norms from the SVD, as before
-:func:`flowattn.lipschitz.spectral_norm_exact` took them from a symmetric eigensolver; the
-rows "tracked norms" with ``spectral_norms="tracked"`` (power iteration between training
-steps; the modules are timed in training mode).
+:func:`flowattn.lipschitz.spectral_norm_exact` took them from a symmetric eigensolver.
 ``--second-order`` times a gradient-of-gradient step instead (a Jacobian penalty), against
 PyTorch's composite ("math") SDPA backend, the only twice-differentiable kernel before
 ``attend``.
@@ -102,7 +100,6 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
         "ContractiveL2MHA": contractive,
         "ContractiveL2MHA, SVD norms": Patched(
             contractive, lipschitz, svd_norm, name="spectral_norm_exact"),
-        "ContractiveL2MHA, tracked norms": ContractiveL2MHA(dim, heads, spectral_norms="tracked"),
         # the language model's settings: logit offsets (their certificate's constant is
         # W_0 of the offsets' weighted count, differentiated every step) and the mixed norm
         "ContractiveL2MHA, LM": lm,
@@ -110,10 +107,6 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
             lm, lipschitz, _W0ThroughIterations, name="_LambertW0"),
         "ContractiveL2MHA, LM, SVD norms": Patched(
             lm, lipschitz, svd_norm, name="spectral_norm_exact"),
-        # the language model's default since its version 6: norms tracked in training steps
-        "ContractiveL2MHA, LM, tracked norms": ContractiveL2MHA(
-            dim, heads, norm="2,inf", self_offset=4.0, position_bias=4.0,
-            spectral_norms="tracked"),
     }
 
 
@@ -200,8 +193,6 @@ def main() -> None:
             for name in ("ContractiveL2MHA", "ContractiveL2MHA, LM"):
                 ratio = times[name] / times[f"{name}, SVD norms"]
                 print(f"| {shape} | {name}: eigensolver / SVD norms | | {ratio:.2f} |")
-                ratio = times[f"{name}, tracked norms"] / times[name]
-                print(f"| {shape} | {name}: tracked / eigensolver norms | | {ratio:.2f} |")
 
 
 if __name__ == "__main__":

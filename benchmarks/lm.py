@@ -239,15 +239,7 @@ VARIANTS = {
                                            lr=8e-3, warmup=400, min_lr=8e-4),
     "invertible-lr8-warmup400-wd0": dict(invertible=True, defaults_version=4, lr=8e-3, warmup=400,
                                          weight_decay=0.0),
-    # version 5's defaults: exact spectral norms in every training step (version 6 tracks them)
-    "contractive-l2-v5": dict(attention="contractive-l2", defaults_version=5),
-    "invertible-v5": dict(invertible=True, heads="auto", defaults_version=5),
 }
-# Every variant measured before version 6 took the spectral norms of its certificate exactly in
-# every training step; today's defaults ("contractive-l2", "invertible") track them.
-for _name, _settings in VARIANTS.items():
-    if _name not in ("contractive-l2", "invertible") and "defaults_version" not in _settings:
-        _settings["spectral_norms"] = "exact"
 # the depth study's rows as measured (docs/benchmarks.md); --depth-variants picks others
 DEPTH_VARIANTS = ("dp", "l2-tied-legacy", "contractive-l2-legacy")
 

@@ -161,8 +161,7 @@ class _Wrapped(torch.nn.Module):
 def test_a_new_attention_type_needs_no_edit_of_the_lm(attention, init):
     # penalties, affinity and every initialisation scheme read only the module's own methods
     idx = torch.randint(V, (2, T), generator=torch.Generator().manual_seed(1))
-    # exact spectral norms: tracked ones would move between the two calls compared
-    lam = dict(ortho_attention=1e-2, ortho_ff=1e-3, ortho_affinity=1e-4, spectral_norms="exact")
+    lam = dict(ortho_attention=1e-2, ortho_ff=1e-3, ortho_affinity=1e-4)
     torch.manual_seed(0)
     model = TransformerLM(tiny(attention=attention, init=init, **lam)).double()
     _, expected = model(idx, idx)
@@ -570,36 +569,6 @@ def test_version_5_reads_the_invertible_stack_through_a_feed_forward_readout():
         tiny(model="lstm", readout="feed-forward")
 
 
-def test_version_6_tracks_the_spectral_norms_of_contractive_attention_in_training():
-    # contractive attention alone and in the invertible stack; version 5 and every other
-    # attention: exact norms in every step
-    for kw in (dict(attention="contractive-l2"), dict(invertible=True)):
-        assert tiny(**kw).spectral_norms == "tracked"
-        assert tiny(**kw, defaults_version=5).spectral_norms == "exact"
-        assert tiny(**kw, spectral_norms="exact").spectral_norms == "exact"  # a value wins
-        model = build_model(tiny(**kw))
-        assert all(block.attn.spectral_norms == "tracked" for block in model.blocks)
-    for attention in ATTENTIONS:
-        if attention != "contractive-l2":
-            assert tiny(attention=attention).spectral_norms == "exact"
-    with pytest.raises(ValueError, match="'tracked' is an option of contractive-l2"):
-        tiny(attention="l2-tied", spectral_norms="tracked")
-    # the trained function in evaluation mode is the certified one: the same logits as the
-    # model with exact norms, whatever the vectors hold
-    torch.manual_seed(0)
-    tracked = build_model(tiny(invertible=True)).double()
-    exact = build_model(tiny(invertible=True, spectral_norms="exact")).double()
-    exact.load_state_dict(tracked.state_dict())
-    idx = torch.randint(V, (2, T))
-    tracked(idx)  # a training-mode call creates the vectors; scramble them
-    vectors = [v for block in tracked.blocks for v in block.attn.norms.buffers()]
-    assert vectors
-    for v in vectors:
-        v.normal_()
-    tracked.eval(), exact.eval()
-    assert torch.equal(tracked(idx)[0], exact(idx)[0])
-
-
 @pytest.mark.parametrize("init", INITS)
 def test_every_initialisation_scheme_initialises_the_readout_like_the_blocks(init):
     torch.manual_seed(0)
@@ -642,7 +611,7 @@ def test_run_settings_keep_auto_and_the_model_settings_resolve_it():
 
 def test_model_settings_stored_without_defaults_version_rebuild_the_old_model():
     stored = tiny(attention="contractive-l2", **OLD_SETTINGS).to_dict()
-    del stored["defaults_version"], stored["spectral_norms"]  # (a key added since)
+    del stored["defaults_version"]
     for key in OLD_SETTINGS:  # also keys that older flowattn did not write at all
         legacy = {k: v for k, v in stored.items() if k != key}
         assert LMConfig.from_dict(legacy) == tiny(attention="contractive-l2",

@@ -89,16 +89,13 @@ def test_tensorboard_events_are_written_when_tensorboard_is_installed(corpus, tm
     assert events and events[0].stat().st_size > 0
 
 
-@pytest.mark.parametrize("schedule, model", [("cosine", {}), ("constant", {}),
-                                             ("cosine", {"invertible": True})])
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
 def test_interrupted_run_resumes_to_exactly_the_uninterrupted_result(
-    corpus, tmp_path, monkeypatch, schedule, model
+    corpus, tmp_path, monkeypatch, schedule
 ):
-    # dropout exercises the saved random state; the interruption falls between checkpoints;
-    # the invertible model's contractive attention tracks its spectral norms between steps
-    # (vectors in the checkpoint)
+    # dropout exercises the saved random state; the interruption falls between checkpoints
     kw = dict(dropout=0.2, schedule=schedule, warmup=3, steps=16, eval_every=6,
-              checkpoint_every=6, **model)
+              checkpoint_every=6)
     straight = run(tiny(corpus, **kw), tmp_path / "a")
 
     calls = {"n": 0}
@@ -211,9 +208,9 @@ OLD_SETTINGS = dict(self_offset=0.0, position_bias=0.0, init="default", init_sca
 
 
 def as_stored_before_version_2(network: dict, drop: tuple[str, ...]) -> None:
-    """Network settings as flowattn stored them before defaults_version 2: no version, no key
-    added since (``spectral_norms``), and (for runs older still) without the keys ``drop``."""
-    for key in ("defaults_version", "spectral_norms", *drop):
+    """Network settings as flowattn stored them before defaults_version 2: no version, and
+    (for runs older still) without the keys ``drop``."""
+    for key in ("defaults_version", *drop):
         del network[key]
 
 
@@ -239,9 +236,8 @@ def store_as_before_version_2(out: Path, drop: tuple[str, ...] = ()) -> None:
 def test_runs_stored_before_the_tied_l2_defaults_load_score_and_resume_as_they_trained(
     corpus, tmp_path, attention, drop
 ):
-    # trained as then: exact spectral norms in every step
     kw = dict(attention=attention, schedule="constant", warmup=0, eval_every=4,
-              checkpoint_every=4, spectral_norms="exact", **OLD_SETTINGS)
+              checkpoint_every=4, **OLD_SETTINGS)
     straight = run(tiny(corpus, steps=8, **kw), tmp_path / "straight")
     out = tmp_path / "old"
     first = run(tiny(corpus, steps=4, **kw), out)

@@ -18,8 +18,8 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
            "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "VERSION_3_CHANGES",
-           "VERSION_5_CHANGES", "VERSION_6_CHANGES", "NETWORK_DEFAULTS", "AUTO_TRAINING",
-           "READOUTS", "SPECTRAL_NORMS", "auto_settings", "auto_training"]
+           "VERSION_5_CHANGES", "SHAPE_DEFAULTS", "AUTO_TRAINING", "READOUTS", "auto_settings",
+           "auto_training"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -28,16 +28,14 @@ INITS = ("default", "glorot-l2", "lipschitz", "spectral")
 MODELS = ("transformer", "lstm")
 FORMATS = ("auto", "text", "ptb-char")
 READOUTS = ("linear", "feed-forward")
-SPECTRAL_NORMS = ("exact", "tracked")
 DEFAULT_CORPUS = "builtin:pydoc-topics"
 
 AUTO = "auto"
 # 2: tied L2 attention has defaults of its own; 3: logit offsets certified by their weighted
 # count of keys, and contractive attention reads a LayerNorm of gain 4; 4: the learning rate's
 # "auto" depends on the model; 5: the invertible model reads its hidden states through a
-# feed-forward readout; 6: contractive attention tracks its certificate's spectral norms in
-# training (stored configs carry the version)
-DEFAULTS_VERSION = 6
+# feed-forward readout (stored configs carry the version)
+DEFAULTS_VERSION = 5
 # What "auto" means for every model but tied L2 attention, and for every model under
 # defaults_version 1 (the settings written before version 2 existed).
 PLAIN_DEFAULTS: dict[str, Any] = {"self_offset": 0.0, "position_bias": 0.0, "init": "default",
@@ -71,10 +69,8 @@ VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
     ("contractive-l2", True): {"init_scale": 1.0 / 2},
 }
 # What "auto" means for the shape of every network under every version but version 5's
-# invertible model (nanoGPT's 4 heads and a linear readout: the final norm, then the output
-# layer), and for how contractive attention takes its certificate's spectral norms before
-# version 6 (exactly, in every step).
-NETWORK_DEFAULTS: dict[str, Any] = {"heads": 4, "readout": "linear", "spectral_norms": "exact"}
+# invertible model: nanoGPT's 4 heads and a linear readout (the final norm, then the output layer).
+SHAPE_DEFAULTS: dict[str, Any] = {"heads": 4, "readout": "linear"}
 # Version 5 changes the invertible model alone (benchmarks/lm.py variant
 # invertible-readout-h8-s1-lr6-warmup400: 2.0292 / 2.0487 / 2.0704 / 2.0636, seeds
 # 1337-1340; 2.1177 / 2.1248 before; docs/benchmarks.md, "A readout for the invertible
@@ -82,14 +78,6 @@ NETWORK_DEFAULTS: dict[str, Any] = {"heads": 4, "readout": "linear", "spectral_n
 # 2.0633 / 2.0765), 8 heads of 16 and the L2 weights at s = 1.
 VERSION_5_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
     ("contractive-l2", True): {"readout": "feed-forward", "heads": 8, "init_scale": 1.0},
-}
-# Version 6: contractive attention, alone and inside the invertible stack, takes the spectral
-# norms of its certificate in training steps by power iteration tracked between steps
-# (flowattn.lipschitz.TrackedSpectralNorms), exactly in evaluation: faster training, the same
-# certified model (docs/benchmarks.md, "Tracked spectral norms").
-VERSION_6_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
-    ("contractive-l2", False): {"spectral_norms": "tracked"},
-    ("contractive-l2", True): {"spectral_norms": "tracked"},
 }
 
 # What ``lr`` and ``warmup`` left as "auto" mean under defaults_version 4, by (attention,
@@ -184,11 +172,6 @@ class LMSettings(Section):
                              "states is invertible")
     contractive_coeff: float = Field(0.9, gt=0, lt=1, description="Lipschitz coefficient of "
                                      "contractive branches")
-    spectral_norms: Literal["exact", "tracked", "auto"] = Field(
-        AUTO, description="how contractive attention takes the spectral norms of its "
-        "certificate in training steps: exact (an eigensolver per step) or tracked (power "
-        "iteration followed between steps; exact in evaluation either way; auto: tracked for "
-        "contractive-l2, exact otherwise)")
     contractive_norm: Literal["inf", "2,inf", "2", "auto"] = Field(
         AUTO, description="norm in which contractive attention is certified (2,inf: the "
         "largest token's 2-norm, no sqrt(D) of the inf-norm; auto: 2,inf for contractive-l2, "
@@ -200,9 +183,8 @@ class LMSettings(Section):
     ortho_affinity: float = Field(0.0, ge=0, description="orthogonality loss on attention "
                                   "matrices (lambda)")
     defaults_version: int = Field(
-        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 6, version 5 "
-        "with tracked spectral norms for contractive attention; 5, version 4 with a "
-        "feed-forward readout, 8 heads and s = 1 for the invertible model; 4, version 3 "
+        DEFAULTS_VERSION, ge=1, le=DEFAULTS_VERSION, description="what auto means: 5, version 4 "
+        "with a feed-forward readout, 8 heads and s = 1 for the invertible model; 4, version 3 "
         "with the learning rate and warm-up measured for the model (lr, warmup: auto); 3, tied "
         "L2 attention's measured defaults with offsets certified by their weighted count of "
         "keys and norm gain 4 for contractive-l2, learning rate 1e-3 after 100 steps; 2, the "
@@ -226,11 +208,8 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
                   version: int = DEFAULTS_VERSION) -> dict[str, Any]:
     """What the ``"auto"`` settings of a model resolve to.
 
-    Every version starts from :data:`NETWORK_DEFAULTS` (4 heads, a linear readout, exact
-    spectral norms). Version 6 (:data:`DEFAULTS_VERSION`) is version 5 with
-    :data:`VERSION_6_CHANGES`: contractive attention tracks the spectral norms of its
-    certificate by power iteration in training steps.
-    Version 5 is version 3 with :data:`VERSION_5_CHANGES`: the
+    Every version starts from :data:`SHAPE_DEFAULTS` (4 heads, a linear readout).
+    Version 5 (:data:`DEFAULTS_VERSION`) is version 3 with :data:`VERSION_5_CHANGES`: the
     invertible model reads its final hidden states through a feed-forward readout, with 8
     heads and its L2 weights at s = 1 (version 4 changed only the training settings,
     :func:`auto_training`).
@@ -249,26 +228,22 @@ def auto_settings(attention: str, invertible: bool = False, model: str = "transf
     Examples:
         >>> auto_settings("l2-tied")["init_scale"], auto_settings("dp")["init"]
         (0.5, 'default')
-        >>> auto_settings("l2-tied", version=1) == {**NETWORK_DEFAULTS, **PLAIN_DEFAULTS}
+        >>> auto_settings("l2-tied", version=1) == {**SHAPE_DEFAULTS, **PLAIN_DEFAULTS}
         True
         >>> auto_settings("contractive-l2", invertible=True)["readout"]
         'feed-forward'
         >>> auto_settings("contractive-l2", invertible=True, version=4)["readout"]
         'linear'
-        >>> [auto_settings("contractive-l2", version=v)["spectral_norms"] for v in (5, 6)]
-        ['exact', 'tracked']
     """
     if version >= 2 and model == "transformer":
         key = (attention, bool(invertible))
-        settings = {**NETWORK_DEFAULTS, **TIED_L2_DEFAULTS.get(key, PLAIN_DEFAULTS)}
+        settings = {**SHAPE_DEFAULTS, **TIED_L2_DEFAULTS.get(key, PLAIN_DEFAULTS)}
         if version >= 3:
             settings.update(VERSION_3_CHANGES.get(key, {}))
         if version >= 5:
             settings.update(VERSION_5_CHANGES.get(key, {}))
-        if version >= 6:
-            settings.update(VERSION_6_CHANGES.get(key, {}))
         return settings
-    return {**NETWORK_DEFAULTS, **PLAIN_DEFAULTS}
+    return {**SHAPE_DEFAULTS, **PLAIN_DEFAULTS}
 
 
 def auto_training(attention: str | None = None, invertible: bool = False,
@@ -348,9 +323,6 @@ def _check(config: _Resolved) -> None:
         raise ValueError(f"norm_gain={config.norm_gain} needs a pre-norm LayerNorm or CenterNorm "
                          "outside an invertible stack (it is the gain of the normalisation "
                          "before the attention branch)")
-    if config.spectral_norms == "tracked" and config.attention != "contractive-l2":
-        raise ValueError(f"spectral_norms 'tracked' is an option of contractive-l2 attention, "
-                         f"not of {config.attention!r} attention")
     if config.norm == "centernorm" and config.dim < 2:
         raise ValueError("centernorm needs dim >= 2")
     if config.model == "lstm":
