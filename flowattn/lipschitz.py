@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
@@ -32,10 +30,6 @@ __all__ = [
     "phi_inverse",
     "matrix_inf_norm",
     "spectral_norm_exact",
-    "exact_spectral_norms",
-    "SpectralNorms",
-    "TrackedSpectralNorms",
-    "frozen_power_iteration",
     "power_iteration",
     "PowerIteration",
     "l2_attention_bound",
@@ -178,136 +172,14 @@ def spectral_norm_exact(w: Tensor) -> Tensor:
         >>> float(spectral_norm_exact(w))
         4.0
     """
+    tall = w.shape[-1] <= w.shape[-2]
     try:
-        v = _top_singular_vector(w)
+        with torch.no_grad():
+            gram = w.mT @ w if tall else w @ w.mT
+            v = torch.linalg.eigh(gram).eigenvectors[..., -1:]  # (..., q, 1), ascending order
     except torch.linalg.LinAlgError:
         return torch.linalg.matrix_norm(w, ord=2)
-    return _norm_along(w, v)
-
-
-def _top_singular_vector(w: Tensor) -> Tensor:
-    """(..., q, 1): the top eigenvector of the smaller Gram matrix of W (no gradient): a right
-    singular vector of a tall or square W, a left one of a wide W."""
-    with torch.no_grad():
-        gram = w.mT @ w if _tall(w) else w @ w.mT
-        return torch.linalg.eigh(gram).eigenvectors[..., -1:]  # eigenvalues ascend
-
-
-def _tall(w: Tensor) -> bool:
-    return w.shape[-1] <= w.shape[-2]
-
-
-def _norm_along(w: Tensor, v: Tensor) -> Tensor:
-    """||W v|| (tall or square W) or ||W^T v|| (wide W), v (..., q, 1) held constant."""
-    return torch.linalg.vector_norm(w @ v if _tall(w) else w.mT @ v, dim=(-2, -1))
-
-
-SpectralNorms = Callable[[str, Tensor], Tensor]
-"""How a certificate takes the spectral norm of one of its (batched) matrices, given a name
-for it: :func:`exact_spectral_norms`, or a :class:`TrackedSpectralNorms`."""
-
-
-def exact_spectral_norms(name: str, w: Tensor) -> Tensor:
-    """:func:`spectral_norm_exact` of ``w`` (``name`` is not used): certified values."""
-    return spectral_norm_exact(w)
-
-
-class _PowerIteration(threading.local):
-    """Per thread: whether power iterations are frozen (a thread-local attribute, not a
-    ContextVar, so that ``torch.compile`` traces it without a graph break)."""
-
-    frozen = False
-
-
-_POWER_ITERATION = _PowerIteration()
-
-
-@contextmanager
-def frozen_power_iteration() -> Iterator[None]:
-    """Within this context neither :class:`~flowattn.branches.SpectralLinear` layers nor
-    :class:`TrackedSpectralNorms` update their power iteration.
-
-    A training-mode layer changes its normalisation a little on every call; an iterative inverse
-    or repeated evaluation of one residual map must see one fixed function.
-
-    Examples:
-        >>> with frozen_power_iteration():
-        ...     pass
-    """
-    previous = _POWER_ITERATION.frozen
-    _POWER_ITERATION.frozen = True
-    try:
-        yield
-    finally:
-        _POWER_ITERATION.frozen = previous
-
-
-class TrackedSpectralNorms(nn.Module):
-    r"""Spectral norms of named (batched) matrices, tracked by power iteration between calls.
-
-    For each name it keeps v, an estimate of the top singular vector on the smaller side of
-    the matrix (a buffer ``v_<name>``, saved in the state dict). A call runs ``steps`` power
-    steps, v <- W^T W v / ||W^T W v|| (W W^T for a wide W), and returns ||W v||,
-    differentiable with v held constant (Miyato et al. 2018): the derivative is u v^T, that of
-    sigma_max once v has converged. The first call for a name starts from the exact vector (a
-    symmetric eigensolver, as :func:`spectral_norm_exact`), so the estimate starts exact;
-    every later call costs a Gram matrix and ``steps`` batched matrix-vector products, with no
-    solver and no host synchronisation. While the matrix changes slowly (a weight under an
-    optimiser) v follows it; ||W v|| is never above sigma_max, so the estimate errs low, by
-    the square of v's error. It lags most where the two largest singular values cross: in a
-    language model trained at 6e-3 one step per call fell up to 7 % short there, four steps
-    (the default) 0.35 % (``docs/benchmarks.md``). Inside :func:`frozen_power_iteration` v is
-    not updated.
-
-    It serves certificates where a training step needs their value but not their guarantee
-    (the guarantee is for the trained model: evaluate it with :func:`exact_spectral_norms`),
-    like the power iteration of spectral normalisation.
-
-    Examples:
-        >>> norms = TrackedSpectralNorms()
-        >>> w = torch.diag(torch.tensor([3.0, 1.0, 0.5]))
-        >>> float(norms("w", w)), float(norms("w", 2 * w))  # exact start, then tracked
-        (3.0, 6.0)
-        >>> sorted(norms.state_dict())
-        ['v_w']
-    """
-
-    def __init__(self, steps: int = 4) -> None:
-        super().__init__()
-        if steps < 1:
-            raise InputError(f"steps must be >= 1, got {steps}")
-        self.steps = steps
-
-    def forward(self, name: str, w: Tensor) -> Tensor:
-        key = f"v_{name}"
-        v = self._buffers.get(key)
-        shape = (*w.shape[:-2], min(w.shape[-2:]), 1)
-        with torch.no_grad():
-            if v is None or v.shape != shape:
-                v = _top_singular_vector(w)
-                self.register_buffer(key, v)
-            elif not _POWER_ITERATION.frozen:
-                gram = w.mT @ w if _tall(w) else w @ w.mT
-                x = v
-                for _ in range(self.steps):
-                    x = gram @ x
-                    x = x / torch.linalg.vector_norm(x, dim=-2, keepdim=True).clamp_min(
-                        torch.finfo(x.dtype).tiny)
-                v.copy_(x)
-        return _norm_along(w, v)
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # the vectors are created on first use: a state dict holds exactly those to resume with
-        # (one without them, say from before they existed, restarts every one from the exact
-        # vector)
-        ours = {key[len(prefix):] for key in state_dict if key.startswith(prefix)}
-        for name in list(self._buffers):
-            if name not in ours:
-                del self._buffers[name]
-        for name in ours:
-            if "." not in name and name.startswith("v_") and name not in self._buffers:
-                self.register_buffer(name, torch.empty_like(state_dict[prefix + name]))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+    return torch.linalg.vector_norm(w @ v if tall else w.mT @ v, dim=(-2, -1))
 
 
 def power_iteration(
@@ -388,7 +260,6 @@ def l2_attention_bound(
     method: str = "tight",
     margin: Tensor | float | None = None,
     weighted_counts: Tensor | None = None,
-    spectral: SpectralNorms = exact_spectral_norms,
 ) -> Tensor:
     """Certified Lipschitz bound of tied L2 multi-head attention F for sets of ``n`` elements.
 
@@ -447,9 +318,6 @@ def l2_attention_bound(
             distance term (tight method only); None for plain L2 attention (B = 0).
         weighted_counts: S_h (..., H), the offsets' weighted count of other keys for each
             count of ``n`` (tight method, with ``margin``); None: (n - 1) e^{B_h}.
-        spectral: how the tight method takes its spectral norms: exactly (the default; a
-            certificate), or estimated by a :class:`TrackedSpectralNorms` (a training-time
-            value, never above the certificate's; Theorem 3.2 stays exact).
 
     Examples:
         >>> eye = torch.eye(1, dtype=torch.float64)
@@ -496,7 +364,7 @@ def l2_attention_bound(
         else:
             # sums of exponentials, non-negative: no check, so no read back from the device
             c = phi_inverse(weighted_counts, check=False).to(device=w_q.device, dtype=w_q.dtype)
-        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host, spectral)
+        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host)
     if w0_of_count is not None:
         w0 = torch.tensor(w0_of_count, dtype=w_q.dtype, device=w_q.device)
     else:
@@ -504,8 +372,7 @@ def l2_attention_bound(
     if method == "thm3.2":
         return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
     c = w0.unsqueeze(-1).expand(*w0.shape, heads)
-    tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, counts=n_host,
-                                      spectral=spectral)
+    tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, counts=n_host)
     if norm == "2,inf":
         return tight
     # both are certificates, so their minimum is one: never looser than the paper's
@@ -727,7 +594,7 @@ def _core_column_constant(n: int, margin: float = 0.0) -> float:
     return 1 + 2 * c + (n - 1) * kappa
 
 
-def _pairwise_spectral(a: Tensor, spectral: SpectralNorms, name: str) -> Tensor:
+def _pairwise_spectral(a: Tensor) -> Tensor:
     """(H, p, q) -> (H, H): ||A_h A_k^T||_2 for every pair of heads, from the H (H + 1) / 2
     pairs h <= k (the matrix is symmetric: A_k A_h^T is the transpose of A_h A_k^T)."""
     heads, rows, _ = a.shape
@@ -736,7 +603,7 @@ def _pairwise_spectral(a: Tensor, spectral: SpectralNorms, name: str) -> Tensor:
     # product, then the blocks h <= k (a gather of p x p blocks, not of the A_h)
     blocks = (stack @ stack.mT).reshape(heads, rows, heads, rows).transpose(1, 2)
     h, k = torch.triu_indices(heads, heads, device=a.device)
-    upper = spectral(name, blocks[h, k])
+    upper = spectral_norm_exact(blocks[h, k])
     gamma = a.new_zeros(heads, heads).index_put((h, k), upper)
     return gamma + gamma.triu(1).transpose(0, 1)
 
@@ -744,29 +611,27 @@ def _pairwise_spectral(a: Tensor, spectral: SpectralNorms, name: str) -> Tensor:
 def _tight_l2_attention_bound(
     n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str,
     margin: Tensor | None = None, counts: Tensor | None = None,
-    spectral: SpectralNorms = exact_spectral_norms,
 ) -> Tensor:
     """The tight certificate with c (..., H), Lemma F.2's constant of each head; ``margin``
     (H,) the logit margins (only the 2-norm's column constant reads it, on the host)."""
     heads, dim, head_dim = w_q.shape
     m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
-    beta = spectral("w_q", w_q)  # (H,)
+    beta = spectral_norm_exact(w_q)  # (H,)
     if norm == "inf":
         g = w_q @ m  # (H, D, D): G_h = W^{Q,h} M_h = A_h W^{V,h} W^{O,h}
         omega = torch.minimum(dim**0.5 * beta, w_q.norm(dim=2).sum(dim=1))
         linear = g.abs().sum(dim=1).sum(dim=0)  # (D,): sum_h ||G_h e_r||_1
         rank_one = omega.unsqueeze(-1) * m.norm(dim=1)  # (H, D): omega_h ||M_h e_r||
         return (linear + 4 * c @ rank_one).amax(dim=-1)
-    mixed = _mixed_norm_bound(c, w_q, m, beta, spectral)
+    mixed = _mixed_norm_bound(c, w_q, m, beta)
     if norm == "2,inf":
         return mixed
     m_cat = m.reshape(dim, dim)  # [M_1; ...; M_H]
     w_cat = w_q.permute(1, 0, 2).reshape(dim, dim)  # W^Q = [W^{Q,1}, ..., W^{Q,H}]
     weights = torch.minimum(
-        spectral("m_cat", m_cat) * spectral("w_cat", w_cat),
-        spectral("beta_m_cat", (beta[:, None, None] * m).reshape(dim, dim))
-        * spectral("w_cat_per_beta",
-                   (w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
+        spectral_norm_exact(m_cat) * spectral_norm_exact(w_cat),
+        spectral_norm_exact((beta[:, None, None] * m).reshape(dim, dim))
+        * spectral_norm_exact((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
     )
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
@@ -778,10 +643,7 @@ def _tight_l2_attention_bound(
     return torch.minimum(kappa * weights, sqrt_n * mixed)
 
 
-def _mixed_norm_bound(
-    c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor,
-    spectral: SpectralNorms = exact_spectral_norms,
-) -> Tensor:
+def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor:
     """The "2,inf" bound: linear part from G_h = W^{Q,h} M_h, rank-one part from M_h; c (..., H)
     (head h's rank-one term has norm at most 4 c_h beta_h)."""
     heads, dim, _ = w_q.shape
@@ -789,17 +651,16 @@ def _mixed_norm_bound(
     # d x d middle factor has the same spectral norm, at a fraction of the cost.
     rm = torch.linalg.qr(w_q).R @ m  # (H, d, D)
     linear = torch.minimum(
-        _pairwise_spectral(rm, spectral, "g_pairs").sum().sqrt(),
-        heads**0.5 * spectral("g_cat", rm.reshape(dim, dim)),
+        _pairwise_spectral(rm).sum().sqrt(), heads**0.5 * spectral_norm_exact(rm.reshape(dim, dim))
     )
-    gamma = _pairwise_spectral(m, spectral, "m_pairs")
+    gamma = _pairwise_spectral(m)
     cb = c * beta  # (..., H)
     # c = 0 for rows that see one key: keep sqrt's derivative at 0 finite (the value moves
     # by at most sqrt(tiny), upwards: still a bound)
     tiny = torch.finfo(cb.dtype).tiny
     rank_one = torch.minimum(
         ((cb @ gamma) * cb).sum(dim=-1).clamp_min(tiny).sqrt(),
-        spectral("m_cat", m.reshape(dim, dim)) * cb.norm(dim=-1),
+        spectral_norm_exact(m.reshape(dim, dim)) * cb.norm(dim=-1),
     )
     return linear + 4 * rank_one
 

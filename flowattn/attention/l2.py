@@ -13,13 +13,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from ..errors import InputError
-from ..lipschitz import (
-    CERTIFICATES,
-    SpectralNorms,
-    TrackedSpectralNorms,
-    exact_spectral_norms,
-    l2_attention_bound,
-)
+from ..lipschitz import CERTIFICATES, l2_attention_bound
 from ..validation import check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -39,7 +33,6 @@ __all__ = ["L2MHA", "ContractiveL2MHA"]
 
 PARAMETRIZATIONS = ("raw", "orthogonal")
 OFFSET_CERTIFICATES = ("weighted", "margin")
-SPECTRAL_NORMS = ("exact", "tracked")
 
 
 def square_weight(dim: int) -> nn.Parameter:
@@ -543,7 +536,7 @@ class L2MHA(nn.Module):
 
     def lipschitz_bound(
         self, n: int | range | Tensor, norm: str | int = "inf", method: str | None = None,
-        causal: bool = False, spectral: SpectralNorms = exact_spectral_norms,
+        causal: bool = False,
     ) -> Tensor:
         """Certified bound on Lip_p(F) for sets of ``n`` elements.
 
@@ -555,9 +548,7 @@ class L2MHA(nn.Module):
         offsets the tight certificate is taken at their weighted count of keys
         (:meth:`LogitOffsets.weighted_counts`): ``causal=True`` certifies causal rows only
         (keys in the past), sharper when the bias of future positions, which such rows never
-        see, is high; the default holds for both. ``spectral``: how the tight certificate takes
-        its spectral norms (:func:`~flowattn.lipschitz.l2_attention_bound`): exactly, or
-        tracked (a training-time estimate). Differentiable in the weights.
+        see, is high; the default holds for both. Differentiable in the weights.
         """
         if not self.tied:
             raise InputError(
@@ -573,14 +564,12 @@ class L2MHA(nn.Module):
         method = method or self.certificate
         if self.offsets is None or method != "tight":
             margin = None if self.offsets is None else self.offsets.margin()  # thm3.2 refuses it
-            return l2_attention_bound(n, wq, wv, self.w_o, norm, method, margin,
-                                      spectral=spectral)
+            return l2_attention_bound(n, wq, wv, self.w_o, norm, method, margin)
         counts = None
         if self.offset_certificate == "weighted":
             counts = self.offsets.weighted_counts(n, causal)
         return l2_attention_bound(
-            n, wq, wv, self.w_o, norm, method, self.offsets.margin(), weighted_counts=counts,
-            spectral=spectral,
+            n, wq, wv, self.w_o, norm, method, self.offsets.margin(), weighted_counts=counts
         )
 
 
@@ -625,15 +614,6 @@ class ContractiveL2MHA(ContractiveAttention):
         max_distance: relative offsets beyond this share one bias.
         offset_certificate: ``"weighted"`` or ``"margin"``, how the offsets enter F's
             certificate (see :class:`L2MHA`).
-        spectral_norms: ``"exact"`` (default) or ``"tracked"``, how the spectral norms of the
-            certificate are taken in training mode. ``"tracked"``: by power iteration whose
-            vectors follow the weights from call to call
-            (:class:`~flowattn.lipschitz.TrackedSpectralNorms`, buffers ``norms.v_*`` in the
-            state dict), with no eigensolver and no host synchronisation in a training step;
-            those estimates are never above the exact norms, so a training-mode f may exceed
-            c by their (small) error, as spectral normalisation does. In evaluation mode and
-            in :meth:`lipschitz_bound` the norms are always exact: the trained module is
-            certified.
 
     Attributes:
         attention: the tied :class:`L2MHA` F.
@@ -662,12 +642,8 @@ class ContractiveL2MHA(ContractiveAttention):
         position_bias: float = 0.0,
         max_distance: int = 64,
         offset_certificate: str = "weighted",
-        spectral_norms: str = "exact",
     ):
         super().__init__()
-        if spectral_norms not in SPECTRAL_NORMS:
-            raise InputError(f"spectral_norms must be one of {SPECTRAL_NORMS}, got "
-                             f"{spectral_norms!r}")
         if dropout != 0.0:
             raise InputError(
                 "ContractiveL2MHA does not take attention dropout: rescaled attention rows void "
@@ -690,17 +666,11 @@ class ContractiveL2MHA(ContractiveAttention):
             offset_certificate=offset_certificate,
         )
         self.dim, self.heads = dim, heads
-        self.norms = TrackedSpectralNorms() if spectral_norms == "tracked" else None
 
     @property
     def certificate(self) -> str:
         """The bound F is divided by: ``"tight"`` or ``"thm3.2"`` (held by :attr:`attention`)."""
         return self.attention.certificate
-
-    @property
-    def spectral_norms(self) -> str:
-        """``"tracked"`` or ``"exact"``: how a training step takes the certificate's norms."""
-        return "exact" if self.norms is None else "tracked"
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
@@ -709,10 +679,7 @@ class ContractiveL2MHA(ContractiveAttention):
         return self._classic_dropout(y)
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
-        tracked = self.norms is not None and self.training
-        spectral = self.norms if tracked else exact_spectral_norms
-        return self.attention.lipschitz_bound(counts, self.norm, causal=causal,
-                                              spectral=spectral)
+        return self.attention.lipschitz_bound(counts, self.norm, causal=causal)
 
     def linearise(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False

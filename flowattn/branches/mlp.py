@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..lipschitz import _POWER_ITERATION, frozen_power_iteration
 
 __all__ = [
     "LipSwish",
@@ -18,6 +19,34 @@ __all__ = [
     "LIPSWISH_MAX_SLOPE",
     "frozen_power_iteration",
 ]
+
+class _PowerIteration(threading.local):
+    """Per thread: whether power iterations are frozen (a thread-local attribute, not a
+    ContextVar, so that ``torch.compile`` traces it without a graph break)."""
+
+    frozen = False
+
+
+_POWER_ITERATION = _PowerIteration()
+
+
+@contextmanager
+def frozen_power_iteration() -> Iterator[None]:
+    """Within this context, :class:`SpectralLinear` layers do not update their power iteration.
+
+    A training-mode layer changes its normalisation a little on every call; an iterative inverse
+    or repeated evaluation of one residual map must see one fixed function.
+
+    Examples:
+        >>> with frozen_power_iteration():
+        ...     pass
+    """
+    previous = _POWER_ITERATION.frozen
+    _POWER_ITERATION.frozen = True
+    try:
+        yield
+    finally:
+        _POWER_ITERATION.frozen = previous
 
 # sup_u d/du [u sigmoid(u)] = 1.0998393... (attained near u = 2.40), rounded up. The same holds
 # for every beta > 0, because d/dx [x sigmoid(beta x)] is a function of u = beta x alone; the

@@ -9,8 +9,8 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
+from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
-from ..lipschitz import frozen_power_iteration
 from ..validation import (
     check_deferred,
     check_precision,
