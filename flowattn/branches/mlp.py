@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
+from ..lipschitz import spectral_norm_exact
 
 __all__ = [
     "LipSwish",
@@ -117,8 +118,8 @@ class SpectralLinear(nn.Module):
       iteration *underestimates* sigma, so ||W_eff||_2 may exceed ``coeff`` by the estimate's
       error; :meth:`lipschitz_bound` reports the exact value, which is the certified one.
     * evaluation mode with ``mode="auto"``, or always with ``mode="exact"``: the exact largest
-      singular value (``torch.linalg.matrix_norm(ord=2)``), so ||W_eff||_2 <= coeff holds exactly
-      (up to floating point rounding of the SVD).
+      singular value (:func:`~flowattn.lipschitz.spectral_norm_exact`), so ||W_eff||_2 <= coeff
+      holds exactly (up to floating point rounding).
 
     Arguments:
         in_features: input width.
@@ -186,7 +187,7 @@ class SpectralLinear(nn.Module):
     def sigma(self, update: bool = True) -> Tensor:
         """The spectral-norm value used for normalisation (differentiable w.r.t. the weight)."""
         if self._uses_exact():
-            return torch.linalg.matrix_norm(self.weight, ord=2)
+            return spectral_norm_exact(self.weight)
         if update and self.training and not _POWER_ITERATION.frozen:
             self._power_iteration(self.n_power_iterations)
         # u^T W v is differentiable; u, v are constants (Miyato et al. 2018).
@@ -204,7 +205,7 @@ class SpectralLinear(nn.Module):
     def lipschitz_bound(self) -> Tensor:
         """Certified Lipschitz constant: the exact spectral norm of the applied matrix."""
         with torch.no_grad():
-            return torch.linalg.matrix_norm(self.effective_weight(update=False), ord=2)
+            return spectral_norm_exact(self.effective_weight(update=False))
 
     def extra_repr(self) -> str:
         return (
