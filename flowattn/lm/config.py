@@ -73,7 +73,8 @@ VERSION_3_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
 SHAPE_DEFAULTS: dict[str, Any] = {"heads": 4, "readout": "linear"}
 # Version 5 changes the invertible model alone (benchmarks/lm.py variant
 # invertible-readout-h8-s1-lr6-warmup400: 2.0292 / 2.0487 / 2.0704 / 2.0636, seeds
-# 1337-1340; 2.1177 / 2.1248 before; docs/benchmarks.md, "A readout for the invertible
+# 1337-1340, and 2.0280 / 2.0343 / 2.0669 / 2.0529 with the spectral norms from an
+# eigensolver; 2.1177 / 2.1248 before; docs/benchmarks.md, "A readout for the invertible
 # model"): a feed-forward readout between the invertible stack and the output layer (alone
 # 2.0633 / 2.0765), 8 heads of 16 and the L2 weights at s = 1.
 VERSION_5_CHANGES: dict[tuple[str, bool], dict[str, Any]] = {
