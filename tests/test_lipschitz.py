@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from flowattn import lipschitz
 from flowattn.lipschitz import (
     PowerIteration,
     centernorm_lipschitz_bound,
@@ -122,6 +123,17 @@ def test_spectral_norm_of_degenerate_matrices():
         # a subgradient u v^T of the largest singular value: unit spectral norm, <G, W> = sigma
         assert math.isclose(torch.linalg.svdvals(grad)[0].item(), 1.0, rel_tol=1e-12)
         assert math.isclose((grad * w).sum().item(), value.item(), rel_tol=1e-12)
+
+
+def test_pairwise_head_norms_are_the_norms_of_every_product():
+    # Gamma_hk = ||A_h A_k^T||_2, here from blocks of one Gram matrix: against each product
+    g = torch.Generator().manual_seed(6)
+    a = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
+    gamma = lipschitz._pairwise_spectral(a)
+    for h in range(3):
+        for k in range(3):
+            expected = torch.linalg.svdvals(a[h] @ a[k].T)[0]
+            assert math.isclose(gamma[h, k].item(), expected.item(), rel_tol=1e-12), (h, k)
 
 
 def test_spectral_norm_falls_back_to_the_svd_when_the_eigensolver_fails(monkeypatch):
