@@ -28,18 +28,30 @@ from flowattn.sets.train import load_flow
 
 
 def captured_inputs(flow, x, mask):
-    """The (x, mask) each contractive attention module of ``flow`` sees on the batch."""
-    seen, hooks = {}, []
+    """The (x, mask) each contractive attention module of ``flow`` sees on the batch.
+
+    A residual block calls its branch either directly or through the branch's ``linearise``
+    (its closed-form Jacobian products), so both entry points are watched."""
+    seen, restore = {}, []
     for name, module in flow.named_modules():
-        if isinstance(module, ContractiveAttention):
-            def hook(module, args, name=name):
-                seen.setdefault(name, (module, args[0].detach(), args[1] if len(args) > 1
-                                       else None))
-            hooks.append(module.register_forward_pre_hook(hook))
-    with torch.no_grad():
-        flow.log_prob(x, mask)
-    for handle in hooks:
-        handle.remove()
+        if not isinstance(module, ContractiveAttention):
+            continue
+        for entry in ("forward", "linearise"):
+            original = getattr(module, entry)
+
+            def watched(x, mask=None, *args, name=name, module=module, original=original,
+                        **kwargs):
+                seen.setdefault(name, (module, x.detach(), mask))
+                return original(x, mask, *args, **kwargs)
+
+            setattr(module, entry, watched)  # an instance attribute shadows the method
+            restore.append((module, entry))
+    try:
+        with torch.no_grad():
+            flow.log_prob(x, mask)
+    finally:
+        for module, entry in restore:
+            delattr(module, entry)
     return seen
 
 

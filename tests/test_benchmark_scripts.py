@@ -1,0 +1,44 @@
+"""The measuring helpers of scripts in benchmarks/ that are not exercised by their own runs."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from flowattn.attention.contractive import ContractiveAttention
+from flowattn.flows import LogDetOptions, set_flow
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _script(name: str):
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_spent_budget_captures_every_attention_branch_input():
+    # Residual blocks reach their branch through ``linearise`` (closed-form products), not
+    # ``forward``: the capture must see both, and leave the modules as they were.
+    spent_budget = _script("spent_budget")
+    torch.manual_seed(0)
+    flow = set_flow(dim=2, blocks=3, heads=1, logdet=LogDetOptions("exact")).double()
+    x = torch.randn(4, 5, 2, dtype=torch.float64)
+    flow.log_prob(x)  # data-dependent initialisation first, as a trained flow has had
+    branches = [m for m in flow.modules() if isinstance(m, ContractiveAttention)]
+    seen = spent_budget.captured_inputs(flow, x, None)
+    assert len(seen) == len(branches) == 3
+    first_name, (module, inputs, mask) = next(iter(seen.items()))
+    assert module is branches[0] and mask is None and inputs.shape == x.shape
+    assert all("forward" not in vars(m) and "linearise" not in vars(m) for m in branches)
+    # what was captured is what the first branch was given: rerun the flow up to it
+    layers = list(flow.transform._transforms)
+    h, _ = flow.standardisation(x)
+    for layer in layers:
+        if module in layer.modules():
+            break
+        h, _ = layer(h)
+    assert torch.allclose(inputs, h)
