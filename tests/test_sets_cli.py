@@ -507,3 +507,24 @@ def test_rnode_weights_are_refused_outside_continuous_flows():
         SetsRunConfig.build({"kinetic_weight": 0.1})
     with pytest.raises(ConfigError, match="jacobian_weight"):
         SetsRunConfig.build({"flow": "coupling", "jacobian_weight": 0.1})
+
+
+def test_splines_put_a_spline_coupling_in_every_block_or_fail_clearly(tmp_path, capsys):
+    from flowattn.flows.coupling import SetCoupling
+
+    out = tmp_path / "run"
+    assert run_cli("fit", *TINY, "--splines", "--blocks", "2", "--steps", "2", "--out",
+                   str(out), "--config", str(tiny_config(tmp_path))) == 0
+    flow, _ = load_flow(out)  # the saved setting rebuilds the same flow
+    assert sum(isinstance(m, SetCoupling) for m in flow.modules()) == 2
+    assert "test NLL" in capsys.readouterr().out
+    assert run_cli("fit", *TINY, "--splines", "--flow", "coupling", "--steps", "2",
+                   "--out", str(tmp_path / "x")) != 0
+    assert "splines is a setting of residual flows" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists() or not (tmp_path / "x" / "checkpoint.pt").exists()
+    # particles (zero centre of mass) and points on a line are refused when the flow is built
+    for data in ("dw4", "repulsive-sets"):
+        assert run_cli("fit", "--data", data, "--num-train", "64", "--no-progress",
+                       "--splines", "--steps", "1", "--out", str(tmp_path / data)) != 0
+        err = capsys.readouterr().err
+        assert "splines" in err and "D >= 2" in err and len(err.strip().splitlines()) == 1

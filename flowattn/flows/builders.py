@@ -286,6 +286,7 @@ def set_flow(
     manybody: bool = False,
     radial_max_slope: float | None = None,
     radial_inverse: bool = False,
+    splines: bool = False,
     logdet: LogDetOptions | None = None,
     inverse: InverseOptions | None = None,
 ) -> SetFlow:
@@ -334,6 +335,15 @@ def set_flow(
             block expands by up to 1 + u; contraction stays bounded by ``coeff``.
         radial_inverse: with ``radial_max_slope``, every second radial block is an
             :class:`InverseMonotoneResidual` (contraction down to 1 / (1 + u), by a Newton solve).
+        splines: after the equivariant map of every block, an element-wise spline coupling
+            (:class:`~flowattn.flows.coupling.SetCoupling` with ``blocks=0``): half of each
+            element's coordinates moved by monotone rational-quadratic splines (8 bins on
+            [-5, 5]) whose parameters come from the element's other coordinates, alternating
+            halves from block to block; exact log-det and inverse. A residual block stretches
+            space by at most 1 + ``coeff``, so a multimodal distribution of the elements takes
+            many of them; a spline bends it at once, and leaves the interaction blocks the
+            dependence between elements. Needs D >= 2; not with ``zero_com`` (a spline moves
+            single coordinates off the zero-centre-of-mass subspace).
         logdet: how every :class:`InvertibleResidual` computes its log-det (default
             ``LogDetOptions()``).
         inverse: how every :class:`InvertibleResidual` is inverted (default
@@ -355,6 +365,10 @@ def set_flow(
                          "needs interaction='radial' and a radial_max_slope")
     if location and zero_com:
         raise InputError("location=True models the centroid, which zero_com fixes at 0")
+    if splines and (zero_com or dim < 2):
+        raise InputError("splines=True moves some coordinates of each element by splines of "
+                         "the others: it needs D >= 2 and no zero_com (here D="
+                         f"{dim}, zero_com={zero_com})")
     hidden = hidden or 4 * dim
     residual = dict(logdet=logdet, inverse=inverse, causal=False, zero_com=zero_com)
     layers: list[Transform] = [SetLocation(dim)] if location else []
@@ -363,6 +377,10 @@ def set_flow(
             layers.append(ActNorm(dim, zero_com=zero_com))
         if linear and interaction != "none":
             layers.append(EquivariantLinear(dim, zero_com=zero_com))
+        if splines:
+            from .coupling import SetCoupling  # coupling builds on SetFlow, defined here
+
+            layers.append(SetCoupling(dim, index % 2, hidden, blocks=0))
         if interaction == "attention":
             layers.append(
                 _attention_layer(dim, heads, hidden, coeff, mlp, norm, attention, residual)

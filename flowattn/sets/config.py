@@ -121,6 +121,9 @@ class SetsFlow(Section):
     mlp: bool = Field(True, description="a pointwise Lipschitz-MLP residual in every block")
     location: bool = Field(True, description="a spline flow of each set's centroid first (not "
                            "for particles, nor interaction none)")
+    splines: bool = Field(False, description="resflow: an element-wise spline coupling in "
+                          "every block, before the interaction (needs D >= 2; not for "
+                          "particles)")
     inducing_points: int | None = Field(
         None, ge=1, description="resflow attention: pool each head through this many learnt "
         "inducing points (induced-point attention, O(N M): for sets of thousands of "
@@ -195,6 +198,9 @@ class SetsFlow(Section):
             raise ValueError("inducing_points is a setting of attention in residual flows: use "
                              f"it with flow=resflow and interaction=attention (here {self.flow}, "
                              f"{self.interaction})")
+        if self.splines and self.flow != "resflow":
+            raise ValueError(f"splines is a setting of residual flows: use it with "
+                             f"flow=resflow (here {self.flow})")
         for name in COUPLING_SETTINGS:
             if self.flow != "coupling" and getattr(self, name) is not None:
                 raise ValueError(f"{name} is a setting of coupling flows: use it with "
@@ -384,6 +390,11 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     if flow.inducing_points is not None and interaction != "attention":
         raise ConfigError(f"inducing_points is a setting of attention, but the interaction "
                           f"here is {interaction}")
+    if flow.splines and (zero_com or dim < 2):
+        raise ConfigError("splines moves some coordinates of each element by splines of the "
+                          "others: it needs elements of D >= 2 and no zero centre of mass "
+                          f"(the data have D={dim}" + (", zero centre of mass)" if zero_com
+                                                      else ")"))
     if flow.flow == "resflow":
         logdet = flow.train_logdet
         if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
@@ -403,6 +414,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             manybody=manybody,
             radial_max_slope=flow.radial_max_slope,
             radial_inverse=flow.radial_inverse,
+            splines=flow.splines,
             location=location,
             logdet=LogDetOptions(logdet, eval_n_samples=EVAL_PROBES),
             attention=_induced_attention(flow.inducing_points),

@@ -144,6 +144,79 @@ def test_zero_com_flow_keeps_centre_and_matches_subspace_brute_force(interaction
     assert (flow.log_prob(samples) - sample_lp).abs().max() < 1e-8
 
 
+def _spline_flow(interaction="attention", seed=0, blocks=2):
+    """A set flow with splines whose parameters are random (a fresh coupling is the identity,
+    which would hide a missing log-det term)."""
+    from flowattn.flows.coupling import SetCoupling
+
+    torch.manual_seed(seed)
+    flow = set_flow(dim=2, blocks=blocks, heads=1, hidden=16, logdet=EXACT,
+                    interaction=interaction, splines=True,
+                    inverse=InverseOptions(tol=1e-12, max_iter=5000)).double()
+    with torch.no_grad():
+        for module in flow.modules():
+            if isinstance(module, SetCoupling):
+                for p in module.parameters():
+                    p.normal_(0.0, 0.5)
+    return flow
+
+
+def test_set_flow_splines_sit_after_each_equivariant_map_and_alternate_halves():
+    from flowattn.flows import EquivariantLinear
+    from flowattn.flows.coupling import SetCoupling
+
+    layers = list(set_flow(dim=2, blocks=3, heads=1, splines=True).transform._transforms)
+    couplings = [(i, layer) for i, layer in enumerate(layers) if isinstance(layer, SetCoupling)]
+    assert len(couplings) == 3
+    assert all(isinstance(layers[i - 1], EquivariantLinear) for i, _ in couplings)
+    assert [layer.moved.tolist() for _, layer in couplings] == [[0], [1], [0]]
+    none = list(set_flow(dim=2, blocks=2, heads=1, splines=True, interaction="none")
+                .transform._transforms)
+    assert sum(isinstance(layer, SetCoupling) for layer in none) == 2
+    assert not any(isinstance(layer, EquivariantLinear) for layer in none)
+
+
+@pytest.mark.parametrize("interaction", ["attention", "none"])
+def test_set_flow_with_splines_log_prob_matches_brute_force_and_inverts(interaction):
+    flow = _spline_flow(interaction, seed=3)
+    x = torch.randn(3, 5, 2, dtype=DT)
+    _trained_actnorm(flow, 2 * x + 1)
+    log_prob = flow.log_prob(x)
+    ref = torch.stack([_brute_flow_log_prob(flow, x[b]) for b in range(3)])
+    assert (log_prob - ref).abs().max() < 1e-8
+    # the random splines bend their inputs, so their log-dets are far from zero
+    from flowattn.flows.coupling import SetCoupling
+
+    spline_logdets = [layer(x)[1] for layer in flow.transform._transforms
+                      if isinstance(layer, SetCoupling)]
+    assert min(ld.abs().max().item() for ld in spline_logdets) > 0.1
+    with torch.no_grad():
+        z = flow.transform_to_noise(x)
+        back, _ = flow._inverse(z, None)
+    assert (back - x).abs().max() < 1e-5
+
+
+def test_set_flow_with_splines_is_exchangeable_and_masks_padding():
+    flow = _spline_flow(seed=4)
+    data = torch.randn(8, 6, 2, dtype=DT)
+    _trained_actnorm(flow, data)
+    x = torch.randn(3, 6, 2, dtype=DT)
+    perm = torch.randperm(6)
+    assert (flow.log_prob(x[:, perm]) - flow.log_prob(x)).abs().max() < 1e-10
+    sizes = [6, 3, 1]
+    mask = torch.arange(6).unsqueeze(0) < torch.tensor(sizes).unsqueeze(1)
+    x_pad = torch.where(mask.unsqueeze(-1), x, torch.full_like(x, 9.0))
+    alone = torch.cat([flow.log_prob(x[b : b + 1, :s]) for b, s in enumerate(sizes)])
+    assert (flow.log_prob(x_pad, mask) - alone).abs().max() < 1e-10
+
+
+def test_set_flow_splines_refuse_one_dimensional_elements_and_zero_com():
+    with pytest.raises(ValueError, match="D >= 2"):
+        set_flow(dim=1, blocks=1, heads=1, splines=True)
+    with pytest.raises(ValueError, match="zero_com"):
+        set_flow(dim=2, blocks=1, heads=1, splines=True, zero_com=True, norm="2")
+
+
 def test_sequence_flow_causal_log_prob_matches_brute_force_and_is_causal():
     torch.manual_seed(7)
     flow = sequence_flow(dim=2, blocks=2, heads=1, causal=True).double().eval()
