@@ -6,7 +6,9 @@ particles and ``repulsive-sets``), ``attention`` and ``radial`` (the residual fl
 interaction, whatever the data's defaults), ``linear`` (attention left out: elements interact
 only through the equivariant linear maps), ``iid`` (no interaction at all: the i.i.d.-points
 baseline), ``no-location``
-(``resflow`` without the spline flow of each set's centroid), ``cnf`` (continuous flow with
+(``resflow`` without the spline flow of each set's centroid), ``attention-splines``,
+``linear-splines`` and ``iid-splines`` (8 blocks with an element-wise spline coupling each,
+``--splines``; attention with 2 heads), ``cnf`` (continuous flow with
 an L2-attention field), ``coupling`` (set-coupling layers), ``small``, ``medium`` and ``large``
 (the ``--preset`` settings) and ``nflows-maf``: the flattened baseline
 (:mod:`flowattn.sets.baseline`), an nflows masked rational-quadratic autoregressive flow on the
@@ -28,6 +30,8 @@ interactions.
     python benchmarks/sets.py --data shape-sets --variants large nflows-maf  # side by side
     python benchmarks/sets.py --data repulsive-sets \
         --variants attention linear iid resflow nflows-maf   # resflow: radial, its default
+    python benchmarks/sets.py --data shape-sets \
+        --variants attention-splines linear-splines iid-splines nflows-maf
     python benchmarks/sets.py --quick
 """
 
@@ -51,6 +55,11 @@ VARIANTS = {
     "linear": {"flow": "resflow", "interaction": "linear"},
     "iid": {"flow": "resflow", "interaction": "none"},
     "no-location": {"flow": "resflow", "location": False},
+    # residual flows with an element-wise spline coupling in each of 8 blocks (--splines)
+    "attention-splines": {"flow": "resflow", "interaction": "attention", "splines": True,
+                          "blocks": 8, "heads": 2},
+    "linear-splines": {"flow": "resflow", "interaction": "linear", "splines": True, "blocks": 8},
+    "iid-splines": {"flow": "resflow", "interaction": "none", "splines": True, "blocks": 8},
     "cnf": {"flow": "cnf"},
     "coupling": {"flow": "coupling"},
     "small": {"preset": "small"},
