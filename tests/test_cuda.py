@@ -878,6 +878,8 @@ FLOWS: dict[str, Callable[[], nn.Module]] = {
     "sets-resflow": lambda: build_flow(SetsFlow(blocks=1, hidden=8), FD, FN, False),
     "sets-resflow-induced": lambda: build_flow(SetsFlow(blocks=1, hidden=8, inducing_points=3),
                                                FD, FN, False),
+    "sets-resflow-lifted": lambda: build_flow(SetsFlow(blocks=1, hidden=8, heads=2,
+                                                       attention_width=4), FD, FN, False),
     "sets-particles": lambda: build_flow(SetsFlow(blocks=1, hidden=8, radial_basis=8), FD, FN,
                                          True),
     "sets-cnf": lambda: build_flow(SetsFlow(flow="cnf", field_hidden=4, ode_tol=1e-9), FD, FN,

@@ -449,6 +449,29 @@ def test_evaluating_zero_com_sets_of_one_element_is_a_clear_error(tmp_path):
         evaluate(flow, SetData(torch.randn(4, 1, 2), zero_com=True))
 
 
+def test_attention_width_builds_lifted_attention_or_fails_clearly(tmp_path, capsys):
+    from flowattn.branches import ContractiveLiftedL2MHA
+
+    out = tmp_path / "run"
+    assert run_cli("fit", *TINY, "--attention-width", "8", "--heads", "4", "--steps", "2",
+                   "--out", str(out), "--config", str(tiny_config(tmp_path))) == 0
+    flow, _ = load_flow(out)  # the saved setting rebuilds the same flow
+    branches = [m for m in flow.modules() if isinstance(m, ContractiveLiftedL2MHA)]
+    assert branches and branches[0].width == 8 and branches[0].heads == 4
+    assert "test NLL" in capsys.readouterr().out
+    for extra in (["--interaction", "linear"], ["--inducing-points", "4"]):
+        assert run_cli("fit", *TINY, "--attention-width", "8", *extra, "--steps", "2",
+                       "--out", str(tmp_path / "x")) != 0
+        assert "attention_width" in capsys.readouterr().err
+    assert run_cli("fit", *TINY, "--attention-width", "6", "--heads", "4", "--steps", "2",
+                   "--out", str(tmp_path / "z")) != 0
+    assert "must divide attention_width" in capsys.readouterr().err
+    # particles resolve to radial interactions: refused when the flow is built
+    assert run_cli("fit", "--data", "dw4", "--num-train", "64", "--no-progress",
+                   "--attention-width", "8", "--steps", "1", "--out", str(tmp_path / "y")) != 0
+    assert "attention_width" in capsys.readouterr().err
+
+
 def test_inducing_points_build_induced_attention_or_fail_clearly(tmp_path, capsys):
     from flowattn.attention import ContractiveInducedL2MHA, ContractiveL2MHA
 

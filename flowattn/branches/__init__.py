@@ -8,11 +8,15 @@ Every branch is called as ``branch(x, mask=None, causal=False)`` on sets or sequ
 * :class:`LipschitzMLP` -- pointwise, spectrally normalised (module :mod:`flowattn.branches.mlp`,
   with its ``SpectralLinear`` and ``LipSwish`` layers);
 * :class:`RadialInteraction` -- an E(n)-equivariant pairwise interaction of particles;
-* :class:`NeighbourhoodInteraction` -- an E(n)-equivariant many-body interaction.
+* :class:`NeighbourhoodInteraction` -- an E(n)-equivariant many-body interaction;
+* :class:`ContractiveLiftedL2MHA` -- tied L2 attention among learnt features of narrow elements
+  (points in 2-D or 3-D), certified as a product (:class:`LiftedL2MHA` is its F).
 """
 
+from .lifted import ContractiveLiftedL2MHA, LiftedL2MHA
 from .manybody import NeighbourhoodInteraction
 from .mlp import LipschitzMLP
 from .radial import RadialInteraction
 
-__all__ = ["LipschitzMLP", "RadialInteraction", "NeighbourhoodInteraction"]
+__all__ = ["LipschitzMLP", "RadialInteraction", "NeighbourhoodInteraction", "LiftedL2MHA",
+           "ContractiveLiftedL2MHA"]

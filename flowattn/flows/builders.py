@@ -9,7 +9,12 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
-from ..branches import LipschitzMLP, NeighbourhoodInteraction, RadialInteraction
+from ..branches import (
+    ContractiveLiftedL2MHA,
+    LipschitzMLP,
+    NeighbourhoodInteraction,
+    RadialInteraction,
+)
 from ..errors import InputError
 from ..validation import (
     check_deferred,
@@ -240,6 +245,16 @@ def _default_attention(dim: int, heads: int, coeff: float, norm: str) -> nn.Modu
     return ContractiveL2MHA(dim, heads, coeff=coeff, norm=norm)
 
 
+def _lifted_attention(width: int) -> Callable[..., nn.Module]:
+    """The attention factory of ``attention_width``: lifted attention of width ``width``
+    (certified in the mixed norm, whatever norm the flow asks of its attention)."""
+
+    def build(dim: int, heads: int, coeff: float, norm: str) -> nn.Module:
+        return ContractiveLiftedL2MHA(dim, heads, coeff, width=width)
+
+    return build
+
+
 def _check(blocks: int, coeff: float) -> None:
     if blocks < 1:
         raise InputError(f"blocks must be >= 1, got {blocks}")
@@ -287,6 +302,7 @@ def set_flow(
     radial_max_slope: float | None = None,
     radial_inverse: bool = False,
     splines: bool = False,
+    attention_width: int | None = None,
     logdet: LogDetOptions | None = None,
     inverse: InverseOptions | None = None,
 ) -> SetFlow:
@@ -344,6 +360,12 @@ def set_flow(
             many of them; a spline bends it at once, and leaves the interaction blocks the
             dependence between elements. Needs D >= 2; not with ``zero_com`` (a spline moves
             single coordinates off the zero-centre-of-mass subspace).
+        attention_width: with ``interaction="attention"``, a number W makes every attention
+            branch a :class:`~flowattn.branches.ContractiveLiftedL2MHA`: tied L2 attention
+            (``heads`` heads, which must divide W) among W learnt features of each element,
+            read back to D, certified in the mixed norm as a product. For narrow elements
+            (points in 2-D), where attention on the coordinates compares them by a D x D
+            metric per head. Not with ``attention`` nor ``zero_com``.
         logdet: how every :class:`InvertibleResidual` computes its log-det (default
             ``LogDetOptions()``).
         inverse: how every :class:`InvertibleResidual` is inverted (default
@@ -369,6 +391,14 @@ def set_flow(
         raise InputError("splines=True moves some coordinates of each element by splines of "
                          "the others: it needs D >= 2 and no zero_com (here D="
                          f"{dim}, zero_com={zero_com})")
+    if attention_width is not None:
+        if interaction != "attention" or attention is not None or zero_com:
+            raise InputError("attention_width makes the attention branches lifted attention: "
+                             "it needs interaction='attention', no attention factory and no "
+                             f"zero_com (here {interaction!r}, "
+                             f"{'a factory' if attention is not None else 'no factory'}, "
+                             f"zero_com={zero_com})")
+        attention = _lifted_attention(attention_width)
     hidden = hidden or 4 * dim
     residual = dict(logdet=logdet, inverse=inverse, causal=False, zero_com=zero_com)
     layers: list[Transform] = [SetLocation(dim)] if location else []

@@ -128,6 +128,12 @@ class SetsFlow(Section):
         None, ge=1, description="resflow attention: pool each head through this many learnt "
         "inducing points (induced-point attention, O(N M): for sets of thousands of "
         "elements); none: full attention, O(N^2)")
+    attention_width: int | None = Field(
+        None, ge=1, description="resflow attention: tied L2 attention among this many learnt "
+        "features of each element, read back to D (lifted attention, certified in the mixed "
+        "norm; heads must divide it: for narrow elements such as points in 2-D, where "
+        "attention on the coordinates has a D x D metric per head); none: attention on the "
+        "coordinates")
     train_logdet: Literal["auto", "exact", "series", "roulette"] = Field(
         "auto", description="log-det estimator in training (auto: exact when N D <= 64, radial "
         "<= 512; else Russian roulette)")
@@ -198,6 +204,13 @@ class SetsFlow(Section):
             raise ValueError("inducing_points is a setting of attention in residual flows: use "
                              f"it with flow=resflow and interaction=attention (here {self.flow}, "
                              f"{self.interaction})")
+        if self.attention_width is not None and (
+                self.flow != "resflow" or self.interaction not in ("auto", "attention")
+                or self.inducing_points is not None):
+            raise ValueError("attention_width is a setting of full attention in residual flows: "
+                             "use it with flow=resflow, interaction=attention and no "
+                             f"inducing_points (here {self.flow}, {self.interaction}, "
+                             f"inducing_points={self.inducing_points})")
         if self.splines and self.flow != "resflow":
             raise ValueError(f"splines is a setting of residual flows: use it with "
                              f"flow=resflow (here {self.flow})")
@@ -372,7 +385,11 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
 
     if flow.flow == "coupling":
         return _build_coupling(flow, dim, zero_com)
-    if dim % flow.heads != 0:
+    if flow.attention_width is not None:
+        if flow.attention_width % flow.heads != 0:
+            raise ConfigError(f"heads={flow.heads} must divide attention_width="
+                              f"{flow.attention_width}")
+    elif dim % flow.heads != 0:
         raise ConfigError(f"heads={flow.heads} must divide the data dimension D={dim}")
     small = set_size * dim <= 64
     interaction = resolved_interaction(flow, zero_com)
@@ -387,6 +404,10 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     if flow.manybody and interaction != "radial":
         raise ConfigError(f"manybody is a setting of radial interactions, but the interaction "
                           f"here is {interaction}")
+    if flow.attention_width is not None and (interaction != "attention" or zero_com):
+        raise ConfigError("attention_width is a setting of attention on sets without a zero "
+                          f"centre of mass, but the interaction here is {interaction}"
+                          + (" and the data have a zero centre of mass" if zero_com else ""))
     if flow.inducing_points is not None and interaction != "attention":
         raise ConfigError(f"inducing_points is a setting of attention, but the interaction "
                           f"here is {interaction}")
@@ -418,6 +439,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             location=location,
             logdet=LogDetOptions(logdet, eval_n_samples=EVAL_PROBES),
             attention=_induced_attention(flow.inducing_points),
+            attention_width=flow.attention_width,
         )
     from ..flows.continuous.cnf import CNF
 
