@@ -8,7 +8,8 @@ only through the equivariant linear maps), ``iid`` (no interaction at all: the i
 baseline), ``no-location``
 (``resflow`` without the spline flow of each set's centroid), ``attention-splines``,
 ``linear-splines`` and ``iid-splines`` (8 blocks with an element-wise spline coupling each,
-``--splines``; attention with 2 heads), ``cnf`` (continuous flow with
+``--splines``; attention with 2 heads), ``lifted-splines`` (the same with lifted attention,
+``--attention-width 16`` and 4 heads), ``cnf`` (continuous flow with
 an L2-attention field), ``coupling`` (set-coupling layers), ``small``, ``medium`` and ``large``
 (the ``--preset`` settings) and ``nflows-maf``: the flattened baseline
 (:mod:`flowattn.sets.baseline`), an nflows masked rational-quadratic autoregressive flow on the
@@ -60,6 +61,9 @@ VARIANTS = {
                           "blocks": 8, "heads": 2},
     "linear-splines": {"flow": "resflow", "interaction": "linear", "splines": True, "blocks": 8},
     "iid-splines": {"flow": "resflow", "interaction": "none", "splines": True, "blocks": 8},
+    # the same with lifted attention: 4 heads among 16 learnt features of each element
+    "lifted-splines": {"flow": "resflow", "interaction": "attention", "splines": True,
+                       "blocks": 8, "heads": 4, "attention_width": 16},
     "cnf": {"flow": "cnf"},
     "coupling": {"flow": "coupling"},
     "small": {"preset": "small"},

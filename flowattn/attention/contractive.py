@@ -28,6 +28,9 @@ class ContractiveAttention(nn.Module):
     coeff: float
     norm: str
     output_dropout: float
+    # set by a module whose F is certified in its own norm alone (e.g. "2,inf"): a bound in any
+    # other norm is refused
+    only_norm: str | None = None
 
     def _contraction(self, coeff: float, norm: str | int, output_dropout: float) -> None:
         """Check and set ``coeff`` in (0, 1), ``norm`` and ``output_dropout`` in [0, 1)."""
@@ -109,6 +112,9 @@ class ContractiveAttention(nn.Module):
         Lip_other(f) <= coeff * bound_other(n) / bound_own(1): valid, though loose.
         """
         norm = self.norm if norm is None else _norm_name(norm, mixed=True)
+        if self.only_norm is not None and norm != self.only_norm:
+            raise InputError(f"{type(self).__name__} is certified in the norm "
+                             f"'{self.only_norm}' only, got norm={norm!r}")
         w = self.attention.w_q
         coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
         if norm == self.norm:

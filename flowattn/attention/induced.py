@@ -194,6 +194,7 @@ class ContractiveInducedL2MHA(ContractiveAttention):
     """
 
     similarity = "l2"
+    only_norm = "2,inf"
 
     def __init__(
         self,
@@ -212,11 +213,3 @@ class ContractiveInducedL2MHA(ContractiveAttention):
         """Apply f to ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
         return self._classic_dropout(self._divided(x, mask, causal))
 
-    def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
-        """``coeff``: f is certified in the mixed norm '2,inf' only."""
-        if norm is not None and _norm_name(norm, mixed=True) != "2,inf":
-            raise InputError(
-                "ContractiveInducedL2MHA is certified in the mixed norm '2,inf' only, got "
-                f"norm={norm!r}"
-            )
-        return super().lipschitz_bound(n, "2,inf")

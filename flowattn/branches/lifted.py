@@ -136,6 +136,7 @@ class ContractiveLiftedL2MHA(ContractiveAttention):
     """
 
     similarity = "l2"
+    only_norm = "2,inf"
 
     def __init__(
         self,
@@ -150,11 +151,3 @@ class ContractiveLiftedL2MHA(ContractiveAttention):
         self.attention = LiftedL2MHA(dim, width, heads)
         self.dim, self.heads, self.width = dim, heads, width
 
-    def lipschitz_bound(self, n: int | Tensor, norm: str | int | None = None) -> Tensor:
-        """``coeff``: f is certified in the mixed norm '2,inf' only."""
-        if norm is not None and _norm_name(norm, mixed=True) != "2,inf":
-            raise InputError(
-                "ContractiveLiftedL2MHA is certified in the mixed norm '2,inf' only, got "
-                f"norm={norm!r}"
-            )
-        return super().lipschitz_bound(n, "2,inf")

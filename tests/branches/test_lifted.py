@@ -98,7 +98,7 @@ def test_lifted_attention_refuses_bad_settings():
         LiftedL2MHA(2, 10, 4)
     with pytest.raises(InputError, match="mixed norm"):
         LiftedL2MHA(2, 8, 2).lipschitz_bound(4, "inf")
-    with pytest.raises(InputError, match="mixed norm"):
+    with pytest.raises(InputError, match="'2,inf' only"):
         ContractiveLiftedL2MHA(2, 2, width=8).lipschitz_bound(4, 2)
     with pytest.raises(InputError, match="attention_width"):
         set_flow(2, 1, 2, attention_width=8, interaction="linear")
