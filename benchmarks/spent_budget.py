@@ -37,7 +37,9 @@ def captured_inputs(flow, x, mask):
         if not isinstance(module, ContractiveAttention):
             continue
         for entry in ("forward", "linearise"):
-            original = getattr(module, entry)
+            original = getattr(module, entry, None)
+            if original is None:  # no closed-form products (e.g. lifted attention)
+                continue
 
             def watched(x, mask=None, *args, name=name, module=module, original=original,
                         **kwargs):

@@ -42,3 +42,18 @@ def test_spent_budget_captures_every_attention_branch_input():
             break
         h, _ = layer(h)
     assert torch.allclose(inputs, h)
+
+
+def test_spent_budget_captures_branches_without_closed_form_products():
+    # lifted attention has no ``linearise``: its blocks call it directly, and the capture
+    # watches only the entry points a branch has
+    spent_budget = _script("spent_budget")
+    torch.manual_seed(0)
+    flow = set_flow(dim=2, blocks=2, heads=2, attention_width=4,
+                    logdet=LogDetOptions("exact")).double()
+    x = torch.randn(3, 5, 2, dtype=torch.float64)
+    flow.log_prob(x)
+    branches = [m for m in flow.modules() if isinstance(m, ContractiveAttention)]
+    seen = spent_budget.captured_inputs(flow, x, None)
+    assert len(seen) == len(branches) == 2
+    assert all(not hasattr(m, "linearise") and "forward" not in vars(m) for m in branches)
