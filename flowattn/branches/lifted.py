@@ -80,8 +80,8 @@ class LiftedL2MHA(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """F(X) for ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
         mask = check_sets(x, mask, self.dim)
-        y = self.read(self.attention(self.features(x), mask, causal))
-        return y if mask is None else y * mask.unsqueeze(-1).to(y.dtype)
+        # F_W gives padded rows zeros, and the read-out has no bias: they stay zero
+        return self.read(self.attention(self.features(x), mask, causal))
 
     def attention_probabilities(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
@@ -91,10 +91,11 @@ class LiftedL2MHA(nn.Module):
         return self.attention.attention_probabilities(self.features(x), mask, causal)
 
     def projections(self) -> list[Projection]:
-        """The lift A and read-out B (``nn.Linear`` layout) around F_W's W^Q, W^V, W^O."""
+        """The lift A (it feeds queries, keys and values alike: role ``"qkv"``) and the
+        read-out B (``nn.Linear`` layout) around F_W's W^Q, W^V, W^O."""
         inner = [Projection(f"attention.{p.name}", p.role, p.weight, p.layout)
                  for p in self.attention.projections() if p.role != "output"]
-        return [Projection("lift.weight", "query", self.lift.weight, "linear"), *inner,
+        return [Projection("lift.weight", "qkv", self.lift.weight, "linear"), *inner,
                 Projection("read.weight", "output", self.read.weight, "linear")]
 
     def lipschitz_bound(self, n: int | range | Tensor, norm: str | int = "2,inf") -> Tensor:
