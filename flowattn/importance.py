@@ -9,7 +9,10 @@ of zero (log w = -inf, a configuration the target rules out) is allowed; NaN and
 * :func:`kish_ess` -- the effective sample size (Σ w)^2 / Σ w^2 as a fraction of n;
 * :func:`self_normalised_mean` -- Σ w_i f_i / Σ w_i and its delta-method standard error;
 * :func:`log_mean_weight` -- log of (1/n) Σ w_i (an unbiased estimate of Z / Z_q) and its
-  delta-method standard error.
+  delta-method standard error;
+* :func:`event_kl` -- the KL divergence of two Bernoulli laws, kl(p || q): by the
+  data-processing inequality a lower bound on KL(P || Q) from the probabilities p = P(A) and
+  q = Q(A) that two densities give any one event A.
 
 No model is involved: the functions serve the flow's weights and annealed importance sampling
 alike (:mod:`flowattn.data.partition`).
@@ -24,7 +27,8 @@ from torch import Tensor
 
 from .errors import InputError, NonFiniteError
 
-__all__ = ["kish_ess", "self_normalised_mean", "log_mean_weight", "normalised_weights"]
+__all__ = ["kish_ess", "self_normalised_mean", "log_mean_weight", "normalised_weights",
+           "event_kl"]
 
 
 def kish_ess(log_w: Tensor) -> Tensor:
@@ -135,6 +139,42 @@ def log_mean_weight(log_w: Tensor) -> tuple[Tensor, Tensor]:
     log_z = top + scaled.mean().log()
     error = scaled.std() / (math.sqrt(n) * scaled.mean())
     return log_z, error
+
+
+def event_kl(p: float, q: float) -> float:
+    r"""kl(p || q) = p log(p / q) + (1 - p) log((1 - p) / (1 - q)), in nats.
+
+    Any two densities P and Q, reduced to the indicator of one event A, become Bernoulli laws
+    with P(A) = p and Q(A) = q; reducing cannot increase a KL divergence (the data-processing
+    inequality, e.g. Cover & Thomas 2006, Thm 2.8.1), so KL(P || Q) >= kl(p || q). For a model Q
+    of a target P that is fitted by maximum likelihood, KL(P || Q) is the test NLL minus the
+    target's entropy (the floor), so the mass a model puts on an event the target (almost)
+    never produces is a lower bound on its distance from the floor: with p = 0 the bound is
+    -log(1 - q).
+
+    Arguments:
+        p: P(A), in [0, 1].
+        q: Q(A), in (0, 1) (at 0 or 1 the bound is infinite unless p equals q).
+
+    Returns:
+        kl(p || q) >= 0; +inf where q is 0 or 1 and p differs from it.
+
+    Examples:
+        >>> round(event_kl(0.0, 0.5), 6)  # a model that puts half its mass where P puts none
+        0.693147
+        >>> event_kl(0.3, 0.3)
+        0.0
+    """
+    for name, value in (("p", p), ("q", q)):
+        if not 0.0 <= value <= 1.0:  # also refuses NaN
+            raise InputError(f"{name} must be a probability in [0, 1], got {value}")
+
+    def term(a: float, b: float) -> float:  # a log(a / b), with 0 log 0 = 0
+        if a == 0.0:
+            return 0.0
+        return math.inf if b == 0.0 else a * math.log(a / b)
+
+    return max(term(p, q) + term(1.0 - p, 1.0 - q), 0.0)
 
 
 def _check_log_weights(log_w: Tensor) -> Tensor:

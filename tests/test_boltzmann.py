@@ -83,6 +83,20 @@ def test_close_pairs_are_counted_per_configuration():
     summary = boltzmann_summary(sample)
     assert summary["close_pairs"] == 0.5
     assert summary["close_pairs_reweighted"] == 1.0  # all the weight is on the close one
+    # p(close) = 1, q(close) = (1 + 1/2) / 3: kl = log 2
+    assert summary["close_pairs_kl"] == pytest.approx(math.log(2))
+
+
+def test_close_pairs_bound_the_distance_from_the_floor_when_p_never_has_them():
+    # half of the samples hold a close pair, none of the weight does: p(close) = 0, so
+    # KL(p || q) >= -log(1 - q(close)), q(close) = (50 + 1/2) / 101
+    x = torch.tensor([[0.0, 0.0], [2.0, 0.0]]).repeat(100, 1, 1)
+    x[:50, 1, 0] = 0.5
+    log_w = torch.zeros(100)
+    log_w[:50] = -math.inf
+    summary = boltzmann_summary(BoltzmannSample(x, torch.zeros(100), torch.zeros(100), log_w))
+    assert summary["close_pairs"] == 0.5 and summary["close_pairs_reweighted"] == 0.0
+    assert summary["close_pairs_kl"] == pytest.approx(-math.log(1 - 50.5 / 101))
 
 
 # --- the command line ------------------------------------------------------------------------
@@ -123,6 +137,7 @@ def test_sample_energy_writes_weights_beside_the_samples_and_reports_the_ess(
     printed = capsys.readouterr().out
     assert "Kish ESS" in printed and "reweighted" in printed and "closer than 0.85" in printed
     result = json.loads(printed.strip().splitlines()[-1])
+    assert f"at least {result['close_pairs_kl']:.3f} nats above the entropy floor" in printed
     with np.load(out) as archive:
         x, log_w = torch.from_numpy(archive["x"]), torch.from_numpy(archive["log_w"])
         energy, log_q = torch.from_numpy(archive["energy"]), torch.from_numpy(archive["log_q"])

@@ -30,7 +30,7 @@ from torch import Tensor
 from ..data.particles import pairwise_distances
 from ..errors import InputError, NonFiniteError
 from ..flows.builders import SetFlow
-from ..importance import kish_ess, log_mean_weight, self_normalised_mean
+from ..importance import event_kl, kish_ess, log_mean_weight, self_normalised_mean
 
 __all__ = ["BoltzmannSample", "boltzmann_sample", "boltzmann_summary", "HARD_CORE"]
 
@@ -137,6 +137,12 @@ def boltzmann_summary(sample: BoltzmannSample, hard_core: float = HARD_CORE) -> 
       zero-centre-of-mass subspace (:func:`~flowattn.importance.log_mean_weight`).
     * ``close_pairs``: the fraction of samples with a pair closer than ``hard_core``;
       ``close_pairs_reweighted`` ± its error: the same under p, by reweighting.
+    * ``close_pairs_kl``: kl(p(A) || q(A)) for the event A "a pair closer than ``hard_core``"
+      (:func:`~flowattn.importance.event_kl`), with p(A) the reweighted estimate and q(A) the
+      share of samples, k of n, taken as (k + 1/2) / (n + 1) so that it is never 0 or 1. By
+      the data-processing inequality KL(p || q) >= kl(p(A) || q(A)), and KL(p || q) is the
+      test NLL minus the entropy floor: the mass the flow puts inside the hard core alone keeps
+      its NLL at least this far (up to the sampling error of both estimates) above the floor.
 
     The errors are trustworthy only when the ESS is not tiny (a few effective samples give
     errors that are themselves far off).
@@ -170,4 +176,6 @@ def boltzmann_summary(sample: BoltzmannSample, hard_core: float = HARD_CORE) -> 
         "close_pairs": float(close.mean()),
         "close_pairs_reweighted": float(close_w),
         "close_pairs_reweighted_error": float(close_w_error),
+        "close_pairs_kl": event_kl(min(max(float(close_w), 0.0), 1.0),
+                                   (float(close.sum()) + 0.5) / (n + 1)),
     }

@@ -179,6 +179,8 @@ def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: 
     print(f"pairs closer than {summary['hard_core']}: in {summary['close_pairs']:.2%} of the "
           f"samples; reweighted {summary['close_pairs_reweighted']:.2%} ± "
           f"{summary['close_pairs_reweighted_error']:.2%}")
+    print(f"so the test NLL is at least {summary['close_pairs_kl']:.3f} nats above the entropy "
+          "floor (KL >= kl(p(close) || q(close)))")
     if summary["ess_samples"] < 30:
         print(f"warning: only {summary['ess_samples']:.1f} effective samples: the reweighted "
               "estimates and their errors are unreliable")
