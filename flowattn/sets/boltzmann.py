@@ -176,6 +176,7 @@ def boltzmann_summary(sample: BoltzmannSample, hard_core: float = HARD_CORE) -> 
         "close_pairs": float(close.mean()),
         "close_pairs_reweighted": float(close_w),
         "close_pairs_reweighted_error": float(close_w_error),
+        # a self-normalised mean of a 0/1 indicator lies in [0, 1] up to rounding
         "close_pairs_kl": event_kl(min(max(float(close_w), 0.0), 1.0),
                                    (float(close.sum()) + 0.5) / (n + 1)),
     }
