@@ -11,6 +11,7 @@ The layers of the package, each using only those below it:
 * :mod:`~flowattn.flows.residual`, :mod:`~flowattn.flows.monotone` -- residual blocks
   x + g(x) around a branch of :mod:`flowattn.branches` or :mod:`flowattn.attention`;
   :mod:`~flowattn.flows.layers` -- exact layers (ActNorm, equivariant linear, set location);
+  :mod:`~flowattn.flows.pairs` -- pair splines (every pair of particles moved along its axis);
   :mod:`~flowattn.flows.continuous` -- continuous flows and their vector fields;
 * :mod:`~flowattn.flows.builders` -- :class:`SetFlow`, :func:`set_flow`, :func:`sequence_flow`;
   :mod:`~flowattn.flows.coupling` -- :class:`SetCoupling` (splines conditioned by attention
@@ -27,6 +28,7 @@ from .inverse import InverseOptions
 from .layers import ActNorm, EquivariantLinear, SetLocation
 from .logdet import LogDetOptions
 from .monotone import InverseMonotoneResidual, MonotoneResidual
+from .pairs import PairSplines
 from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "EquivariantLinear",
     "SetLocation",
     "SetCoupling",
+    "PairSplines",
     # continuous flows and their fields
     "CNF",
     "AttentionField",

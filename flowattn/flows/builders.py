@@ -30,6 +30,7 @@ from .inverse import InverseOptions
 from .layers import ActNorm, EquivariantLinear, SetLocation
 from .logdet import LogDetOptions
 from .monotone import InverseMonotoneResidual, MonotoneResidual
+from .pairs import PairSplines
 from .residual import InvertibleResidual, TransformerResidualPair
 
 __all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS"]
@@ -302,6 +303,7 @@ def set_flow(
     radial_max_slope: float | None = None,
     radial_inverse: bool = False,
     splines: bool = False,
+    pair_splines: bool = False,
     attention_width: int | None = None,
     logdet: LogDetOptions | None = None,
     inverse: InverseOptions | None = None,
@@ -360,6 +362,13 @@ def set_flow(
             many of them; a spline bends it at once, and leaves the interaction blocks the
             dependence between elements. Needs D >= 2; not with ``zero_com`` (a spline moves
             single coordinates off the zero-centre-of-mass subspace).
+        pair_splines: after the equivariant map of every block, a
+            :class:`~flowattn.flows.pairs.PairSplines`: every pair of elements moved along its
+            axis by a monotone spline of its log-distance (midpoints kept, exact log-det and
+            inverse), the pairs in round-robin order. A residual block changes a pair's
+            distance by a bounded factor; a pair spline maps a hard core (a gap in the pair
+            distances) onto short distances at once. The density stays E(n)-invariant but is
+            no longer exactly exchangeable (the rounds follow the elements' order).
         attention_width: with ``interaction="attention"``, a number W makes every attention
             branch a :class:`~flowattn.branches.ContractiveLiftedL2MHA`: tied L2 attention
             (``heads`` heads, which must divide W) among W learnt features of each element,
@@ -411,6 +420,8 @@ def set_flow(
             from .coupling import SetCoupling  # coupling builds on SetFlow, defined here
 
             layers.append(SetCoupling(dim, index % 2, hidden, blocks=0))
+        if pair_splines:
+            layers.append(PairSplines(dim))
         if interaction == "attention":
             layers.append(
                 _attention_layer(dim, heads, hidden, coeff, mlp, norm, attention, residual)

@@ -124,6 +124,11 @@ class SetsFlow(Section):
     splines: bool = Field(False, description="resflow: an element-wise spline coupling in "
                           "every block, before the interaction (needs D >= 2; not for "
                           "particles)")
+    pair_splines: bool = Field(False, description="resflow: a layer of pair splines in every "
+                               "block, before the interaction (each pair of elements moved "
+                               "along its axis by a monotone spline of its log-distance, in "
+                               "round-robin order: for particles with a hard core; the density "
+                               "is then E(n)-invariant but not exactly exchangeable)")
     inducing_points: int | None = Field(
         None, ge=1, description="resflow attention: pool each head through this many learnt "
         "inducing points (induced-point attention, O(N M): for sets of thousands of "
@@ -211,9 +216,10 @@ class SetsFlow(Section):
                              "use it with flow=resflow, interaction=attention and no "
                              f"inducing_points (here {self.flow}, {self.interaction}, "
                              f"inducing_points={self.inducing_points})")
-        if self.splines and self.flow != "resflow":
-            raise ValueError(f"splines is a setting of residual flows: use it with "
-                             f"flow=resflow (here {self.flow})")
+        for name in ("splines", "pair_splines"):
+            if getattr(self, name) and self.flow != "resflow":
+                raise ValueError(f"{name} is a setting of residual flows: use it with "
+                                 f"flow=resflow (here {self.flow})")
         for name in COUPLING_SETTINGS:
             if self.flow != "coupling" and getattr(self, name) is not None:
                 raise ValueError(f"{name} is a setting of coupling flows: use it with "
@@ -436,6 +442,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             radial_max_slope=flow.radial_max_slope,
             radial_inverse=flow.radial_inverse,
             splines=flow.splines,
+            pair_splines=flow.pair_splines,
             location=location,
             logdet=LogDetOptions(logdet, eval_n_samples=EVAL_PROBES),
             attention=_induced_attention(flow.inducing_points),
