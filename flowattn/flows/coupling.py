@@ -27,7 +27,6 @@ import math
 import torch
 from nflows.transforms import CompositeTransform, Transform
 from nflows.transforms.splines.rational_quadratic import (
-    DEFAULT_MIN_DERIVATIVE,
     unconstrained_rational_quadratic_spline,
 )
 from torch import Tensor, nn
@@ -38,11 +37,10 @@ from ..validation import check_deferred, check_sets, present_weights, trusted_in
 from .builders import SetFlow
 from .geometry import full_precision, mask_from_context
 from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
+from .pairs import UNIT_SLOPE
 
 __all__ = ["SetCoupling", "coupling_flow"]
 
-# the unconstrained derivative whose softplus gives slope 1 (nflows pads the ends with it)
-_UNIT_SLOPE = math.log(math.expm1(1 - DEFAULT_MIN_DERIVATIVE))
 
 
 class SetCoupling(Transform):
@@ -210,7 +208,7 @@ class _Conditioner(nn.Module):
         nn.init.zeros_(self.head.weight)
         with torch.no_grad():
             bias = torch.zeros(moved, self.width)
-            bias[:, 2 * bins:] = _UNIT_SLOPE
+            bias[:, 2 * bins:] = UNIT_SLOPE
             self.head.bias.copy_(bias.flatten())
 
     def forward(self, xb: Tensor, mask: Tensor | None) -> Tensor:

@@ -42,8 +42,9 @@ from .geometry import full_precision, mask_from_context
 
 __all__ = ["PairSplines", "round_robin"]
 
-# the unconstrained derivative whose softplus gives slope 1 (nflows pads the ends with it)
-_UNIT_SLOPE = math.log(math.expm1(1 - DEFAULT_MIN_DERIVATIVE))
+# the unconstrained derivative whose softplus gives slope 1 (nflows pads the ends with it); the
+# splines of SetCoupling start from it too
+UNIT_SLOPE = math.log(math.expm1(1 - DEFAULT_MIN_DERIVATIVE))
 
 
 @functools.lru_cache(maxsize=64)
@@ -120,7 +121,7 @@ class PairSplines(Transform):
         self.dim, self.bins, self.bound = dim, bins, float(bound)
         self.widths = nn.Parameter(torch.zeros(bins))
         self.heights = nn.Parameter(torch.zeros(bins))
-        self.derivatives = nn.Parameter(torch.full((bins - 1,), _UNIT_SLOPE))
+        self.derivatives = nn.Parameter(torch.full((bins - 1,), UNIT_SLOPE))
         self._rounds: dict[tuple[int, torch.device], list[Tensor]] = {}
 
     def _pairs(self, n: int, device: torch.device) -> list[Tensor]:
@@ -137,13 +138,13 @@ class PairSplines(Transform):
         rounds = self._pairs(n, inputs.device)
         x = inputs
         logdet = inputs.new_zeros(batch)
+        floor = math.exp(-self.bound)  # below it the spline is the identity
         with full_precision(inputs):
             for index in reversed(rounds) if inverse else rounds:  # index: (P, 2)
                 a, b = x[:, index[:, 0]], x[:, index[:, 1]]  # (B, P, D)
                 d = a - b
                 r = torch.linalg.vector_norm(d, dim=-1)  # (B, P)
-                # below e^{-B} the spline is the identity: keep log finite and its gradient 0
-                floor = math.exp(-self.bound)
+                # clamped: log stays finite at r = 0, with gradient 0 where the map is the identity
                 s = torch.log(r.clamp_min(floor))
                 shape = s.shape + (self.bins,)
                 s_new, log_slope = unconstrained_rational_quadratic_spline(
