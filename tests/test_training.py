@@ -213,6 +213,39 @@ def test_the_run_follows_the_schedule_it_documents(tmp_path):
 # ----------------------------------------------------------------------------- resume
 
 
+def test_progress_in_a_log_file_is_plain_lines_not_a_redrawn_bar(tmp_path, capsys):
+    # captured standard error is not a terminal, as with nohup or a batch scheduler
+    fit(SetsRunConfig.build({**TINY, "steps": 40, "eval_every": 40, "checkpoint_every": 40}),
+        tmp_path / "run", progress=True, tensorboard=False, plots=False)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = [line for line in err.splitlines() if line.startswith("sets train:")]
+    assert len(lines) == 1 and lines[0].startswith("sets train: step 40/40 (100%), loss ")
+    assert "s/step, 0:00:00 left" in lines[0]
+
+
+def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise(monkeypatch):
+    import io
+
+    from flowattn.progress import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    screen, log = Terminal(), io.StringIO()
+    for stream, interval in ((screen, 60.0), (log, 0.0)):
+        bar = Progress(5, 1, "demo", file=stream, interval=interval)
+        for _ in range(4):
+            bar.set_postfix(loss="0.5")
+            bar.update()
+        bar.close()
+    assert "\r" in screen.getvalue() and "5/5" in screen.getvalue()
+    lines = log.getvalue().splitlines()
+    assert [line.split(",")[0] for line in lines] == [f"demo: step {k}/5 ({20 * k}%)"
+                                                      for k in (2, 3, 4, 5)]
+
+
 def test_resume_alone_continues_with_the_stored_settings(tmp_path):
     out = tmp_path / "run"
     fit_tiny(out, steps=2)

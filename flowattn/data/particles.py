@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..errors import InputError
+from ..progress import progress_range
 from .sets import SetData, load_npz, save_npz
 
 __all__ = [
@@ -150,7 +150,7 @@ def metropolis(
     steps = system.burn_in + per_chain * system.thin
     move, proposals = ((_particle_sweep, chains * n) if system.moves == "particle"
                        else (_joint_move, chains))
-    for t in tqdm(range(steps), desc=f"sampling {system.name}", disable=not progress):
+    for t in progress_range(steps, f"sampling {system.name}", enabled=progress):
         adapt = t < system.burn_in
         x, energy, step, accept = move(system, x, energy, step, generator, adapt)
         if adapt:

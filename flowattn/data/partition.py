@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from tqdm.auto import tqdm
 
 from ..errors import DataError, InputError
 from ..importance import kish_ess, log_mean_weight, self_normalised_mean
+from ..progress import progress_range
 from .particles import PARTICLE_SYSTEMS
 
 __all__ = ["AnnealingOptions", "PartitionEstimate", "annealed_log_partition", "EntropyFloor",
@@ -343,7 +343,7 @@ class _Annealing:
         step = 2.38 * self.scale / math.sqrt(self.dims)  # RWM's optimum for the base
         used = torch.empty(opt.stages, dtype=self.dtype)
         what = "pilot" if steps is None else "annealing"
-        for t in tqdm(range(1, opt.stages + 1), desc=what, disable=not self.progress):
+        for t in progress_range(opt.stages, what, enabled=self.progress, first=1):
             beta, increment = self.betas[t], self.betas[t] - self.betas[t - 1]
             log_w = log_w + increment * (-e - lq)
             s = step if steps is None else steps[t - 1]

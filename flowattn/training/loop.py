@@ -24,10 +24,10 @@ from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..errors import NonFiniteError
 from ..files import atomic_write_text
+from ..progress import Progress
 from .checkpoint import BEST, CHECKPOINT, read_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .metrics import MetricsLog
@@ -96,7 +96,7 @@ def _set_rng_state(state: dict, generator: torch.Generator, device: torch.device
 
 
 def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True,
-          tensorboard: bool = True, log=tqdm.write) -> dict:
+          tensorboard: bool = True, log=Progress.write) -> dict:
     """Train ``task`` as ``plan`` says; return the summary (also written to summary.json).
 
     The run continues bit-exactly from ``plan.checkpoint`` when there is one: model,
@@ -147,8 +147,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                              "world_size": dist.world}, out / CHECKPOINT)
 
     # ------------------------------------------------------------------ the loop
-    bar = tqdm(total=cfg.steps, initial=step, disable=not (main and progress),
-               dynamic_ncols=True, desc=f"{plan.kind} train")
+    bar = Progress(cfg.steps, step, f"{plan.kind} train", enabled=main and progress)
     divergence = None
     window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
     model.train()
