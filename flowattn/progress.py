@@ -29,7 +29,7 @@ class Progress:
         initial: the steps done before (a resumed run).
         desc: the name shown first.
         enabled: False shows nothing (:meth:`write` still prints).
-        file: the stream (default: standard error); a terminal gets a tqdm bar.
+        file: the stream (default: standard error); a terminal or a notebook gets a tqdm bar.
         interval: seconds between two lines when the stream is not a terminal.
 
     Examples:
@@ -48,9 +48,8 @@ class Progress:
         self.file = sys.stderr if file is None else file
         self.total, self.step, self.desc, self.enabled = total, initial, desc, enabled
         self.interval, self.postfix = interval, {}
-        isatty = getattr(self.file, "isatty", None)
         self.bar = None
-        if enabled and callable(isatty) and isatty():
+        if enabled and _interactive(self.file):
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc,
                             file=self.file)
         self.start_step, self.start = initial, time.monotonic()
@@ -93,6 +92,13 @@ class Progress:
             left = datetime.timedelta(seconds=round(per_step * (self.total - self.step)))
             parts += [f"{per_step:.3g} s/step", f"{left} left"]
         print(f"{self.desc}: " + ", ".join(parts), file=self.file, flush=True)
+
+
+def _interactive(stream: TextIO) -> bool:
+    """A terminal, or a notebook's output (a Jupyter kernel's stream, where tqdm.auto draws a
+    widget that updates in place)."""
+    isatty = getattr(stream, "isatty", None)
+    return (callable(isatty) and bool(isatty())) or type(stream).__module__.startswith("ipykernel")
 
 
 def progress_range(steps: int, desc: str, enabled: bool = True, first: int = 0

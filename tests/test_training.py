@@ -224,7 +224,7 @@ def test_progress_in_a_log_file_is_plain_lines_not_a_redrawn_bar(tmp_path, capsy
     assert "s/step, 0:00:00 left" in lines[0]
 
 
-def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise(monkeypatch):
+def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise():
     import io
 
     from flowattn.progress import Progress
@@ -233,14 +233,19 @@ def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise(monk
         def isatty(self):
             return True
 
-    screen, log = Terminal(), io.StringIO()
-    for stream, interval in ((screen, 60.0), (log, 0.0)):
+    class Notebook(io.StringIO):  # a Jupyter kernel's output stream
+        pass
+
+    Notebook.__module__ = "ipykernel.iostream"
+    screen, notebook, log = Terminal(), Notebook(), io.StringIO()
+    for stream, interval in ((screen, 60.0), (notebook, 60.0), (log, 0.0)):
         bar = Progress(5, 1, "demo", file=stream, interval=interval)
         for _ in range(4):
             bar.set_postfix(loss="0.5")
             bar.update()
         bar.close()
-    assert "\r" in screen.getvalue() and "5/5" in screen.getvalue()
+    for bar in (screen, notebook):
+        assert "\r" in bar.getvalue() and "5/5" in bar.getvalue()
     lines = log.getvalue().splitlines()
     assert [line.split(",")[0] for line in lines] == [f"demo: step {k}/5 ({20 * k}%)"
                                                       for k in (2, 3, 4, 5)]
