@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 from pathlib import Path
 
+import pytest
 import torch
 
 from flowattn.attention.contractive import ContractiveAttention
@@ -57,3 +58,15 @@ def test_spent_budget_captures_branches_without_closed_form_products():
     seen = spent_budget.captured_inputs(flow, x, None)
     assert len(seen) == len(branches) == 2
     assert all(not hasattr(m, "linearise") and "forward" not in vars(m) for m in branches)
+
+
+def test_enf_budget_is_the_epochs_of_enf_sweep_in_steps():
+    # main_dw4_lj13.py: DW4 10^3 trains 300 epochs of batch 100, validating every 5 epochs;
+    # 10^5, 6 epochs validated every epoch; LJ13 10, 500 epochs of batch 10 every 10 epochs
+    enf = _script("enf")
+    assert enf.budget("dw4", 1000) == {"steps": 3000, "batch_size": 100, "eval_every": 50}
+    assert enf.budget("dw4", 100000) == {"steps": 6000, "batch_size": 100, "eval_every": 1000}
+    assert enf.budget("lj13", 10000) == {"steps": 5000, "batch_size": 100, "eval_every": 100}
+    assert enf.budget("lj13", 10) == {"steps": 500, "batch_size": 10, "eval_every": 10}
+    with pytest.raises(SystemExit, match="no dw4 run with 5000 .* 100000"):
+        enf.budget("dw4", 5000)
