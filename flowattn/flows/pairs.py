@@ -106,9 +106,9 @@ class PairSplines(Transform):
         ...     _ = layer.heights.normal_(0, 0.5)
         >>> y, logdet = layer(x)
         >>> x_back, logdet_back = layer.inverse(y)
-        >>> float((x_back - x).abs().max()) < 1e-12
+        >>> bool((x_back - x).abs().max() < 1e-12)
         True
-        >>> float((logdet + logdet_back).abs().max()) < 1e-12
+        >>> bool((logdet + logdet_back).abs().max() < 1e-12)
         True
     """
 
