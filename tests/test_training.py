@@ -1,6 +1,7 @@
 """The training core both commands share: configs, run folders, resume, checkpoints, metrics,
 devices, divergence and the command line's errors — each case a user can hit."""
 
+import io
 import json
 import os
 import stat
@@ -15,6 +16,7 @@ import torch
 from flowattn.cli import main
 from flowattn.data import save_npz
 from flowattn.errors import CheckpointError, ConfigError, DataError, FlowattnError, RunError
+from flowattn.progress import Progress
 from flowattn.sets.config import SetsRunConfig
 from flowattn.sets.train import fit
 from flowattn.training.checkpoint import read_checkpoint
@@ -210,7 +212,7 @@ def test_the_run_follows_the_schedule_it_documents(tmp_path):
     assert logged == pytest.approx(expected) and logged[-1] == pytest.approx(0.001)
 
 
-# ----------------------------------------------------------------------------- resume
+# ----------------------------------------------------------------------------- progress
 
 
 def test_progress_in_a_log_file_is_plain_lines_not_a_redrawn_bar(tmp_path, capsys):
@@ -225,10 +227,6 @@ def test_progress_in_a_log_file_is_plain_lines_not_a_redrawn_bar(tmp_path, capsy
 
 
 def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise():
-    import io
-
-    from flowattn.progress import Progress
-
     class Terminal(io.StringIO):
         def isatty(self):
             return True
@@ -249,6 +247,9 @@ def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise():
     lines = log.getvalue().splitlines()
     assert [line.split(",")[0] for line in lines] == [f"demo: step {k}/5 ({20 * k}%)"
                                                       for k in (2, 3, 4, 5)]
+
+
+# ----------------------------------------------------------------------------- resume
 
 
 def test_resume_alone_continues_with_the_stored_settings(tmp_path):
