@@ -1,5 +1,6 @@
 """flowattn.attention: the fused path, certified bounds, Thm 3.1, masks, equivariance, errors."""
 
+import contextlib
 import math
 
 import pytest
@@ -11,6 +12,7 @@ from flowattn.attention import (
     ContractiveScaledCosineMHA,
     DotProductMHA,
     ScaledCosineMHA,
+    frozen_certificates,
 )
 from flowattn.attention.dot_product import merge_heads, split_heads
 from flowattn.attention.projections import PROJECTION_LAYOUTS, PROJECTION_ROLES
@@ -265,6 +267,76 @@ def test_contractive_bound_in_the_other_norm_is_valid():
     f = one_set_map(module)
     best, _ = lipschitz_lower_bound(f, (5, DIM), 2, restarts=2, steps=40)
     assert best <= module.lipschitz_bound(5, norm=2).item()
+
+
+def _counting(module, monkeypatch):
+    """The number of certificate evaluations of ``module`` (a list of one int)."""
+    calls = [0]
+    evaluate = module._certificate
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return evaluate(*args, **kwargs)
+
+    monkeypatch.setattr(module, "_certificate", counted)
+    return calls
+
+
+@pytest.mark.parametrize("cls", [ContractiveL2MHA, ContractiveScaledCosineMHA])
+def test_frozen_certificates_are_computed_once_per_kind_of_call_and_equal_fresh_ones(
+    cls, monkeypatch
+):
+    # inside the context and without gradients: one evaluation per (set size, causal, masked or
+    # not), reused bit for bit; each kind keeps its own value
+    module = make(cls, seed=3, coeff=0.9)
+    mask = torch.tensor([[True, True, True, False, False]])
+    calls = [(randn(1, n, DIM, seed=n), m, c) for n in (3, 5) for c in (False, True)
+             for m in (None, mask if n == 5 else None)]
+    with torch.no_grad():
+        fresh = [module(x, m, c) for x, m, c in calls]
+    count = _counting(module, monkeypatch)
+    with torch.no_grad(), frozen_certificates():
+        for _ in range(3):
+            for (x, m, c), expected in zip(calls, fresh, strict=True):
+                assert torch.equal(module(x, m, c), expected)
+    kinds = {(x.shape[1], m is not None or c, c) for x, m, c in calls}
+    assert count[0] == len(kinds)
+    with torch.no_grad():  # outside: afresh again
+        module(*calls[0])
+    assert count[0] == len(kinds) + 1
+
+
+def test_frozen_certificates_are_recomputed_where_gradients_are_recorded(monkeypatch):
+    # implicit differentiation and training record gradients: the bound must carry them
+    module = make(ContractiveL2MHA, seed=4, coeff=0.9)
+    x = randn(2, 4, DIM, seed=4)
+    count = _counting(module, monkeypatch)
+    with frozen_certificates():
+        module(x).sum().backward()
+        module(x).sum().backward()
+        with frozen_certificates():  # nested: the outer store stays
+            with torch.no_grad():
+                module(x)
+                module(x)
+    assert count[0] == 3
+    assert module.attention.w_q.grad.abs().sum() > 0
+
+
+def test_the_inverse_reuses_certificates_and_repeats_a_fresh_solve_bit_for_bit(monkeypatch):
+    from flowattn.flows import inverse, residual
+
+    block = InvertibleResidual(make(ContractiveL2MHA, seed=5, coeff=0.9))
+    y = randn(3, 6, DIM, seed=5)
+    with torch.no_grad():
+        x, _ = block.inverse(y)
+        count = _counting(block.branch, monkeypatch)
+        again, _ = block.inverse(y)
+        assert count[0] == 1  # one set size, several branch calls
+        for where in (inverse, residual):  # the solve as before the context existed
+            monkeypatch.setattr(where, "frozen_certificates", contextlib.nullcontext)
+        fresh, _ = block.inverse(y)
+    assert count[0] > 3  # afresh: once per branch call
+    assert torch.equal(x, again) and torch.equal(x, fresh)
 
 
 def test_masked_rows_are_normalised_by_their_own_key_count():

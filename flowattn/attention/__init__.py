@@ -15,6 +15,7 @@ double backward, ``torch.autograd.functional.jacobian(..., create_graph=True)``,
 ``torch.func.jacrev`` and ``hessian`` (see :mod:`flowattn.attention.kernels`).
 """
 
+from .contractive import frozen_certificates
 from .cosine import ContractiveScaledCosineMHA, ScaledCosineMHA
 from .dot_product import DotProductMHA
 from .induced import ContractiveInducedL2MHA, InducedL2MHA
@@ -30,4 +31,5 @@ __all__ = [
     "ScaledCosineMHA",
     "ContractiveScaledCosineMHA",
     "Projection",
+    "frozen_certificates",
 ]

@@ -7,6 +7,9 @@ output dropout, and hand F's attention matrices and projections through.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -17,7 +20,48 @@ from ..lipschitz import _norm_name
 from .masking import keys_per_row
 from .projections import Projection
 
-__all__ = ["ContractiveAttention"]
+__all__ = ["ContractiveAttention", "frozen_certificates"]
+
+
+class _Frozen(threading.local):
+    """Per thread: the certificates kept inside :func:`frozen_certificates`, or None outside
+    (a thread-local attribute, as ``frozen_power_iteration`` keeps its flag)."""
+
+    kept: dict | None = None
+
+
+_FROZEN = _Frozen()
+
+
+@contextmanager
+def frozen_certificates() -> Iterator[None]:
+    """Within this context, every contractive attention module evaluates its certificate once
+    per set size (and mask kind) and reuses it in the calls that record no gradient.
+
+    An iterative inverse or a sampler calls the same branch tens of times with weights that do
+    not change; the certificate depends on the weights and the set size only, so every call
+    after the first would recompute the same value (spectral norms: one eigensolver call each).
+    The values reused are those a fresh evaluation gives, bit for bit. The weights must not
+    change inside the context; calls that record gradients (training, implicit
+    differentiation) evaluate the certificate afresh, so that their derivatives flow. The
+    flows' inverse (:func:`~flowattn.flows.inverse.residual_inverse`) enters it for its solver.
+
+    Examples:
+        >>> from flowattn.attention import ContractiveL2MHA
+        >>> f = ContractiveL2MHA(dim=4, heads=2)
+        >>> x = torch.randn(2, 3, 4)
+        >>> with torch.no_grad(), frozen_certificates():
+        ...     same = torch.equal(f(x), f(x))  # the second call reuses the first's bound
+        >>> same
+        True
+    """
+    previous = _FROZEN.kept
+    if previous is None:
+        _FROZEN.kept = {}
+    try:
+        yield
+    finally:
+        _FROZEN.kept = previous
 
 
 class ContractiveAttention(nn.Module):
@@ -69,7 +113,13 @@ class ContractiveAttention(nn.Module):
         attention if ``causal``). Evaluated eagerly under ``torch.compile`` as well: the key
         counts and the cached Lambert W constants are host values, which a graph with a dynamic
         N cannot enumerate (the weights' part is still differentiated)."""
-        return self._certificate(range(1, length + 1) if every_count else length, causal)
+        kept = _FROZEN.kept
+        if kept is None or torch.is_grad_enabled():
+            return self._certificate(range(1, length + 1) if every_count else length, causal)
+        key = (self, self.norm, length, every_count, causal)  # the module itself: held, not reused
+        if key not in kept:
+            kept[key] = self._certificate(range(1, length + 1) if every_count else length, causal)
+        return kept[key]
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
         """F's bound for ``counts`` keys in the module's norm (a subclass whose bound can use

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..attention.contractive import frozen_certificates
 from ..errors import InputError, InverseNotConverged
 from .geometry import project
 
@@ -297,7 +298,8 @@ def residual_inverse(
         solver = fixed_point_inverse
     else:
         raise InputError(f"method must be one of {INVERSE_METHODS}, got {method!r}")
-    x_star = solver(branch, y, mask, **kwargs)
+    with frozen_certificates():  # one branch, fixed weights: each bound computed once
+        x_star = solver(branch, y, mask, **kwargs)
     if not torch.is_grad_enabled():
         return x_star
     x_req = x_star.detach().requires_grad_(True)

@@ -9,6 +9,7 @@ import torch
 from nflows.transforms import CompositeTransform, Transform
 from torch import Tensor, nn
 
+from ..attention.contractive import frozen_certificates
 from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
 from ..validation import (
@@ -315,8 +316,9 @@ class InvertibleResidual(Transform):
 
         ``x0`` is an optional warm start. Raises ``InverseNotConverged`` (a ``RuntimeError``)
         when the solver misses the tolerance within the iteration budget of ``inverse``.
-        Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted, and
-        ``torch.autocast`` is off: the solve runs in the inputs' precision.
+        Spectral-norm power iterations are frozen meanwhile, so one fixed map is inverted,
+        attention certificates are computed once (:func:`~flowattn.attention.frozen_certificates`),
+        and ``torch.autocast`` is off: the solve runs in the inputs' precision.
         """
         y_in, flat = self._as_sets(inputs)
         mask = check_sets(y_in, mask_from_context(context, y_in), name="inputs")
@@ -324,7 +326,8 @@ class InvertibleResidual(Transform):
             check_precision(y_in, self.branch, name="inputs")
         # Under torch.autocast too the inverse solves in the inputs' precision: a branch
         # evaluated in bfloat16 is not smooth at the solver's tolerance.
-        with frozen_power_iteration(), trusted_inputs(), full_precision(y_in):
+        with frozen_power_iteration(), frozen_certificates(), trusted_inputs(), \
+                full_precision(y_in):
             x, logdet = self._inverse(y_in, mask, flat, x0)
         check_deferred(y_in, "InvertibleResidual", x, logdet)
         return (x.squeeze(1) if flat else x), logdet
