@@ -249,6 +249,33 @@ def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise():
                                                       for k in (2, 3, 4, 5)]
 
 
+# ----------------------------------------------------------------------------- evaluation
+
+
+def test_evaluation_runs_with_frozen_certificates_and_training_does_not(tmp_path, monkeypatch):
+    # validation and the final test evaluation call the model on many batches with fixed
+    # weights: their attention bounds are computed once (flowattn.attention.frozen_certificates);
+    # training steps compute theirs
+    from flowattn.attention import contractive
+    from flowattn.sets.train import SetsTask
+
+    seen = {"evaluate": [], "finish": [], "step": []}
+    evaluate, finish, step = SetsTask.evaluate, SetsTask.finish, SetsTask.loss
+
+    def watched(name, original):
+        def call(self, *args, **kwargs):
+            seen[name].append(contractive._FROZEN.kept is not None)
+            return original(self, *args, **kwargs)
+        return call
+
+    monkeypatch.setattr(SetsTask, "evaluate", watched("evaluate", evaluate))
+    monkeypatch.setattr(SetsTask, "finish", watched("finish", finish))
+    monkeypatch.setattr(SetsTask, "loss", watched("step", step))
+    fit_tiny(tmp_path / "run", steps=4)
+    assert seen["evaluate"] and all(seen["evaluate"]) and seen["finish"] == [True]
+    assert seen["step"] and not any(seen["step"])
+
+
 # ----------------------------------------------------------------------------- resume
 
 

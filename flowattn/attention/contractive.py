@@ -44,7 +44,8 @@ def frozen_certificates() -> Iterator[None]:
     The values reused are those a fresh evaluation gives, bit for bit. The weights must not
     change inside the context; calls that record gradients (training, implicit
     differentiation) evaluate the certificate afresh, so that their derivatives flow. The
-    flows' inverse (:func:`~flowattn.flows.inverse.residual_inverse`) enters it for its solver.
+    flows' inverse (:func:`~flowattn.flows.inverse.residual_inverse`) enters it for its solver,
+    and the training loop for every validation pass and the final evaluation.
 
     Examples:
         >>> from flowattn.attention import ContractiveL2MHA
