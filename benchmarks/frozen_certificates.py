@@ -33,25 +33,30 @@ from machine import cpu_name
 
 from flowattn.attention import ContractiveL2MHA, frozen_certificates
 from flowattn.flows import InvertibleResidual, inverse, residual
+from flowattn.lm import train as lm_train
 from flowattn.lm.config import LMConfig
 from flowattn.lm.data import load_corpus
 from flowattn.lm.invertible import invert_hidden_states
 from flowattn.lm.model import build_model
-from flowattn.lm.train import evaluate
 
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 
+USERS = (inverse, residual, lm_train)  # the modules that enter the context themselves
+
+
 @contextlib.contextmanager
 def afresh():
-    """Every call evaluates its bound, as before :func:`frozen_certificates` (the inverses
-    enter the context themselves: it is replaced by a no-op there)."""
-    saved = inverse.frozen_certificates, residual.frozen_certificates
-    inverse.frozen_certificates = residual.frozen_certificates = contextlib.nullcontext
+    """Every call evaluates its bound, as before :func:`frozen_certificates`: the context is
+    replaced by a no-op where the inverses and the evaluation enter it."""
+    saved = [m.frozen_certificates for m in USERS]
+    for m in USERS:
+        m.frozen_certificates = contextlib.nullcontext
     try:
         yield
     finally:
-        inverse.frozen_certificates, residual.frozen_certificates = saved
+        for m, context in zip(USERS, saved, strict=True):
+            m.frozen_certificates = context
 
 
 def language_model(device: str, **settings) -> torch.nn.Module:
@@ -79,7 +84,7 @@ def lm_validation(settings: dict):
     def build(device: str, data: Path):
         model = language_model(device, **settings)
         val = load_corpus(data).val[:20000]
-        return lambda: torch.tensor(evaluate(model, val, 64, 12, torch.device(device)))
+        return lambda: torch.tensor(lm_train.evaluate(model, val, 64, 12, torch.device(device)))
 
     return build
 

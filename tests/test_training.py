@@ -1,6 +1,7 @@
 """The training core both commands share: configs, run folders, resume, checkpoints, metrics,
 devices, divergence and the command line's errors — each case a user can hit."""
 
+import contextlib
 import io
 import json
 import os
@@ -252,28 +253,57 @@ def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise():
 # ----------------------------------------------------------------------------- evaluation
 
 
-def test_evaluation_runs_with_frozen_certificates_and_training_does_not(tmp_path, monkeypatch):
-    # validation and the final test evaluation call the model on many batches with fixed
-    # weights: their attention bounds are computed once (flowattn.attention.frozen_certificates);
-    # training steps compute theirs
+def _certificate_calls(model, monkeypatch) -> list[int]:
+    """Counts the certificate evaluations of the contractive attention modules of ``model``."""
+    from flowattn.attention.contractive import ContractiveAttention
+
+    calls = [0]
+    for module in model.modules():
+        if isinstance(module, ContractiveAttention):
+            def counted(*args, evaluate=module._certificate, **kwargs):
+                calls[0] += 1
+                return evaluate(*args, **kwargs)
+
+            monkeypatch.setattr(module, "_certificate", counted)
+    return calls
+
+
+def test_set_evaluation_computes_each_attention_bound_once_with_the_same_result(monkeypatch):
+    # validation and test scores call the flow on many batches with fixed weights: inside
+    # frozen_certificates each attention bound is computed once per set size, not per batch
     from flowattn.attention import contractive
-    from flowattn.sets.train import SetsTask
+    from flowattn.data import load_dataset
+    from flowattn.flows import set_flow
+    from flowattn.sets import train
 
-    seen = {"evaluate": [], "finish": [], "step": []}
-    evaluate, finish, step = SetsTask.evaluate, SetsTask.finish, SetsTask.loss
+    torch.manual_seed(0)
+    flow = set_flow(dim=2, blocks=2, heads=1)
+    data = load_dataset("gaussian-sets", sizes={"train": 8, "val": 40, "test": 8})["val"]
+    blocks = sum(isinstance(m, contractive.ContractiveAttention) for m in flow.modules())
+    calls = _certificate_calls(flow, monkeypatch)
+    frozen = train.evaluate(flow, data, batch_size=8)  # five batches of one set size
+    assert blocks == 2 and calls[0] == blocks
+    monkeypatch.setattr(train, "frozen_certificates", contextlib.nullcontext)
+    fresh = train.evaluate(flow, data, batch_size=8)
+    assert calls[0] == blocks + 5 * blocks  # afresh: every batch
+    assert frozen == fresh
 
-    def watched(name, original):
-        def call(self, *args, **kwargs):
-            seen[name].append(contractive._FROZEN.kept is not None)
-            return original(self, *args, **kwargs)
-        return call
 
-    monkeypatch.setattr(SetsTask, "evaluate", watched("evaluate", evaluate))
-    monkeypatch.setattr(SetsTask, "finish", watched("finish", finish))
-    monkeypatch.setattr(SetsTask, "loss", watched("step", step))
-    fit_tiny(tmp_path / "run", steps=4)
-    assert seen["evaluate"] and all(seen["evaluate"]) and seen["finish"] == [True]
-    assert seen["step"] and not any(seen["step"])
+def test_lm_evaluation_computes_each_attention_bound_once_with_the_same_result(monkeypatch):
+    from flowattn.lm import train
+    from flowattn.lm.config import LMConfig
+    from flowattn.lm.model import build_model
+
+    torch.manual_seed(0)
+    model = build_model(LMConfig(vocab_size=7, block_size=8, layers=2, dim=8, heads=2,
+                                 attention="contractive-l2"))
+    data = torch.randint(0, 7, (8 * 64 * 3 + 1,))  # three batches of 64 windows
+    calls = _certificate_calls(model, monkeypatch)
+    frozen = train.evaluate(model, data, 8, 4, torch.device("cpu"))
+    assert calls[0] == 2  # one per layer
+    monkeypatch.setattr(train, "frozen_certificates", contextlib.nullcontext)
+    assert train.evaluate(model, data, 8, 4, torch.device("cpu")) == frozen
+    assert calls[0] == 2 + 3 * 2
 
 
 # ----------------------------------------------------------------------------- resume

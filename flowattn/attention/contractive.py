@@ -45,7 +45,7 @@ def frozen_certificates() -> Iterator[None]:
     change inside the context; calls that record gradients (training, implicit
     differentiation) evaluate the certificate afresh, so that their derivatives flow. The
     flows' inverse (:func:`~flowattn.flows.inverse.residual_inverse`) enters it for its solver,
-    and the training loop for every validation pass and the final evaluation.
+    and the evaluation functions of the set flows and the language models for their batches.
 
     Examples:
         >>> from flowattn.attention import ContractiveL2MHA

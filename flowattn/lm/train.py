@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..attention import frozen_certificates
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..training.checkpoint import read_model
 from ..training.device import check_compilable
@@ -124,18 +125,19 @@ def evaluate(
         batches = eval_windows(data, block_size, max(batch_size, 64), shard=rank, shards=world)
     else:
         batches = (get_batch(data, block_size, batch_size, generator) for _ in range(eval_iters))
-    for x, y in batches:
-        x, y = x.to(device), y.to(device)
-        try:
-            logits, _ = model(x)
-        except NonFiniteError:  # the attention modules refuse NaN/Inf activations
-            total[0] = math.nan
-            break
-        loss = nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
-        )
-        total[0] += loss.to(torch.float64)
-        total[1] += y.numel()
+    with frozen_certificates():  # fixed weights: each attention bound computed once
+        for x, y in batches:
+            x, y = x.to(device), y.to(device)
+            try:
+                logits, _ = model(x)
+            except NonFiniteError:  # the attention modules refuse NaN/Inf activations
+                total[0] = math.nan
+                break
+            loss = nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum"
+            )
+            total[0] += loss.to(torch.float64)
+            total[1] += y.numel()
     if world > 1:
         dist.all_reduce(total)
     model.train(was_training)

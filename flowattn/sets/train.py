@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..attention import frozen_certificates
 from ..data import SetData, load_dataset
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import set_dims
@@ -82,18 +83,19 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     total_dims = torch.zeros((), dtype=torch.float64, device=device)
     total_var = torch.zeros((), dtype=torch.float64, device=device)
     estimated = False
-    for start in range(0, count, batch_size):
-        index = torch.arange(start, min(start + batch_size, count))
-        x, mask = _batch(data, index, device)
-        # no graph: a continuous flow would otherwise keep every solver step of the batch
-        with torch.no_grad():
-            log_prob = flow.log_prob(x, mask)
-        total_nll -= log_prob.double().sum()
-        total_dims += set_dims(x, mask, flow.zero_com).double().sum()
-        for block in residuals:  # independent probes: the variances add
-            if block.logdet_variance is not None:
-                estimated = True
-                total_var += block.logdet_variance.double().sum()
+    with frozen_certificates():  # fixed weights: each attention bound once per set size
+        for start in range(0, count, batch_size):
+            index = torch.arange(start, min(start + batch_size, count))
+            x, mask = _batch(data, index, device)
+            # no graph: a continuous flow would otherwise keep every solver step of the batch
+            with torch.no_grad():
+                log_prob = flow.log_prob(x, mask)
+            total_nll -= log_prob.double().sum()
+            total_dims += set_dims(x, mask, flow.zero_com).double().sum()
+            for block in residuals:  # independent probes: the variances add
+                if block.logdet_variance is not None:
+                    estimated = True
+                    total_var += block.logdet_variance.double().sum()
     flow.train(was_training)
     nll, dims = float(total_nll), float(total_dims)  # one host sync for the whole split
     if not math.isfinite(nll):

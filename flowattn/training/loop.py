@@ -25,7 +25,6 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..attention.contractive import frozen_certificates
 from ..errors import NonFiniteError
 from ..files import atomic_write_text
 from ..progress import Progress
@@ -203,8 +202,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                         **getattr(task, "train_stats", dict)())
             window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            with frozen_certificates():  # fixed weights: each attention bound computed once
-                result = task.evaluate(dist)
+            result = task.evaluate(dist)
             loop["val_loss"] = result["loss"]
             if result["loss"] < loop["best_val_loss"]:
                 loop["best_val_loss"], loop["best_step"] = result["loss"], step
@@ -251,8 +249,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             model.load_state_dict(read_checkpoint(out / BEST, plan.kind, dist.device)["model"])
             log(f"keep_best: the parameters of step {loop['best_step']} (validation loss "
                 f"{loop['best_val_loss']:.4f}) are the run's result")
-        with frozen_certificates():  # the final evaluation and samples, fixed weights
-            report = task.finish(out)
+        report = task.finish(out)
         summary.update(report)
         if "test" in report:
             metrics.log(step, "test", **report["test"])
