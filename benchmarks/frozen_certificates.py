@@ -2,7 +2,7 @@
 
 An iterative inverse calls its branch tens of times with the same weights, and an evaluation
 calls the model on many batches. Inside :func:`flowattn.attention.frozen_certificates` (which
-the inverses and the training loop's evaluations enter) each contractive attention module
+the inverses and the evaluation functions enter) each contractive attention module
 evaluates its certificate once per set size instead of at every call. This script times the
 same work with the context (``frozen``) and without it (``afresh``, the code before it
 existed), in interleaved rounds in one process, checks that both give the same result bit for

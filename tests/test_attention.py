@@ -269,22 +269,9 @@ def test_contractive_bound_in_the_other_norm_is_valid():
     assert best <= module.lipschitz_bound(5, norm=2).item()
 
 
-def _counting(module, monkeypatch):
-    """The number of certificate evaluations of ``module`` (a list of one int)."""
-    calls = [0]
-    evaluate = module._certificate
-
-    def counted(*args, **kwargs):
-        calls[0] += 1
-        return evaluate(*args, **kwargs)
-
-    monkeypatch.setattr(module, "_certificate", counted)
-    return calls
-
-
 @pytest.mark.parametrize("cls", [ContractiveL2MHA, ContractiveScaledCosineMHA])
 def test_frozen_certificates_are_computed_once_per_kind_of_call_and_equal_fresh_ones(
-    cls, monkeypatch
+    cls, certificate_calls
 ):
     # inside the context and without gradients: one evaluation per (set size, causal, masked or
     # not), reused bit for bit; each kind keeps its own value
@@ -294,7 +281,7 @@ def test_frozen_certificates_are_computed_once_per_kind_of_call_and_equal_fresh_
              for m in (None, mask if n == 5 else None)]
     with torch.no_grad():
         fresh = [module(x, m, c) for x, m, c in calls]
-    count = _counting(module, monkeypatch)
+    count = certificate_calls(module)
     with torch.no_grad(), frozen_certificates():
         for _ in range(3):
             for (x, m, c), expected in zip(calls, fresh, strict=True):
@@ -306,11 +293,11 @@ def test_frozen_certificates_are_computed_once_per_kind_of_call_and_equal_fresh_
     assert count[0] == len(kinds) + 1
 
 
-def test_frozen_certificates_are_recomputed_where_gradients_are_recorded(monkeypatch):
+def test_frozen_certificates_are_recomputed_where_gradients_are_recorded(certificate_calls):
     # implicit differentiation and training record gradients: the bound must carry them
     module = make(ContractiveL2MHA, seed=4, coeff=0.9)
     x = randn(2, 4, DIM, seed=4)
-    count = _counting(module, monkeypatch)
+    count = certificate_calls(module)
     with frozen_certificates():
         module(x).sum().backward()
         module(x).sum().backward()
@@ -322,14 +309,16 @@ def test_frozen_certificates_are_recomputed_where_gradients_are_recorded(monkeyp
     assert module.attention.w_q.grad.abs().sum() > 0
 
 
-def test_the_inverse_reuses_certificates_and_repeats_a_fresh_solve_bit_for_bit(monkeypatch):
+def test_the_inverse_reuses_certificates_and_repeats_a_fresh_solve_bit_for_bit(
+    monkeypatch, certificate_calls
+):
     from flowattn.flows import inverse, residual
 
     block = InvertibleResidual(make(ContractiveL2MHA, seed=5, coeff=0.9))
     y = randn(3, 6, DIM, seed=5)
     with torch.no_grad():
         x, _ = block.inverse(y)
-        count = _counting(block.branch, monkeypatch)
+        count = certificate_calls(block.branch)
         again, _ = block.inverse(y)
         assert count[0] == 1  # one set size, several branch calls
         for where in (inverse, residual):  # the solve as before the context existed

@@ -253,22 +253,9 @@ def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise():
 # ----------------------------------------------------------------------------- evaluation
 
 
-def _certificate_calls(model, monkeypatch) -> list[int]:
-    """Counts the certificate evaluations of the contractive attention modules of ``model``."""
-    from flowattn.attention.contractive import ContractiveAttention
-
-    calls = [0]
-    for module in model.modules():
-        if isinstance(module, ContractiveAttention):
-            def counted(*args, evaluate=module._certificate, **kwargs):
-                calls[0] += 1
-                return evaluate(*args, **kwargs)
-
-            monkeypatch.setattr(module, "_certificate", counted)
-    return calls
-
-
-def test_set_evaluation_computes_each_attention_bound_once_with_the_same_result(monkeypatch):
+def test_set_evaluation_computes_each_attention_bound_once_with_the_same_result(
+    monkeypatch, certificate_calls
+):
     # validation and test scores call the flow on many batches with fixed weights: inside
     # frozen_certificates each attention bound is computed once per set size, not per batch
     from flowattn.attention import contractive
@@ -280,7 +267,7 @@ def test_set_evaluation_computes_each_attention_bound_once_with_the_same_result(
     flow = set_flow(dim=2, blocks=2, heads=1)
     data = load_dataset("gaussian-sets", sizes={"train": 8, "val": 40, "test": 8})["val"]
     blocks = sum(isinstance(m, contractive.ContractiveAttention) for m in flow.modules())
-    calls = _certificate_calls(flow, monkeypatch)
+    calls = certificate_calls(flow)
     frozen = train.evaluate(flow, data, batch_size=8)  # five batches of one set size
     assert blocks == 2 and calls[0] == blocks
     monkeypatch.setattr(train, "frozen_certificates", contextlib.nullcontext)
@@ -289,7 +276,9 @@ def test_set_evaluation_computes_each_attention_bound_once_with_the_same_result(
     assert frozen == fresh
 
 
-def test_lm_evaluation_computes_each_attention_bound_once_with_the_same_result(monkeypatch):
+def test_lm_evaluation_computes_each_attention_bound_once_with_the_same_result(
+    monkeypatch, certificate_calls
+):
     from flowattn.lm import train
     from flowattn.lm.config import LMConfig
     from flowattn.lm.model import build_model
@@ -298,7 +287,7 @@ def test_lm_evaluation_computes_each_attention_bound_once_with_the_same_result(m
     model = build_model(LMConfig(vocab_size=7, block_size=8, layers=2, dim=8, heads=2,
                                  attention="contractive-l2"))
     data = torch.randint(0, 7, (8 * 64 * 3 + 1,))  # three batches of 64 windows
-    calls = _certificate_calls(model, monkeypatch)
+    calls = certificate_calls(model)
     frozen = train.evaluate(model, data, 8, 4, torch.device("cpu"))
     assert calls[0] == 2  # one per layer
     monkeypatch.setattr(train, "frozen_certificates", contextlib.nullcontext)

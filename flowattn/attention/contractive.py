@@ -114,12 +114,13 @@ class ContractiveAttention(nn.Module):
         attention if ``causal``). Evaluated eagerly under ``torch.compile`` as well: the key
         counts and the cached Lambert W constants are host values, which a graph with a dynamic
         N cannot enumerate (the weights' part is still differentiated)."""
+        counts = range(1, length + 1) if every_count else length
         kept = _FROZEN.kept
         if kept is None or torch.is_grad_enabled():
-            return self._certificate(range(1, length + 1) if every_count else length, causal)
+            return self._certificate(counts, causal)
         key = (self, self.norm, length, every_count, causal)  # the module itself: held, not reused
         if key not in kept:
-            kept[key] = self._certificate(range(1, length + 1) if every_count else length, causal)
+            kept[key] = self._certificate(counts, causal)
         return kept[key]
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
