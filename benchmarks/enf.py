@@ -103,13 +103,16 @@ def main() -> None:
         rows.append((name, out, summary))
     print(f"\n{args.data}, {args.num_train} training configurations: {steps['steps']} steps of "
           f"batch {steps['batch_size']}, validation every {steps['eval_every']} steps on "
-          f"{args.val_sets} configurations, test NLL of the best validation state\n")
+          f"{args.val_sets} configurations, test NLL of the best validation state (± its "
+          "standard error over the test configurations)\n")
     print("| model | best validation (step) | test NLL | test configurations | "
           "training time | field evaluations per solve (end) | parameters |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for name, out, s in rows:
         val, step = best_validation(out)
-        print(f"| {name} | {val:.3f} ({step}) | **{s['test_nll']:.3f}** | {s['test_sets']} | "
+        se = s.get("test_nll_sampling_se")  # absent from summaries written before it existed
+        error = "" if se is None else f" ± {se:.3f}"
+        print(f"| {name} | {val:.3f} ({step}) | **{s['test_nll']:.3f}**{error} | {s['test_sets']} | "
               f"{s['train_seconds'] / 60:.0f} min | {nfe(out)} | {s['params']:,} |")
     (args.out / f"{args.data}-{args.num_train}.json").write_text(
         json.dumps({name: s for name, _, s in rows}, indent=2, default=str) + "\n")

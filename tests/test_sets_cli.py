@@ -407,10 +407,14 @@ def test_summary_and_eval_report_how_the_log_det_was_computed(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["test_logdet"] == "exact" and summary["test_nll_per_dim_se"] == 0.0
     assert "exact log-det" in printed
+    sampling = summary["test_nll_per_dim_sampling_se"]
+    assert 0 < sampling < 0.1 and f"sampling error {sampling:.4f} nats/dim" in printed
     assert run_cli("eval", "--checkpoint", str(out), "--data", "gaussian-sets", "--json") == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert "exact log-det" in lines[0]
-    assert json.loads(lines[-1])["nll_se"] == 0.0
+    result = json.loads(lines[-1])
+    assert result["nll_se"] == 0.0
+    assert f"sampling error {result['nll_per_dim_sampling_se']:.4f} nats/dim" in lines[0]
 
 
 def test_evaluate_reports_the_standard_error_of_an_estimated_log_det():
@@ -432,6 +436,35 @@ def test_evaluate_reports_the_standard_error_of_an_estimated_log_det():
     assert exact["logdet"] == "exact" and exact["nll_per_dim_se"] == 0.0
     assert estimated["logdet"] == "estimated" and 0 < estimated["nll_per_dim_se"] < 0.01
     assert abs(estimated["nll"] - exact["nll"]) < 4 * estimated["nll_se"]
+
+
+def test_evaluate_reports_the_sampling_error_of_its_means_over_sets():
+    from flowattn.data import SetData
+    from flowattn.flows import set_flow
+    from flowattn.sets import evaluate
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(11, 6, 2, dtype=torch.float64, generator=gen)
+    sizes = torch.tensor([6, 2, 5, 3, 6, 4, 2, 6, 3, 5, 4])
+    mask = torch.arange(6) < sizes[:, None]
+    torch.manual_seed(0)
+    flow = set_flow(2, blocks=1, heads=1).double()
+    flow.train().log_prob(x, mask)
+    flow.eval()
+    with torch.no_grad():
+        y = -flow.log_prob(x, mask).numpy()  # per-set NLLs, scored one batch
+    d = 2.0 * sizes.numpy()
+    result = evaluate(flow, SetData(x, mask), batch_size=4)  # three batches
+    n = len(y)
+    assert np.isclose(result["nll"], y.mean()) and np.isclose(result["nll_per_dim"], y.sum() / d.sum())
+    assert np.isclose(result["nll_sampling_se"], y.std(ddof=1) / np.sqrt(n), rtol=1e-9)
+    ratio = y.sum() / d.sum()  # first-order error of a ratio of means, from its residuals
+    expected = np.sqrt(((y - ratio * d) ** 2).sum() / (n * (n - 1))) / d.mean()
+    assert np.isclose(result["nll_per_dim_sampling_se"], expected, rtol=1e-9)
+    # the ratio's error is not the per-set error over the mean size when sizes vary
+    assert not np.isclose(expected, y.std(ddof=1) / np.sqrt(n) / d.mean(), rtol=0.05)
+    single = evaluate(flow, SetData(x[:1]))
+    assert single["nll_sampling_se"] is None and single["nll_per_dim_sampling_se"] is None
 
 
 def test_evaluating_zero_com_sets_of_one_element_is_a_clear_error(tmp_path):

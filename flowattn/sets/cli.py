@@ -41,7 +41,8 @@ def _fit(args: argparse.Namespace) -> int:
         name = "test NLL" if split == "test" else f"{split} NLL (the data have no test split)"
         line = (f"{name}: {summary['test_nll']:.4f} nats/set, "
                 f"{summary['test_nll_per_dim']:.4f} nats/dim ({summary['test_sets']} sets, "
-                f"{_logdet_note(summary.get('test_logdet'), summary.get('test_nll_per_dim_se'))})")
+                f"{_logdet_note(summary.get('test_logdet'), summary.get('test_nll_per_dim_se'))}"
+                f"{_sampling_note(summary.get('test_nll_per_dim_sampling_se'))})")
         if "true_nll" in summary:
             line += (f"; true NLL: {summary['true_nll']:.4f} nats/set, "
                      f"{summary['true_nll_per_dim']:.4f} nats/dim")
@@ -64,6 +65,11 @@ def _logdet_note(logdet: str | None, se: float | None) -> str:
     # large sets reach errors far below 1e-4 per dimension: print their digits, not 0.0000
     value = f"{se:.4f}" if se == 0 or se >= 1e-4 else f"{se:.1e}"
     return f"estimated log-det, standard error {value} nats/dim"
+
+
+def _sampling_note(se: float | None) -> str:
+    """The standard error of the mean over the scored sets, or nothing for a single set."""
+    return "" if se is None else f"; sampling error {se:.4f} nats/dim over the sets"
 
 
 def _load(args: argparse.Namespace):
@@ -99,7 +105,8 @@ def _eval(args: argparse.Namespace) -> int:
     result["convention"] = "E-NF (zero centre of mass)" if spec["zero_com"] else "full space"
     print(f"NLL: {result['nll']:.4f} nats/set, {result['nll_per_dim']:.4f} nats/dim "
           f"over {result['num_sets']} sets ({result['convention']}; "
-          f"{_logdet_note(result['logdet'], result['nll_per_dim_se'])})")
+          f"{_logdet_note(result['logdet'], result['nll_per_dim_se'])}"
+          f"{_sampling_note(result['nll_per_dim_sampling_se'])})")
     if args.json:
         print(json.dumps(result))
     return 0

@@ -57,8 +57,17 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     Returns NLL in nats per set (``nll``), per degree of freedom (``nll_per_dim``; (n - 1) D per
     set in zero-centre-of-mass mode, the E-NF convention), their standard errors from the
     probes of estimated log-determinants (``nll_se``, ``nll_per_dim_se``: 0 where every
-    log-det is exact, ``None`` where a continuous flow estimates its divergence), ``logdet``
+    log-det is exact, ``None`` where a continuous flow estimates its divergence), the standard
+    errors of the means over the finite set of scored sets (``nll_sampling_se``,
+    ``nll_per_dim_sampling_se``; ``None`` for fewer than 2 sets), ``logdet``
     (``"exact"`` or ``"estimated"``) and the number of sets.
+
+    The sampling errors say how far the mean over these sets may lie from the expected NLL of
+    sets from the same distribution. With per-set NLLs y_s, their mean ȳ and standard deviation
+    s_y over n sets, the per-set error is s_y / √n; the per-dimension NLL r = Σ y_s / Σ d_s
+    (d_s degrees of freedom of set s) is a ratio of means, whose error to first order is
+    √(Σ_s (y_s − r d_s)² / (n (n − 1))) / d̄. Where log-dets are estimated, each y_s also
+    carries its own independent probe noise, so these errors include the probes'.
 
     Raises:
         DataError: if a set has fewer than 2 elements in zero-centre-of-mass mode (its
@@ -82,6 +91,8 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     total_nll = torch.zeros((), dtype=torch.float64, device=device)
     total_dims = torch.zeros((), dtype=torch.float64, device=device)
     total_var = torch.zeros((), dtype=torch.float64, device=device)
+    # second moments of the per-set NLLs y and degrees of freedom d: Σy², Σyd, Σd²
+    moments = torch.zeros(3, dtype=torch.float64, device=device)
     estimated = False
     with frozen_certificates():  # fixed weights: each attention bound once per set size
         for start in range(0, count, batch_size):
@@ -90,8 +101,11 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
             # no graph: a continuous flow would otherwise keep every solver step of the batch
             with torch.no_grad():
                 log_prob = flow.log_prob(x, mask)
-            total_nll -= log_prob.double().sum()
-            total_dims += set_dims(x, mask, flow.zero_com).double().sum()
+            nll_sets, dims_sets = -log_prob.double(), set_dims(x, mask, flow.zero_com).double()
+            total_nll += nll_sets.sum()
+            total_dims += dims_sets.sum()
+            moments += torch.stack([nll_sets.square().sum(), (nll_sets * dims_sets).sum(),
+                                    dims_sets.square().sum()])
             for block in residuals:  # independent probes: the variances add
                 if block.logdet_variance is not None:
                     estimated = True
@@ -101,10 +115,34 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     if not math.isfinite(nll):
         raise NonFiniteError(f"non-finite log-likelihood while evaluating {data.name}")
     se = None if unknown else math.sqrt(float(total_var))
+    sampling_se = _sampling_errors(nll, dims, moments.tolist(), count)
     return {"nll": nll / count, "nll_per_dim": nll / dims,
             "nll_se": None if se is None else se / count,
             "nll_per_dim_se": None if se is None else se / dims,
+            "nll_sampling_se": sampling_se[0], "nll_per_dim_sampling_se": sampling_se[1],
             "logdet": "estimated" if (estimated or unknown) else "exact", "num_sets": count}
+
+
+def _sampling_errors(nll: float, dims: float, moments: list[float],
+                     count: int) -> tuple[float | None, float | None]:
+    """Standard errors of the mean NLL per set and of the ratio NLL per dimension.
+
+    ``nll`` and ``dims`` are the sums Σ y_s and Σ d_s over ``count`` sets, ``moments`` the sums
+    Σ y_s², Σ y_s d_s and Σ d_s² (see :func:`evaluate`).
+
+    Examples:
+        >>> _sampling_errors(6.0, 4.0, [20.0, 12.0, 8.0], 2)  # y = (2, 4), d = (2, 2)
+        (1.0, 0.5)
+    """
+    if count < 2:
+        return None, None
+    square, cross, dims_square = moments
+    mean = nll / count
+    per_set = max(square - count * mean * mean, 0.0) / (count - 1)
+    ratio = nll / dims
+    residual = max(square - 2 * ratio * cross + ratio * ratio * dims_square, 0.0)
+    per_dim = math.sqrt(residual * count / (count - 1)) / dims
+    return math.sqrt(per_set / count), per_dim
 
 
 #: sets whose centroids initialise the centroid flow's ActNorm when batches are smaller
@@ -219,6 +257,8 @@ class SetsTask:
         report = {"test": result, "test_split": split, "test_nll": result["nll"],
                   "test_nll_per_dim": result["nll_per_dim"], "test_sets": result["num_sets"],
                   "test_nll_se": result["nll_se"], "test_nll_per_dim_se": result["nll_per_dim_se"],
+                  "test_nll_sampling_se": result["nll_sampling_se"],
+                  "test_nll_per_dim_sampling_se": result["nll_per_dim_sampling_se"],
                   "test_logdet": result["logdet"]}
         true_nll = test.mean_true_nll()
         if true_nll is not None:
