@@ -112,7 +112,8 @@ def main() -> None:
         val, step = best_validation(out)
         se = s.get("test_nll_sampling_se")  # absent from summaries written before it existed
         error = "" if se is None else f" ± {se:.3f}"
-        print(f"| {name} | {val:.3f} ({step}) | **{s['test_nll']:.3f}**{error} | {s['test_sets']} | "
+        print(f"| {name} | {val:.3f} ({step}) | **{s['test_nll']:.3f}**{error} | "
+              f"{s['test_sets']} | "
               f"{s['train_seconds'] / 60:.0f} min | {nfe(out)} | {s['params']:,} |")
     (args.out / f"{args.data}-{args.num_train}.json").write_text(
         json.dumps({name: s for name, _, s in rows}, indent=2, default=str) + "\n")

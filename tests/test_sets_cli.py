@@ -456,7 +456,8 @@ def test_evaluate_reports_the_sampling_error_of_its_means_over_sets():
     d = 2.0 * sizes.numpy()
     result = evaluate(flow, SetData(x, mask), batch_size=4)  # three batches
     n = len(y)
-    assert np.isclose(result["nll"], y.mean()) and np.isclose(result["nll_per_dim"], y.sum() / d.sum())
+    assert np.isclose(result["nll"], y.mean())
+    assert np.isclose(result["nll_per_dim"], y.sum() / d.sum())
     assert np.isclose(result["nll_sampling_se"], y.std(ddof=1) / np.sqrt(n), rtol=1e-9)
     ratio = y.sum() / d.sum()  # first-order error of a ratio of means, from its residuals
     expected = np.sqrt(((y - ratio * d) ** 2).sum() / (n * (n - 1))) / d.mean()
