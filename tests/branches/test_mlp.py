@@ -14,9 +14,13 @@ def _slope(beta: float) -> torch.Tensor:
 
 @pytest.mark.parametrize("beta", [0.1, 1.0, 7.0])
 def test_lipswish_slope_is_below_certified_bound_and_bound_is_tight(beta):
-    slope = _slope(beta)
-    assert slope.abs().max() <= LIPSWISH_MAX_SLOPE / 1.1
-    assert slope.abs().max() >= 0.9998  # the constant 1.09984 / 1.1 is not loose
+    slope = _slope(beta).abs().max()
+    act = LipSwish()
+    with torch.no_grad():
+        act.rho.fill_(float(torch.log(torch.expm1(torch.tensor(beta, dtype=torch.float64)))))
+    bound = act.lipschitz_bound()
+    assert bound == LIPSWISH_MAX_SLOPE / 1.1
+    assert slope <= bound <= slope * (1 + 1e-5)  # the module's constant is met, not loose
 
 
 def test_lipswish_certified_bound_is_below_one_and_activation_has_learnable_beta():
@@ -85,6 +89,27 @@ def test_lipschitz_mlp_bound_below_coeff_and_above_measured_jacobian_norm():
     jac = torch.cat(rows, dim=1)  # (256, 3, 3)
     measured = torch.linalg.matrix_norm(jac, ord=2).max()
     assert measured <= bound
+
+
+def test_lipschitz_mlp_bound_is_attained_by_a_chain_at_the_slopes_maximum():
+    """A width-1 chain whose every pre-activation sits at LipSwish's steepest point at x = 0:
+    there the derivative is the product of the applied weights and of the largest slopes, that
+    is the certificate itself (so a certificate any lower would be exceeded)."""
+    mlp = LipschitzMLP(1, [1, 1], coeff=0.9).double().eval()
+    u = torch.linspace(2.3, 2.5, 200001, dtype=torch.float64)  # u sigmoid(u) is steepest here
+    steepest = u[torch.argmax(torch.sigmoid(u) * (1 + u * (1 - torch.sigmoid(u))))]
+    with torch.no_grad():
+        for layer, weight in zip(mlp.layers, (0.7, -0.8, 0.6), strict=True):
+            layer.weight.fill_(weight)
+        betas = [torch.nn.functional.softplus(act.rho) for act in mlp.activations]
+        mlp.layers[0].bias.fill_(steepest / betas[0])
+        first = mlp.activations[0](mlp.layers[0].bias.view(1, 1))
+        mlp.layers[1].bias.copy_(steepest / betas[1] - mlp.layers[1].effective_weight() @ first[0])
+    x = torch.zeros(1, 1, 1, dtype=torch.float64, requires_grad=True)
+    (derivative,) = torch.autograd.grad(mlp(x).sum(), x)
+    bound = mlp.lipschitz_bound()
+    assert abs(derivative.item()) <= bound
+    assert abs(derivative.item()) >= bound * (1 - 1e-5)
 
 
 def test_lipschitz_mlp_is_pointwise_and_zeroes_padded_rows():

@@ -48,6 +48,40 @@ def test_certified_bound_exceeds_the_largest_jacobian_norm_found(norm, zero_com)
     assert bound.item() >= bound_at_t.item()
 
 
+@pytest.mark.parametrize("norm, n", [("inf", 8), (2, 2)])
+def test_certified_bound_is_nearly_attained_by_one_narrow_layer(norm, n):
+    """One attention layer of width 1 between unit lift and projection: the field's product
+    bound is the attention's own certificate times the gain, within 1.6x of the largest
+    Jacobian norm an optimiser finds (1.28 and 1.48 here), so a bound half as large fails."""
+    field = make_field(seed=2, dim=1, heads=1, layers=1, hidden=1, time_hidden=4, norm=norm)
+    with torch.no_grad():
+        field.lift.weight.fill_(1.0)
+        field.project.weight.fill_(1.0)
+    t = torch.tensor(0.3)
+    found, _ = lipschitz_lower_bound(
+        one_set(field, t), (n, 1), p=norm, restarts=4, steps=100, lr=0.1,
+        generator=torch.Generator().manual_seed(2),
+    )
+    with torch.no_grad():
+        bound = field.lipschitz_bound(n, t=t).item()
+    assert found <= bound <= 1.6 * found
+
+
+@pytest.mark.parametrize("norm", ["inf", 2])
+def test_zero_com_multiplies_the_bound_by_the_norm_of_the_centring(norm):
+    """Removing the centre of mass is the map I - 11^T/n, of inf-norm 2(n-1)/n and 2-norm 1;
+    the centred field's bound is the plain one times exactly that norm."""
+    centred, plain = make_field(seed=8, norm=norm, zero_com=True), make_field(seed=8, norm=norm)
+    for n in (2, 5, 13):
+        centring = torch.eye(n) - torch.full((n, n), 1.0 / n)
+        p = float("inf") if norm == "inf" else 2
+        factor = torch.linalg.matrix_norm(centring, ord=p)
+        assert factor == pytest.approx(2 * (n - 1) / n if norm == "inf" else 1.0, rel=1e-12)
+        with torch.no_grad():
+            ratio = centred.lipschitz_bound(n) / plain.lipschitz_bound(n)
+        assert ratio.item() == pytest.approx(factor.item(), rel=1e-12)
+
+
 def test_certified_bound_holds_for_padded_and_causal_sets():
     x = 3 * torch.randn(5, 2, generator=torch.Generator().manual_seed(3))
     mask = torch.tensor([True, False, True, True, False])
