@@ -1,0 +1,232 @@
+"""Test power: break each guarantee on purpose and check that a test fails.
+
+Every certificate is halved in turn (each ``return`` of the function that computes it is
+multiplied by 0.5), and a few structural guarantees are broken by a one-line edit (the roulette
+estimator's reweighting and signs, the centring of the attention's queries, the
+zero-centre-of-mass factors, the inverse's tolerance). For each such mutant the test files that
+cover it are run with ``pytest -x``; the mutant is *killed* when a test fails. A mutant that
+survives marks a guarantee no test would defend: a one-sided check of a loose bound, or none.
+
+The mutants are made in a copy of ``flowattn/`` and ``tests/`` in a temporary directory, so the
+working tree is never touched (an interrupted run leaves nothing behind).
+
+Usage (from the repository root; about 15 minutes on one core, most of it in the few mutants
+that need a whole test file to be killed)::
+
+    OMP_NUM_THREADS=1 python tools/power.py            # every mutant
+    OMP_NUM_THREADS=1 python tools/power.py lipswish   # those whose name contains it
+
+Exit status 0 when every mutant is killed, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+ATTENTION = ("tests/test_lipschitz.py", "tests/test_attention.py",
+             "tests/test_attention_offsets.py", "tests/test_attention_induced.py")
+MLP = ("tests/branches/test_mlp.py",)
+PARTICLES = ("tests/branches/test_particle_branches.py",)
+FIELDS = ("tests/flows/continuous",)
+
+
+@dataclass(frozen=True)
+class Halved:
+    """Multiply every value returned by ``function`` (``Class.method`` or a name) by 0.5."""
+
+    file: str
+    function: str
+    tests: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return f"halve {self.function}"
+
+    def apply(self, source: str) -> str:
+        node = _find(ast.parse(source), self.function.split("."))
+        returns = [r for r in ast.walk(node) if isinstance(r, ast.Return) and r.value is not None]
+        if not returns:
+            raise SystemExit(f"{self.file}: {self.function} returns nothing to halve")
+        starts = [0]
+        for line in source.splitlines(keepends=True):
+            starts.append(starts[-1] + len(line))
+        spans = [(starts[r.value.lineno - 1] + r.value.col_offset,
+                  starts[r.value.end_lineno - 1] + r.value.end_col_offset) for r in returns]
+        for a, b in sorted(spans, reverse=True):
+            source = f"{source[:a]}0.5 * ({source[a:b]}){source[b:]}"
+        return source
+
+
+@dataclass(frozen=True)
+class Edited:
+    """Replace the one occurrence of ``old`` in ``file`` by ``new``."""
+
+    file: str
+    label: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+    @property
+    def name(self) -> str:
+        return self.label
+
+    def apply(self, source: str) -> str:
+        if source.count(self.old) != 1:
+            raise SystemExit(f"{self.file}: {self.old!r} occurs {source.count(self.old)} times "
+                             "(the mutant list needs updating)")
+        return source.replace(self.old, self.new)
+
+
+def _find(tree: ast.AST, parts: list[str]) -> ast.AST:
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.FunctionDef | ast.ClassDef) and child.name == parts[0]:
+            return child if len(parts) == 1 else _find(child, parts[1:])
+    raise SystemExit(f"no {'.'.join(parts)} (the mutant list needs updating)")
+
+
+LIP = "flowattn/lipschitz.py"
+MUTANTS = [
+    # certificates of attention and their constants
+    Halved(LIP, "_tight_l2_attention_bound", ATTENTION),
+    Halved(LIP, "_mixed_norm_bound", ATTENTION),
+    Halved(LIP, "_theorem_3_2", ATTENTION),
+    Halved(LIP, "_pairwise_spectral", ATTENTION),
+    Halved(LIP, "spectral_norm_exact", ATTENTION),
+    Halved(LIP, "matrix_inf_norm", ATTENTION),
+    Halved(LIP, "lambertw0", ATTENTION),
+    Halved(LIP, "phi_inverse", ATTENTION),
+    Halved(LIP, "logit_margin_constant", ATTENTION),
+    Halved(LIP, "l2_core_column_constant", ATTENTION),
+    Halved(LIP, "induced_attention_bound", ATTENTION),
+    Halved(LIP, "induced_core_constant", ATTENTION),
+    Halved(LIP, "layernorm_lipschitz_bound", (*ATTENTION, "tests/test_lm_model.py")),
+    Halved(LIP, "centernorm_lipschitz_bound", (*ATTENTION, "tests/test_lm_model.py")),
+    Halved("flowattn/attention/offsets.py", "LogitOffsets.weighted_counts", ATTENTION),
+    Halved("flowattn/attention/offsets.py", "LogitOffsets.margin", ATTENTION),
+    Halved("flowattn/attention/cosine.py", "ScaledCosineMHA._tight_bound", ATTENTION),
+    Halved("flowattn/attention/cosine.py", "ScaledCosineMHA.lipschitz_bound", ATTENTION),
+    Halved("flowattn/attention/contractive.py", "ContractiveAttention.lipschitz_bound",
+           ATTENTION),
+    Halved("flowattn/attention/induced.py", "InducedL2MHA.lipschitz_bound",
+           ("tests/test_attention_induced.py",)),
+    Halved("flowattn/branches/lifted.py", "LiftedL2MHA.lipschitz_bound",
+           ("tests/branches/test_lifted.py",)),
+    # the other branches
+    Halved("flowattn/branches/mlp.py", "LipSwish.lipschitz_bound", MLP),
+    Halved("flowattn/branches/mlp.py", "SpectralLinear.lipschitz_bound", MLP),
+    Halved("flowattn/branches/mlp.py", "LipschitzMLP.lipschitz_bound", MLP),
+    Edited("flowattn/branches/mlp.py", "LipSwish's largest slope below its true value",
+           "LIPSWISH_MAX_SLOPE = 1.09984", "LIPSWISH_MAX_SLOPE = 1.05", MLP),
+    Halved("flowattn/branches/radial.py", "RadialInteraction.lipschitz_bound",
+           ("tests/branches/test_radial.py", *PARTICLES)),
+    Halved("flowattn/branches/radial.py", "RadialInteraction._dpsi_bound",
+           ("tests/branches/test_radial.py", *PARTICLES)),
+    Halved("flowattn/branches/manybody.py", "NeighbourhoodInteraction.lipschitz_bound",
+           ("tests/branches/test_manybody.py", *PARTICLES)),
+    Halved("flowattn/branches/manybody.py", "NeighbourhoodInteraction._raw_bound",
+           ("tests/branches/test_manybody.py", *PARTICLES)),
+    Halved("flowattn/branches/manybody.py", "_shifted_sum_bound",
+           ("tests/branches/test_manybody.py", *PARTICLES)),
+    Halved("flowattn/flows/monotone.py", "_Recentred.lipschitz_bound",
+           ("tests/flows/test_monotone.py",)),
+    Halved("flowattn/flows/residual.py", "branch_bound",
+           ("tests/flows/test_residual.py", "tests/flows/test_logdet.py")),
+    Halved("flowattn/flows/continuous/fields.py", "AttentionField.raw_lipschitz_bound", FIELDS),
+    Halved("flowattn/flows/continuous/fields.py", "AttentionField.lipschitz_bound", FIELDS),
+    Halved("flowattn/lm/model.py", "Block.lipschitz_bounds", ("tests/test_lm_model.py",)),
+    Halved("flowattn/lm/model.py", "TransformerLM.lipschitz_bounds", ("tests/test_lm_model.py",)),
+    # estimators, centring, zero centre of mass, inverses
+    Edited("flowattn/flows/logdet.py", "roulette without its 1/P(N >= k) reweighting",
+           "* (1.0 / roulette_tail_probability(distribution, param, k - n_exact_terms))",
+           "* 1.0", ("tests/flows/test_logdet.py",)),
+    Edited("flowattn/flows/logdet.py", "roulette with every term positive",
+           "((-1.0) ** (k + 1) / k)", "(1.0 / k)", ("tests/flows/test_logdet.py",)),
+    Edited("flowattn/attention/l2.py", "fused L2 attention without its query centring",
+           "    q = q - centre\n    if mask is not None:",
+           "    q = q - 0.0 * centre\n    if mask is not None:",
+           ("tests/test_attention.py", "tests/test_attention_kernels.py")),
+    Edited("flowattn/flows/continuous/fields.py", "field bound without the centring's norm",
+           "bound = bound * 2 * (nf - 1) / nf", "bound = bound * 1.0", FIELDS),
+    Edited("flowattn/flows/residual.py", "branch bound without the centring's norm",
+           "bound *= 2.0 * (n - 1) / n", "bound *= 1.0", ("tests/flows",)),
+    Edited("flowattn/flows/base.py", "n D degrees of freedom in the zero-centre-of-mass space",
+           "        n = n - 1\n    return n * z.shape[-1]",
+           "        n = n\n    return n * z.shape[-1]", ("tests/flows",)),
+    Edited("flowattn/flows/geometry.py", "subtract_mean that subtracts nothing",
+           "return (x - mean) * w", "return x * w", ("tests/flows", "tests/branches")),
+    Edited("flowattn/flows/inverse.py", "fixed-point inverse stopping 1000x early",
+           "        done = res <= tol\n        worst = float(res[~done].max())",
+           "        done = res <= 1e3 * tol\n        worst = float(res[~done].max())",
+           ("tests/flows/test_inverse.py",)),
+    Edited("flowattn/lm/model.py", "ChannelAffine's inverse off by a tenth of its shift",
+           "return y * torch.exp(-self.log_scale) - self.shift",
+           "return y * torch.exp(-self.log_scale) - 0.9 * self.shift",
+           ("tests/test_lm_model.py",)),
+]
+
+
+def run(mutant, copy: Path) -> tuple[bool, str, float]:
+    """Apply ``mutant`` in ``copy``, run its tests, restore the file. Returns (killed, the
+    last line pytest printed, seconds)."""
+    path = copy / mutant.file
+    original = path.read_text()
+    path.write_text(mutant.apply(original))
+    start = time.perf_counter()
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+            cwd=copy, capture_output=True, text=True,
+        )
+    finally:
+        path.write_text(original)
+    lines = result.stdout.strip().splitlines() or ["(no output)"]
+    # exit status 1: a test failed; anything else (errors, nothing collected) is not a kill
+    return result.returncode == 1, lines[-1], time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("match", nargs="?", default="",
+                        help="run only the mutants whose name contains this (case-insensitive)")
+    args = parser.parse_args()
+    chosen = [m for m in MUTANTS if args.match.lower() in m.name.lower()]
+    if not chosen:
+        parser.error(f"no mutant's name contains {args.match!r}")
+    survivors = []
+    with tempfile.TemporaryDirectory(prefix="flowattn-power-") as tmp:
+        copy = Path(tmp)
+        for part in ("flowattn", "tests"):
+            shutil.copytree(ROOT / part, copy / part,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        for part in ("conftest.py", "pyproject.toml"):
+            shutil.copy2(ROOT / part, copy / part)
+        check = subprocess.run([sys.executable, "-c", "import flowattn; print(flowattn.__file__)"],
+                               cwd=copy, capture_output=True, text=True)
+        if not check.stdout.startswith(str(copy)):
+            print(f"the copy's flowattn is not the one imported ({check.stdout.strip()}): stop",
+                  file=sys.stderr)
+            return 2
+        for i, mutant in enumerate(chosen, 1):
+            killed, last, seconds = run(mutant, copy)
+            print(f"[{i}/{len(chosen)}] {'killed  ' if killed else 'SURVIVED'} {mutant.name} "
+                  f"({mutant.file}; {seconds:.0f} s: {last})", flush=True)
+            if not killed:
+                survivors.append(mutant.name)
+    print(f"\n{len(chosen) - len(survivors)} of {len(chosen)} mutants killed"
+          + (f"; surviving: {', '.join(survivors)}" if survivors else ""))
+    return 1 if survivors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
