@@ -3,15 +3,17 @@
 Every certificate is halved in turn (each ``return`` of the function that computes it is
 multiplied by 0.5), and a few structural guarantees are broken by a one-line edit (the roulette
 estimator's reweighting and signs, the centring of the attention's queries, the
-zero-centre-of-mass factors, the inverse's tolerance). For each such mutant the test files that
-cover it are run with ``pytest -x``; the mutant is *killed* when a test fails. A mutant that
-survives marks a guarantee no test would defend: a one-sided check of a loose bound, or none.
+zero-centre-of-mass factors, the inverse's tolerance, the log-dets of exact layers, the
+divergence of continuous flows, the errors of importance sampling). For each such mutant the
+test files that cover it are run with ``pytest -x``; the mutant is *killed* when a test fails.
+A mutant that survives marks a guarantee no test would defend: a one-sided check of a loose
+bound, or none.
 
 The mutants are made in a copy of ``flowattn/`` and ``tests/`` in a temporary directory, so the
 working tree is never touched (an interrupted run leaves nothing behind).
 
-Usage (from the repository root; about 15 minutes on one core, most of it in the few mutants
-that need a whole test file to be killed)::
+Usage (from the repository root; most mutants are killed within seconds, a few only after a
+whole test file has run: about an hour on one core in all)::
 
     OMP_NUM_THREADS=1 python tools/power.py            # every mutant
     OMP_NUM_THREADS=1 python tools/power.py lipswish   # those whose name contains it
@@ -169,6 +171,26 @@ MUTANTS = [
            "        done = res <= tol\n        worst = float(res[~done].max())",
            "        done = res <= 1e3 * tol\n        worst = float(res[~done].max())",
            ("tests/flows/test_inverse.py",)),
+    # log-determinants of the exact layers, divergences of continuous flows, weights
+    Halved("flowattn/flows/layers.py", "ActNorm._logdet", ("tests/flows",)),
+    Edited("flowattn/flows/layers.py", "EquivariantLinear's log-det with n deviations, not n - 1",
+           "logdet = (n - 1) * self.deviation.log_abs_det()",
+           "logdet = n * self.deviation.log_abs_det()", ("tests/flows",)),
+    Edited("flowattn/flows/builders.py", "SetFlow without its standardisation's log-det",
+           "        logdet = scale_logdet + logdet\n",
+           "        logdet = 0 * scale_logdet + logdet\n", ("tests/flows",)),
+    Edited("flowattn/flows/continuous/divergence.py", "exact divergence off by its probes' sign",
+           "div = _event_sum(rows * probes).reshape(k, batch).sum(dim=0)",
+           "div = _event_sum(rows * probes.abs()).reshape(k, batch).sum(dim=0)", FIELDS),
+    Halved("flowattn/importance.py", "kish_ess", ("tests/test_importance.py",)),
+    Edited("flowattn/importance.py", "self-normalised mean's error halved",
+           "error = (w.pow(2) * (f - mean).pow(2)).sum().sqrt()",
+           "error = 0.5 * (w.pow(2) * (f - mean).pow(2)).sum().sqrt()",
+           ("tests/test_importance.py",)),
+    Edited("flowattn/importance.py", "log mean weight's error halved",
+           "error = scaled.std() / (math.sqrt(n) * scaled.mean())",
+           "error = 0.5 * scaled.std() / (math.sqrt(n) * scaled.mean())",
+           ("tests/test_importance.py",)),
     Edited("flowattn/lm/model.py", "ChannelAffine's inverse off by a tenth of its shift",
            "return y * torch.exp(-self.log_scale) - self.shift",
            "return y * torch.exp(-self.log_scale) - 0.9 * self.shift",
