@@ -42,6 +42,11 @@ PARTICLES = ("tests/branches/test_particle_branches.py",)
 FIELDS = ("tests/flows/continuous",)
 
 
+def first(path: str, tests: tuple[str, ...] = ATTENTION) -> tuple[str, ...]:
+    """``tests`` with ``path`` run first: pytest keeps the order, and -x stops at a kill."""
+    return (path, *(t for t in tests if t != path))
+
+
 @dataclass(frozen=True)
 class Halved:
     """Multiply every value returned by ``function`` (``Class.method`` or a name) by 0.5."""
@@ -110,12 +115,14 @@ MUTANTS = [
     Halved(LIP, "phi_inverse", ATTENTION),
     Halved(LIP, "logit_margin_constant", ATTENTION),
     Halved(LIP, "l2_core_column_constant", ATTENTION),
-    Halved(LIP, "induced_attention_bound", ATTENTION),
-    Halved(LIP, "induced_core_constant", ATTENTION),
+    Halved(LIP, "induced_attention_bound", first("tests/test_attention_induced.py")),
+    Halved(LIP, "induced_core_constant", first("tests/test_attention_induced.py")),
     Halved(LIP, "layernorm_lipschitz_bound", (*ATTENTION, "tests/test_lm_model.py")),
     Halved(LIP, "centernorm_lipschitz_bound", (*ATTENTION, "tests/test_lm_model.py")),
-    Halved("flowattn/attention/offsets.py", "LogitOffsets.weighted_counts", ATTENTION),
-    Halved("flowattn/attention/offsets.py", "LogitOffsets.margin", ATTENTION),
+    Halved("flowattn/attention/offsets.py", "LogitOffsets.weighted_counts",
+           first("tests/test_attention_offsets.py")),
+    Halved("flowattn/attention/offsets.py", "LogitOffsets.margin",
+           first("tests/test_attention_offsets.py")),
     Halved("flowattn/attention/cosine.py", "ScaledCosineMHA._tight_bound", ATTENTION),
     Halved("flowattn/attention/cosine.py", "ScaledCosineMHA.lipschitz_bound", ATTENTION),
     Halved("flowattn/attention/contractive.py", "ContractiveAttention.lipschitz_bound",
