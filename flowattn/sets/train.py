@@ -88,11 +88,9 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     batch_size = eval_batch_size(batch_size, data.set_size)
     residuals = [m for m in flow.modules() if isinstance(m, InvertibleResidual)]
     unknown = any(getattr(m, "eval_divergence", "exact") != "exact" for m in flow.modules())
-    total_nll = torch.zeros((), dtype=torch.float64, device=device)
-    total_dims = torch.zeros((), dtype=torch.float64, device=device)
-    total_var = torch.zeros((), dtype=torch.float64, device=device)
-    # second moments of the per-set NLLs y and degrees of freedom d: Σy², Σyd, Σd²
-    moments = torch.zeros(3, dtype=torch.float64, device=device)
+    # sums over sets of the NLLs y, degrees of freedom d, y², y d and d², and of the probes'
+    # variances: read back once for the whole split
+    sums = torch.zeros(6, dtype=torch.float64, device=device)
     estimated = False
     with frozen_certificates():  # fixed weights: each attention bound once per set size
         for start in range(0, count, batch_size):
@@ -101,21 +99,19 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
             # no graph: a continuous flow would otherwise keep every solver step of the batch
             with torch.no_grad():
                 log_prob = flow.log_prob(x, mask)
-            nll_sets, dims_sets = -log_prob.double(), set_dims(x, mask, flow.zero_com).double()
-            total_nll += nll_sets.sum()
-            total_dims += dims_sets.sum()
-            moments += torch.stack([nll_sets.square().sum(), (nll_sets * dims_sets).sum(),
-                                    dims_sets.square().sum()])
+            y, d = -log_prob.double(), set_dims(x, mask, flow.zero_com).double()
+            sums[:5] += torch.stack([y.sum(), d.sum(), y.square().sum(), (y * d).sum(),
+                                     d.square().sum()])
             for block in residuals:  # independent probes: the variances add
                 if block.logdet_variance is not None:
                     estimated = True
-                    total_var += block.logdet_variance.double().sum()
+                    sums[5] += block.logdet_variance.double().sum()
     flow.train(was_training)
-    nll, dims = float(total_nll), float(total_dims)  # one host sync for the whole split
+    nll, dims, *moments, variance = sums.tolist()
     if not math.isfinite(nll):
         raise NonFiniteError(f"non-finite log-likelihood while evaluating {data.name}")
-    se = None if unknown else math.sqrt(float(total_var))
-    sampling_se = _sampling_errors(nll, dims, moments.tolist(), count)
+    se = None if unknown else math.sqrt(variance)
+    sampling_se = _sampling_errors(nll, dims, moments, count)
     return {"nll": nll / count, "nll_per_dim": nll / dims,
             "nll_se": None if se is None else se / count,
             "nll_per_dim_se": None if se is None else se / dims,
