@@ -70,7 +70,7 @@ def _norm_name(p, mixed: bool = False) -> str:
 # ----------------------------------------------------------------------------- Lambert W
 
 
-def lambertw0(x: Tensor | float, iterations: int = 8, check: bool = True) -> Tensor:
+def lambertw0(x: Tensor | float, iterations: int = 3, check: bool = True) -> Tensor:
     """Principal branch W_0 of the Lambert W function, w e^w = x, for x >= 0.
 
     Winitzki's approximation W(x) ~ L (1 - log(1 + L) / (2 + L)), L = log(1 + x) (relative error
@@ -78,10 +78,11 @@ def lambertw0(x: Tensor | float, iterations: int = 8, check: bool = True) -> Ten
 
         w <- w - f / (e^w (w + 1) - (w + 2) f / (2 w + 2)),   f = w e^w - x.
 
-    Eight iterations reach machine precision in float64 over [0, 1e300]. The derivative is the
-    closed form W'(x) = 1 / (e^W (1 + W)) (differentiating w e^w = x), not that of the
-    iterations: one operation in the backward pass instead of the iterations' graph, and
-    differentiable again (second derivatives, ``torch.func``).
+    From that start two iterations are within 2e-15 relative of W_0 in float64 over
+    [1e-300, 1e300], and three (the default) reach its rounding error there (the tests check the
+    whole range). The derivative is the closed form W'(x) = 1 / (e^W (1 + W)) (differentiating
+    w e^w = x), not that of the iterations: one operation in the backward pass instead of the
+    iterations' graph, and differentiable again (second derivatives, ``torch.func``).
 
     Arguments:
         x: non-negative values (tensor or float).

@@ -43,6 +43,21 @@ def test_lambertw0_matches_scipy_to_1e12_relative_on_0_to_1e6():
     assert ours[0] == 0
 
 
+def test_lambertw0_default_iterations_reach_rounding_error_from_1e_300_to_1e300():
+    # the default three Halley steps against scipy over the whole float64 range of the
+    # certificates' arguments (sums of exponentials); two steps are within 2e-15, one step is
+    # not within 1e-6 somewhere: the default is the count its starting point needs
+    x = torch.logspace(-300, 300, 20001, dtype=torch.float64)
+    exact = torch.from_numpy(scipy_special.lambertw(x.numpy(), 0).real)
+
+    def worst(w: torch.Tensor) -> float:
+        return ((w - exact).abs() / exact).max().item()
+
+    assert worst(lambertw0(x)) <= 4 * torch.finfo(torch.float64).eps
+    assert worst(lambertw0(x, iterations=2)) <= 2e-15
+    assert worst(lambertw0(x, iterations=1)) > 1e-6
+
+
 def test_lambertw0_solves_its_defining_equation():
     x = torch.logspace(-5, 6, 100, dtype=torch.float64)
     w = lambertw0(x)
