@@ -13,6 +13,7 @@ from flowattn.attention import (
     DotProductMHA,
     ScaledCosineMHA,
     frozen_certificates,
+    shared_certificates,
 )
 from flowattn.attention.dot_product import merge_heads, split_heads
 from flowattn.attention.projections import PROJECTION_LAYOUTS, PROJECTION_ROLES
@@ -307,6 +308,85 @@ def test_frozen_certificates_are_recomputed_where_gradients_are_recorded(certifi
                 module(x)
     assert count[0] == 3
     assert module.attention.w_q.grad.abs().sum() > 0
+
+
+SHARED_CASES = {
+    "inf": (ContractiveL2MHA, {}, False),
+    "offsets, mixed norm, causal": (
+        ContractiveL2MHA, {"norm": "2,inf", "self_offset": 2.0, "position_bias": 3.0,
+                           "max_distance": 4}, True),
+    "2-norm": (ContractiveL2MHA, {"norm": 2}, True),
+    "scaled cosine": (ContractiveScaledCosineMHA, {}, True),
+}
+
+
+@pytest.mark.parametrize("case", SHARED_CASES)
+def test_shared_certificates_are_each_layers_own_values_and_derivatives(case, certificate_calls):
+    # one batched evaluation for three layers alike (different weights): every output and
+    # every parameter's derivative as with each layer's own certificate, in float64
+    cls, settings, causal = SHARED_CASES[case]
+    layers = [make(cls, seed=seed, coeff=0.9, **settings) for seed in (11, 12, 13)]
+    stack = torch.nn.ModuleList(layers)
+    x = randn(2, 6, DIM, seed=11)
+
+    def run(shared: bool):
+        context = shared_certificates(stack.modules(), 6, causal) if shared else (
+            contextlib.nullcontext())
+        with context:
+            h = x
+            for layer in layers:
+                h = h + layer(h, None, causal)
+        return h, torch.autograd.grad(h.square().sum(), list(stack.parameters()))
+
+    own, own_grads = run(False)
+    count = certificate_calls(stack)
+    shared, shared_grads = run(True)
+    assert count[0] == 1  # one (batched) evaluation for the three
+    torch.testing.assert_close(shared, own, rtol=1e-10, atol=1e-12)
+    for a, b in zip(shared_grads, own_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-8, atol=1e-12)
+
+
+def test_shared_certificates_leave_unlike_modules_and_other_calls_to_themselves(
+    certificate_calls
+):
+    # layers that differ (coefficient, heads, norm, a parametrisation) keep their own
+    # evaluation, and so does a call of another length or with a mask; the values are those
+    # outside the context
+    unlike = torch.nn.ModuleList([
+        make(ContractiveL2MHA, seed=1, coeff=0.8),
+        ContractiveL2MHA(DIM, 1, coeff=0.9).double(),
+        make(ContractiveL2MHA, seed=2, coeff=0.9, norm=2),
+        make(ContractiveL2MHA, seed=3, coeff=0.9, parametrization="orthogonal"),
+    ])
+    alike = torch.nn.ModuleList([make(ContractiveL2MHA, seed=s, coeff=0.9) for s in (4, 5)])
+    x, longer = randn(1, 5, DIM, seed=1), randn(1, 7, DIM, seed=2)
+    mask = torch.tensor([[True, True, True, True, False]])
+    calls = [(m, x, None) for m in unlike] + [(alike[0], longer, None), (alike[1], x, mask)]
+    with torch.no_grad():
+        expected = [m(v, k) for m, v, k in calls]
+    count = certificate_calls(torch.nn.ModuleList([unlike, alike]))
+    with torch.no_grad(), shared_certificates([*unlike.modules(), *alike.modules()], 5):
+        got = [m(v, k) for m, v, k in calls]
+    assert count[0] == 1 + len(calls)  # the pair's batch, then every call its own
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=0)
+
+
+def test_shared_certificates_join_the_frozen_ones_in_an_evaluation(certificate_calls):
+    # an evaluation enters the shared context for every batch: inside frozen_certificates the
+    # batched evaluation happens once, and every batch reuses it
+    layers = torch.nn.ModuleList([make(ContractiveL2MHA, seed=s, coeff=0.9) for s in (6, 7, 8)])
+    batches = [randn(2, 5, DIM, seed=s) for s in range(3)]
+    with torch.no_grad():
+        expected = [[layer(x) for layer in layers] for x in batches]
+    count = certificate_calls(layers)
+    with torch.no_grad(), frozen_certificates():
+        for x, outputs in zip(batches, expected, strict=True):
+            with shared_certificates(layers.modules(), 5):
+                for layer, y in zip(layers, outputs, strict=True):
+                    torch.testing.assert_close(layer(x), y, rtol=1e-12, atol=0)
+    assert count[0] == 1
 
 
 def test_the_inverse_reuses_certificates_and_repeats_a_fresh_solve_bit_for_bit(

@@ -616,3 +616,44 @@ def test_model_settings_stored_without_defaults_version_rebuild_the_old_model():
         legacy = {k: v for k, v in stored.items() if k != key}
         assert LMConfig.from_dict(legacy) == tiny(attention="contractive-l2",
                                                   defaults_version=1)
+
+
+@pytest.mark.parametrize("kw", [dict(attention="contractive-l2", self_offset=8.0,
+                                     position_bias=8.0),
+                                dict(invertible=True)], ids=["contractive-l2", "invertible"])
+def test_the_layers_certificates_are_evaluated_together_with_each_layers_own_result(
+    kw, monkeypatch, certificate_calls
+):
+    # the residual stack evaluates its contractive attention's certificates in one batch over
+    # the layers: the same loss and derivatives as one evaluation per layer (float64)
+    import contextlib
+
+    import flowattn.lm.model as lm_model
+
+    torch.manual_seed(0)
+    model = TransformerLM(tiny(layers=3, **kw)).double()
+    idx = torch.randint(V, (2, T))
+    model(idx)  # ActNorm's data-dependent initialisation, before either run
+    # a training-mode forward moves state (the power iterations' vectors): both runs start
+    # from this one
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def loss_and_grads():
+        model.load_state_dict(state)
+        _, losses = model(idx, idx)
+        return losses["loss"], torch.autograd.grad(losses["loss"], list(model.parameters()),
+                                                   allow_unused=True)
+
+    count = certificate_calls(model)
+    shared, shared_grads = loss_and_grads()
+    assert count[0] == 1  # one batched evaluation for the three layers
+    monkeypatch.setattr(lm_model, "shared_certificates",
+                        lambda *args, **kwargs: contextlib.nullcontext())
+    own, own_grads = loss_and_grads()
+    assert count[0] == 4  # then one per layer
+    torch.testing.assert_close(shared, own, rtol=1e-12, atol=0)
+    for a, b in zip(shared_grads, own_grads, strict=True):
+        if a is None:
+            assert b is None
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-13)

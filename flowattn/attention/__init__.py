@@ -15,7 +15,7 @@ double backward, ``torch.autograd.functional.jacobian(..., create_graph=True)``,
 ``torch.func.jacrev`` and ``hessian`` (see :mod:`flowattn.attention.kernels`).
 """
 
-from .contractive import frozen_certificates
+from .contractive import frozen_certificates, shared_certificates
 from .cosine import ContractiveScaledCosineMHA, ScaledCosineMHA
 from .dot_product import DotProductMHA
 from .induced import ContractiveInducedL2MHA, InducedL2MHA
@@ -32,4 +32,5 @@ __all__ = [
     "ContractiveScaledCosineMHA",
     "Projection",
     "frozen_certificates",
+    "shared_certificates",
 ]

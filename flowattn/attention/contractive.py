@@ -8,19 +8,20 @@ output dropout, and hand F's attention matrices and projections through.
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from ..errors import InputError
 from ..lipschitz import _norm_name
 from .masking import keys_per_row
 from .projections import Projection
 
-__all__ = ["ContractiveAttention", "frozen_certificates"]
+__all__ = ["ContractiveAttention", "frozen_certificates", "shared_certificates"]
 
 
 class _Frozen(threading.local):
@@ -63,6 +64,107 @@ def frozen_certificates() -> Iterator[None]:
         yield
     finally:
         _FROZEN.kept = previous
+
+
+class _Shared(threading.local):
+    """Per thread: the certificates evaluated together inside :func:`shared_certificates`,
+    keyed as :meth:`ContractiveAttention._bound` asks for them, or None outside."""
+
+    tables: dict | None = None
+
+
+_SHARED = _Shared()
+
+
+@contextmanager
+def shared_certificates(modules: Iterable[nn.Module], length: int,
+                        causal: bool = False) -> Iterator[None]:
+    """Within this context, the contractive attention modules among ``modules`` that are built
+    alike take their certificate for sequences of ``length`` elements from one evaluation
+    batched over all of them (``torch.func.vmap``), instead of one evaluation each.
+
+    A model with L layers of the same contractive attention otherwise runs every operation of
+    the certificate L times on small matrices; batched, it runs each once on L of them, and
+    the eigensolver once per kind of matrix. Values and derivatives are those of the separate
+    evaluations (to rounding). Modules are batched together when they have the same class,
+    the same settings (every public attribute of every submodule) and parameters and buffers
+    of the same names, shapes, dtypes and devices; parametrised modules, and a module alike
+    with no other, evaluate their own certificate as before. Only the mask-free call that the
+    module would make for ``length`` and ``causal`` is prepared: any other call evaluates its
+    own. Inside :func:`frozen_certificates` and without gradients the batch joins the kept
+    certificates (and is not evaluated again while they are kept). The weights must not
+    change inside the context (one forward pass). The language models enter it for their
+    residual stack.
+
+    Examples:
+        >>> from flowattn.attention import ContractiveL2MHA
+        >>> layers = [ContractiveL2MHA(dim=4, heads=2) for _ in range(3)]
+        >>> x = torch.randn(2, 5, 4)
+        >>> with shared_certificates(layers, length=5):
+        ...     y = layers[0](x)
+        >>> torch.allclose(y, layers[0](x))
+        True
+    """
+    groups: dict[tuple, list[ContractiveAttention]] = {}
+    for module in modules:
+        if isinstance(module, ContractiveAttention) and not any(
+                parametrize.is_parametrized(m) for m in module.modules()):
+            groups.setdefault(_signature(module), []).append(module)
+    # inside frozen_certificates and without gradients the tables join the kept ones, so that
+    # later calls (the next batch of an evaluation) reuse them
+    kept = _FROZEN.kept if not torch.is_grad_enabled() else None
+    tables = {}
+    for group in groups.values():
+        every_count = causal and group[0].norm != "2"  # as _denominator without a mask
+        keys = [(m, m.norm, length, every_count, causal) for m in group]
+        if len(group) > 1 and not (kept is not None and all(k in kept for k in keys)):
+            tables.update(zip(keys, _batched_bounds(group, length, every_count, causal),
+                              strict=True))
+    if kept is not None:
+        kept.update(tables)
+        tables = {}
+    previous = _SHARED.tables
+    _SHARED.tables = {**(previous or {}), **tables}
+    try:
+        yield
+    finally:
+        _SHARED.tables = previous
+
+
+def _signature(module: nn.Module) -> tuple:
+    """What must agree for two modules' certificates to be one function of their weights."""
+    settings = tuple(
+        (name, type(sub), tuple(sorted((k, repr(v)) for k, v in vars(sub).items()
+                                       if not k.startswith("_"))))
+        for name, sub in module.named_modules())
+    tensors = tuple((name, t.shape, t.dtype, t.device) for name, t in
+                    (*module.named_parameters(), *module.named_buffers()))
+    return settings, tensors
+
+
+class _Certificate(nn.Module):
+    """``module._bound``'s evaluation as a forward pass, for ``torch.func.functional_call``."""
+
+    def __init__(self, module: ContractiveAttention):
+        super().__init__()
+        self.module = module
+
+    def forward(self, counts: int | range, causal: bool) -> Tensor:
+        return self.module._certificate(counts, causal)
+
+
+@torch.compiler.disable  # host-side counts, as in _bound
+def _batched_bounds(group: list[ContractiveAttention], length: int, every_count: bool,
+                    causal: bool) -> Tensor:
+    """The certificates of ``group`` (modules alike), stacked: one vmapped evaluation of the
+    first module's with each module's parameters and buffers."""
+    wrapper = _Certificate(group[0])
+    names = [name for name, _ in (*group[0].named_parameters(), *group[0].named_buffers())]
+    states = [dict((*m.named_parameters(), *m.named_buffers())) for m in group]
+    stacked = {f"module.{n}": torch.stack([state[n] for state in states]) for n in names}
+    counts = range(1, length + 1) if every_count else length
+    return torch.func.vmap(
+        lambda state: torch.func.functional_call(wrapper, state, (counts, causal)))(stacked)
 
 
 class ContractiveAttention(nn.Module):
@@ -115,6 +217,11 @@ class ContractiveAttention(nn.Module):
         counts and the cached Lambert W constants are host values, which a graph with a dynamic
         N cannot enumerate (the weights' part is still differentiated)."""
         counts = range(1, length + 1) if every_count else length
+        shared = _SHARED.tables
+        if shared is not None:
+            table = shared.get((self, self.norm, length, every_count, causal))
+            if table is not None:
+                return table
         kept = _FROZEN.kept
         if kept is None or torch.is_grad_enabled():
             return self._certificate(counts, causal)

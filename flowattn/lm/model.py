@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
+from ..attention import (
+    L2MHA,
+    ContractiveL2MHA,
+    DotProductMHA,
+    ScaledCosineMHA,
+    shared_certificates,
+)
 from ..errors import InputError
 from .config import INITS, LMConfig
 
@@ -557,12 +563,15 @@ class TransformerLM(_CharLM):
 
     def hidden_states(self, h: Tensor, affinity: bool = False) -> tuple[Tensor, Tensor | None]:
         """Run the residual stack on embeddings ``h``; also return the summed affinity penalty
-        ||A^T A - I||_F^2 of every block when ``affinity`` is set."""
+        ||A^T A - I||_F^2 of every block when ``affinity`` is set. The certificates of the
+        blocks' contractive attention are evaluated together, batched over the layers
+        (:func:`~flowattn.attention.shared_certificates`)."""
         total = None
-        for block in self.blocks:
-            h, penalty = block(h, affinity=affinity)
-            if penalty is not None:
-                total = penalty if total is None else total + penalty
+        with shared_certificates(self.blocks.modules(), h.shape[1], causal=True):
+            for block in self.blocks:
+                h, penalty = block(h, affinity=affinity)
+                if penalty is not None:
+                    total = penalty if total is None else total + penalty
         return h, total
 
     def logits(self, h: Tensor) -> Tensor:
