@@ -14,8 +14,13 @@ Three studies, each writing a JSON file and printing a Markdown table:
   to dot-product attention.
 * ``ngram``: only the n-gram rows.
 * ``throughput``: only the interleaved timing of training steps, for ``--variants``;
-  ``--compile`` times each model also through ``torch.compile``, ``--nanogpt PATH`` adds
+  ``--compile`` times each model also through ``torch.compile``, ``--own-certificates``
+  each Lipschitz model also with every layer evaluating its own certificate (no
+  ``shared_certificates`` batch over the layers), ``--nanogpt PATH`` adds
   nanoGPT's ``GPT`` (imported from a checkout at PATH) in the same configuration.
+* ``certificates``: forward and backward of the certificates of every layer's contractive
+  attention for one training batch, each layer evaluating its own against one evaluation
+  batched over the layers (``shared_certificates``, what the models do), interleaved.
 * ``self-weight``: for finished ``attention`` runs of ``--variants`` (in ``--out``), how each
   layer spreads its attention over 32 validation windows: the mean weight a token puts on
   itself, the mean largest weight on another token, and the share of rows (positions 1 to 63)
@@ -40,6 +45,8 @@ meaning what was measured (``l2-tied-legacy`` etc. are the former defaults).
     python benchmarks/lm.py ngram                    # ~30 s
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
     python benchmarks/lm.py throughput --compile --nanogpt ../nanoGPT --variants dp l2-tied
+    python benchmarks/lm.py throughput --own-certificates --variants dp contractive-l2 invertible
+    python benchmarks/lm.py certificates --variants contractive-l2 invertible
     python benchmarks/lm.py self-weight --variants l2-tied-legacy l2-tied-offsets
     python benchmarks/lm.py budget --variants invertible-s2 --out runs/lm-inv-s2
     python benchmarks/lm.py depth --depths 2 4 6 8 10 12
@@ -66,7 +73,10 @@ from pathlib import Path
 import torch
 from machine import cpu_name
 
+from flowattn.attention import shared_certificates
+from flowattn.attention.contractive import ContractiveAttention
 from flowattn.lipschitz import jacobian_norm
+from flowattn.lm import model as lm_model
 from flowattn.lm.config import LMConfig, LMRunConfig
 from flowattn.lm.data import eval_windows, get_batch, load_corpus
 from flowattn.lm.model import attention_probabilities, build_model
@@ -287,7 +297,7 @@ class Timed:
     its ``torch.compile`` wrapper) and its optimiser."""
 
     name: str
-    mode: str  # "eager" or "compiled"
+    mode: str  # "eager", "compiled" or "own certificates"
     model: torch.nn.Module
     forward: Callable
     optimizer: torch.optim.Optimizer
@@ -322,14 +332,17 @@ def nanogpt_model(module, base: dict, vocab_size: int) -> torch.nn.Module:
 
 
 def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int,
-                           compile: bool = False, nanogpt: Path | None = None) -> list[dict]:
+                           compile: bool = False, nanogpt: Path | None = None,
+                           own_certificates: bool = False) -> list[dict]:
     """Median training tokens/s of each variant over ``rounds`` interleaved rounds of ``steps``
     optimiser steps (forward, backward, clipping and AdamW update) on Tiny Shakespeare batches.
 
     With ``compile``, every model is timed twice, eagerly and through ``torch.compile(model)``;
     with ``nanogpt`` (a nanoGPT checkout), nanoGPT's ``GPT`` in the same configuration joins
-    the rounds. Returns one dict per row: ``name``, ``mode``, ``tokens_per_s``, ``params`` and
-    ``compile_s`` (the warm-up, compilation included)."""
+    the rounds; with ``own_certificates`` every model but dot product's is timed again with
+    each layer evaluating its own certificate, as before ``shared_certificates``. Returns one
+    dict per row: ``name``, ``mode``, ``tokens_per_s``, ``params`` and ``compile_s`` (the
+    warm-up, compilation included)."""
     corpus = load_corpus(base["data"])
     vocab = corpus.vocab.size
     models: dict[str, torch.nn.Module] = {}
@@ -340,17 +353,28 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
     if nanogpt is not None:
         torch.manual_seed(0)
         models["nanoGPT"] = nanogpt_model(load_nanogpt(nanogpt), base, vocab).train()
+    shared = lm_model.shared_certificates
     rows = [Timed(n, "eager", m, m, _optimizer(m, base)) for n, m in models.items()]
     if compile:
         rows += [Timed(n, "compiled", m, torch.compile(m), _optimizer(m, base))
                  for n, m in models.items()]
+    if own_certificates:
+        rows += [Timed(n, "own certificates", m, m, _optimizer(m, base))
+                 for n, m in models.items() if n not in ("dp", "nanoGPT")]
     generator = torch.Generator().manual_seed(0)
     batches = [tuple(t.contiguous() for t in  # nanoGPT views targets, as its batches allow
                      get_batch(corpus.train, base["block_size"], base["batch_size"], generator))
                for _ in range(steps)]
 
+    def own(*args, **kwargs):
+        return contextlib.nullcontext()
+
     def step(row: Timed) -> float:
         start = time.perf_counter()
+        if row.mode == "own certificates":  # restored by the next row's step
+            lm_model.shared_certificates = own
+        else:
+            lm_model.shared_certificates = shared
         for x, y in batches:
             _, loss = row.forward(x, y)
             loss = loss["loss"] if isinstance(loss, dict) else loss  # nanoGPT: the loss itself
@@ -368,6 +392,7 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
         print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
         for i, row in enumerate(rows):
             times[i].append(step(row))
+    lm_model.shared_certificates = shared
     tokens = steps * base["batch_size"] * base["block_size"]
     return [{"name": row.name, "mode": row.mode,
              "tokens_per_s": tokens / statistics.median(times[i]),
@@ -552,10 +577,12 @@ def attention(args, base: dict) -> dict:
 def throughput(args, base: dict) -> dict:
     names = args.variants
     rows = interleaved_throughput(base, names, max(args.rounds, 1), args.timing_steps,
-                                  compile=args.compile, nanogpt=args.nanogpt)
+                                  compile=args.compile, nanogpt=args.nanogpt,
+                                  own_certificates=args.own_certificates)
     reference = "dp" if "dp" in names else names[0]
     modes = ("eager", "compiled") if args.compile else ("eager",)
     by_mode = {mode: rates(rows, mode) for mode in modes}
+    by_mode["own certificates"] = by_mode["eager"]  # against eager dot product
     lines = []
     for row in rows:
         same = by_mode[row["mode"]]
@@ -572,8 +599,61 @@ def throughput(args, base: dict) -> dict:
           f"{', '.join(below) if below else 'none'}")
     return {"study": "throughput", "machine": {**machine(), "cpu": cpu_name()}, "rows": rows,
             "rounds": args.rounds, "timing_steps": args.timing_steps, "compile": args.compile,
+            "own_certificates": args.own_certificates,
             "nanogpt": str(args.nanogpt) if args.nanogpt else None,
             "throughput_ratio_target": THROUGHPUT_TARGET, "below_target": below}
+
+
+def certificates(args, base: dict) -> dict:
+    """Milliseconds per training step spent on the certificates of the contractive attention
+    of every layer (forward and backward; the denominators the layers divide by), each layer
+    evaluating its own against one evaluation batched over the layers, interleaved; medians
+    over ``--rounds`` x ``--timing-steps`` calls."""
+    device = torch.device(args.device)
+    length = base["block_size"]
+    rows = []
+    for name in args.variants:
+        torch.manual_seed(0)
+        network = LMRunConfig.build({**base, **VARIANTS[name]}).network
+        model = build_model(LMConfig(vocab_size=65, **network.to_dict())).to(device)
+        layers = [m for m in model.blocks.modules() if isinstance(m, ContractiveAttention)]
+        if not layers:
+            print(f"{name}: no contractive attention, skipped")
+            continue
+        x = torch.zeros(1, length, layers[0].dim, device=device)
+        for shared in (False, True, False, True):  # warm-up
+            _time_certificates(model, layers, x, shared)
+        times = {False: [], True: []}
+        for _ in range(max(args.rounds, 1) * args.timing_steps):
+            for shared in (False, True):
+                times[shared].append(_time_certificates(model, layers, x, shared))
+        own, batched = (1e3 * statistics.median(times[k]) for k in (False, True))
+        rows.append({"name": name, "layers": len(layers), "own_ms": own, "shared_ms": batched})
+    print(table([[r["name"], r["layers"], f"{r['own_ms']:.2f}", f"{r['shared_ms']:.2f}",
+                  f"{r['shared_ms'] / r['own_ms']:.2f}"] for r in rows],
+                ["model", "contractive layers", "each its own (ms)", "batched (ms)",
+                 "batched / own"]))
+    return {"study": "certificates", "machine": {**machine(), "cpu": cpu_name()},
+            "device": args.device, "rows": rows}
+
+
+def _time_certificates(model, layers: list, x: torch.Tensor, shared: bool) -> float:
+    """Seconds for the causal denominators of ``layers`` on sequences like ``x`` and their
+    backward pass, with the certificates batched over the layers or not."""
+    context = (shared_certificates(model.blocks.modules(), x.shape[1], causal=True)
+               if shared else contextlib.nullcontext())
+    _sync(x.device)
+    start = time.perf_counter()
+    with context:
+        total = sum(m._denominator(x, None, True).sum() for m in layers)
+    total.backward()
+    _sync(x.device)
+    return time.perf_counter() - start
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def depth(args, base: dict) -> dict:
@@ -634,8 +714,8 @@ def plot_depth(results: dict, names, depths, path: Path, base: dict) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("study", choices=("peer", "attention", "throughput", "depth", "ngram",
-                                          "self-weight", "budget", "all"))
+    parser.add_argument("study", choices=("peer", "attention", "throughput", "certificates",
+                                          "depth", "ngram", "self-weight", "budget", "all"))
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 150 steps, depths 2 4 6, fewer timing rounds")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
@@ -653,6 +733,9 @@ def main(argv=None) -> int:
     parser.add_argument("--depth-norm-position", choices=("pre", "post"), default="post")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--timing-steps", type=int, default=20)
+    parser.add_argument("--own-certificates", action="store_true",
+                        help="throughput: time each Lipschitz model also with every layer "
+                        "evaluating its own certificate (no batch over the layers)")
     parser.add_argument("--compile", action="store_true",
                         help="throughput: also time every model through torch.compile")
     parser.add_argument("--nanogpt", type=Path, metavar="PATH",
@@ -683,7 +766,7 @@ def main(argv=None) -> int:
         print(f"\n## {study}\n", flush=True)
         studies_by_name = {"peer": peer, "attention": attention, "throughput": throughput,
                            "depth": depth, "ngram": ngram, "self-weight": self_weight,
-                           "budget": budget}
+                           "budget": budget, "certificates": certificates}
         result = studies_by_name[study](args, base)
         result.update(quick=args.quick, steps=base["steps"], command=" ".join(sys.argv))
         path = args.out / f"lm_{study}.json"
