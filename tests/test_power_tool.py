@@ -29,7 +29,11 @@ def test_every_mutant_changes_valid_code_and_names_existing_tests(mutant):
     mutated = mutant.apply(source)
     assert mutated != source
     ast.parse(mutated)
-    assert all((ROOT / path).exists() for path in mutant.tests)
+    for test in mutant.tests:  # a file or directory, or one test by its node id
+        path, _, name = test.partition("::")
+        assert (ROOT / path).exists(), test
+        if name:
+            assert f"def {name}(" in (ROOT / path).read_text(), test
 
 
 def test_halving_wraps_every_return_of_the_function_only():

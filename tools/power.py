@@ -44,7 +44,9 @@ FLOWS = ("tests/flows",)
 
 
 def first(path: str, tests: tuple[str, ...] = ATTENTION) -> tuple[str, ...]:
-    """``tests`` with ``path`` run first: pytest keeps the order, and -x stops at a kill."""
+    """``tests`` (files) with ``path`` run first: pytest keeps the order of files, and -x stops
+    at a kill. (A file inside a directory also given is collected in the directory's order:
+    there a mutant names its killing test alone, by node id.)"""
     return (path, *(t for t in tests if t != path))
 
 
@@ -175,11 +177,13 @@ MUTANTS = [
            "bound = bound * 2 * (nf - 1) / nf", "bound = bound * 1.0", FIELDS),
     Edited("flowattn/flows/residual.py", "branch bound without the centring's norm",
            "bound *= 2.0 * (n - 1) / n", "bound *= 1.0",
-           first("tests/flows/test_residual.py", FLOWS)),
+           ("tests/flows/test_residual.py::test_zero_com_factor_is_the_inf_norm_of_the_"
+            "projection_and_is_attained",)),
     Edited("flowattn/flows/base.py", "n D degrees of freedom in the zero-centre-of-mass space",
            "        n = n - 1\n    return n * z.shape[-1]",
            "        n = n\n    return n * z.shape[-1]",
-           first("tests/flows/test_builders.py", FLOWS)),
+           ("tests/flows/test_builders.py::test_actnorm_zero_com_keeps_centre_and_uses_"
+            "subspace_dimension",)),
     Edited("flowattn/flows/geometry.py", "subtract_mean that subtracts nothing",
            "return (x - mean) * w", "return x * w", (*FLOWS, "tests/branches")),
     Edited("flowattn/flows/inverse.py", "fixed-point inverse stopping 1000x early",
@@ -188,15 +192,17 @@ MUTANTS = [
            ("tests/flows/test_inverse.py",)),
     # log-determinants of the exact layers, divergences of continuous flows, weights
     Halved("flowattn/flows/layers.py", "ActNorm._logdet",
-           first("tests/flows/test_builders.py", FLOWS)),
+           ("tests/flows/test_builders.py::test_actnorm_logdet_matches_brute_force_and_"
+            "inverse_round_trips",)),
     Edited("flowattn/flows/layers.py", "EquivariantLinear's log-det with n deviations, not n - 1",
            "logdet = (n - 1) * self.deviation.log_abs_det()",
            "logdet = n * self.deviation.log_abs_det()",
-           first("tests/flows/test_equivariant.py", FLOWS)),
+           ("tests/flows/test_equivariant.py::test_logdet_equals_brute_force_jacobian",)),
     Edited("flowattn/flows/builders.py", "SetFlow without its standardisation's log-det",
            "        logdet = scale_logdet + logdet\n",
            "        logdet = 0 * scale_logdet + logdet\n",
-           first("tests/flows/test_standardisation.py", FLOWS)),
+           ("tests/flows/test_standardisation.py::test_log_likelihood_of_rescaled_and_shifted_"
+            "data_differs_by_exactly_n_d_log_scale",)),
     Edited("flowattn/flows/continuous/divergence.py", "exact divergence off by its probes' sign",
            "div = _event_sum(rows * probes).reshape(k, batch).sum(dim=0)",
            "div = _event_sum(rows * probes.abs()).reshape(k, batch).sum(dim=0)", FIELDS),
