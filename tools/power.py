@@ -12,8 +12,8 @@ bound, or none.
 The mutants are made in a copy of ``flowattn/`` and ``tests/`` in a temporary directory, so the
 working tree is never touched (an interrupted run leaves it as it was).
 
-Usage (from the repository root; most mutants are killed within seconds, a few only after a
-whole test file has run: 24 minutes for all 52 on one core beside another job)::
+Usage (from the repository root; most mutants are killed within 10-20 s, a few only after a
+whole test file has run, up to 2-3 minutes each)::
 
     OMP_NUM_THREADS=1 python tools/power.py            # every mutant
     OMP_NUM_THREADS=1 python tools/power.py lipswish   # those whose name contains it
