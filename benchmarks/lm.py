@@ -69,6 +69,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import torch
 from machine import cpu_name
@@ -353,7 +354,6 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
     if nanogpt is not None:
         torch.manual_seed(0)
         models["nanoGPT"] = nanogpt_model(load_nanogpt(nanogpt), base, vocab).train()
-    shared = lm_model.shared_certificates
     rows = [Timed(n, "eager", m, m, _optimizer(m, base)) for n, m in models.items()]
     if compile:
         rows += [Timed(n, "compiled", m, torch.compile(m), _optimizer(m, base))
@@ -366,22 +366,16 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
                      get_batch(corpus.train, base["block_size"], base["batch_size"], generator))
                for _ in range(steps)]
 
-    def own(*args, **kwargs):
-        return contextlib.nullcontext()
-
     def step(row: Timed) -> float:
         start = time.perf_counter()
-        if row.mode == "own certificates":  # restored by the next row's step
-            lm_model.shared_certificates = own
-        else:
-            lm_model.shared_certificates = shared
-        for x, y in batches:
-            _, loss = row.forward(x, y)
-            loss = loss["loss"] if isinstance(loss, dict) else loss  # nanoGPT: the loss itself
-            row.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(row.model.parameters(), 1.0)
-            row.optimizer.step()
+        with _own_certificates() if row.mode == "own certificates" else contextlib.nullcontext():
+            for x, y in batches:
+                _, loss = row.forward(x, y)
+                loss = loss["loss"] if isinstance(loss, dict) else loss  # nanoGPT: the loss
+                row.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(row.model.parameters(), 1.0)
+                row.optimizer.step()
         return time.perf_counter() - start
 
     for row in rows:  # warm-up (and compilation)
@@ -392,12 +386,18 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
         print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
         for i, row in enumerate(rows):
             times[i].append(step(row))
-    lm_model.shared_certificates = shared
     tokens = steps * base["batch_size"] * base["block_size"]
     return [{"name": row.name, "mode": row.mode,
              "tokens_per_s": tokens / statistics.median(times[i]),
              "params": sum(p.numel() for p in row.model.parameters()),
              "compile_s": row.compile_s, "seconds": times[i]} for i, row in enumerate(rows)]
+
+
+def _own_certificates():
+    """The language models with every layer evaluating its own certificate: their residual
+    stack's ``shared_certificates`` replaced by a context that does nothing."""
+    return mock.patch.object(lm_model, "shared_certificates",
+                             lambda *args, **kwargs: contextlib.nullcontext())
 
 
 def rates(rows: list[dict], mode: str = "eager") -> dict[str, float]:

@@ -115,8 +115,8 @@ def shared_certificates(modules: Iterable[nn.Module], length: int,
     kept = _FROZEN.kept if not torch.is_grad_enabled() else None
     tables = {}
     for group in groups.values():
-        every_count = causal and group[0].norm != "2"  # as _denominator without a mask
-        keys = [(m, m.norm, length, every_count, causal) for m in group]
+        every_count = group[0]._every_count(False, causal)  # the mask-free call
+        keys = [m._key(length, every_count, causal) for m in group]
         if len(group) > 1 and not (kept is not None and all(k in kept for k in keys)):
             tables.update(zip(keys, _batched_bounds(group, length, every_count, causal),
                               strict=True))
@@ -143,7 +143,7 @@ def _signature(module: nn.Module) -> tuple:
 
 
 class _Certificate(nn.Module):
-    """``module._bound``'s evaluation as a forward pass, for ``torch.func.functional_call``."""
+    """``module._certificate`` as a forward pass, for ``torch.func.functional_call``."""
 
     def __init__(self, module: ContractiveAttention):
         super().__init__()
@@ -202,13 +202,23 @@ class ContractiveAttention(nn.Module):
         it is evaluated once per possible count (or once for N) and looked up, not once per row,
         and the counts never leave the device."""
         batch, length = x.shape[:2]
-        if mask is None and (self.norm == "2" or not causal):
+        if not self._every_count(mask is not None, causal):
             return self._bound(length, every_count=False, causal=causal).reshape(1, 1, 1)
         table = self._bound(length, every_count=True, causal=causal)  # (N,)
         if self.norm == "2":
             return table[mask.sum(1) - 1][:, None, None]
         n = keys_per_row(mask, causal, batch, length, x.device)  # (B, N)
         return table[n - 1].unsqueeze(-1)
+
+    def _every_count(self, masked: bool, causal: bool) -> bool:
+        """Whether a call needs the table of bounds for every count of keys 1..N (masks, and
+        causal rows outside the 2-norm, whose bound is one per set) or the bound for N."""
+        return masked or (causal and self.norm != "2")
+
+    def _key(self, length: int, every_count: bool, causal: bool) -> tuple:
+        """Where the certificates kept or shared over a context file this call's bound: the
+        module itself (held, not reused), its norm and the call's kind."""
+        return self, self.norm, length, every_count, causal
 
     @torch.compiler.disable
     def _bound(self, length: int, every_count: bool, causal: bool = False) -> Tensor:
@@ -217,15 +227,13 @@ class ContractiveAttention(nn.Module):
         counts and the cached Lambert W constants are host values, which a graph with a dynamic
         N cannot enumerate (the weights' part is still differentiated)."""
         counts = range(1, length + 1) if every_count else length
+        key = self._key(length, every_count, causal)
         shared = _SHARED.tables
-        if shared is not None:
-            table = shared.get((self, self.norm, length, every_count, causal))
-            if table is not None:
-                return table
+        if shared is not None and key in shared:
+            return shared[key]
         kept = _FROZEN.kept
         if kept is None or torch.is_grad_enabled():
             return self._certificate(counts, causal)
-        key = (self, self.norm, length, every_count, causal)  # the module itself: held, not reused
         if key not in kept:
             kept[key] = self._certificate(counts, causal)
         return kept[key]
