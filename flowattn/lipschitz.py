@@ -553,18 +553,26 @@ def l2_core_column_constant(n: int | Tensor, margin: float = 0.0) -> Tensor:
 
     The core is g(Z)_i = sum_j P_ij z_j with P_ij = softmax_j(-||z_i - z_j||^2) on N points of
     R^d. Block (k, k) is P_kk I + 2 Cov_k, of norm <= 1 + 2c (c = phi^{-1}(N-1), Lemma F.2 of
-    Kim et al. 2021); a block (i, k), i != k, is P_ik (I - 2 a b^T) with b = z_k - z_i,
-    a = z_k - E_i[z], so P_ik <= 1/(1 + e^{u^2}) (u = ||b||; row i gives weight 1 to itself) and
-    ||a|| <= u + sqrt(c). Hence C_N = 1 + 2c + (N-1) kappa(c) with
+    Kim et al. 2021); a block (i, k), i != k, is P_ik (I - 2 a b^T) with b = z_k - z_i and
+    a = z_k - E_i[z]. Row i gives weight 1 to itself, s = e^{-u^2} to k (u = ||b||) and
+    W = sum_j e^{-||z_i - z_j||^2} to the m = N - 2 others, so P_ik = s / (1 + s + W) and
+    a = (1 - P_ik) b + e with e = -sum_{j other} P_ij (z_j - z_i). Then
 
-        kappa(c) = sup_u (1 + 2u^2 + 2 sqrt(c) u) / (1 + e^{u^2}),
+        ||I - 2 a b^T|| <= max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||,
+        ||e|| <= min(sqrt(c), W sqrt(log(m / W)) / (1 + s + W))
 
-    evaluated on a grid of step 1e-3 over [0, 6] with monotone brackets (the numerator
-    increases and the denominator's inverse decreases in u, so each cell is bounded by its
-    ends) plus 1e-9 for the tail u > 6: an upper bound, not an estimate.
+    (the first by Lemma F.2 and Cauchy-Schwarz, the second because x sqrt(log(1/x)) is
+    concave on (0, 1], so the m terms e^{-v^2} v with sum W are at most W sqrt(log(m / W))).
+    Hence C_N = 1 + 2c + (N - 1) kappa_N with kappa_N the supremum over u >= 0 and
+    0 <= W <= m of P_ik times that bracket, bounded from above cell by cell on a grid (step
+    2e-3 in u over [0, 6], 96 cells in W growing geometrically up to m; every factor is
+    monotone in u and W or, for W sqrt(log(m / W)), concave with a known peak, so each cell is
+    bounded by its corners) plus 1e-9 for the tail u > 6: an upper bound, not an estimate.
 
     With a logit ``margin`` B (see :func:`logit_margin_constant`) c is W_0((N - 1) e^B / e),
-    P_ik <= 1/(1 + e^{u^2 - B}) and the grid extends to sqrt(B) + 6.
+    the weight of k is at most e^{B - u^2}, W ranges up to m e^B (the concavity bound holds
+    with m e^B in place of m), 1 - P_ik is only bounded by 1, and the grid extends to
+    sqrt(B) + 6.
 
     Examples:
         >>> float(l2_core_column_constant(1))  # one element: the core is the identity
@@ -584,15 +592,48 @@ def l2_core_column_constant(n: int | Tensor, margin: float = 0.0) -> Tensor:
 def _core_column_constant(n: int, margin: float = 0.0) -> float:
     if n < 1:
         raise InputError(f"sequence length must be >= 1, got {n}")
-    c = float(logit_margin_constant(n, margin))
     if n == 1:
         return 1.0
+    c = float(logit_margin_constant(n, margin))
+    return 1 + 2 * c + (n - 1) * _column_block_supremum(n - 2, c, margin)
+
+
+def _column_block_supremum(others: int, c: float, margin: float) -> float:
+    """An upper bound on sup_{u, W} P_ik (max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||), the
+    largest norm of an off-diagonal block of a column of the core's Jacobian (see
+    :func:`l2_core_column_constant`), by monotone brackets over the cells of a grid."""
     top = 6.0 + math.sqrt(max(margin, 0.0))
-    u = torch.arange(0, round(top * 1000) + 1, dtype=torch.float64) * 1e-3
-    numerator = 1 + 2 * u**2 + 2 * math.sqrt(c) * u
-    inv_denominator = 1 / (1 + torch.exp(u**2 - margin))
-    kappa = float((inv_denominator[:-1] * numerator[1:]).max()) + 1e-9
-    return 1 + 2 * c + (n - 1) * kappa
+    u = torch.arange(0, round(top * 250) + 1, dtype=torch.float64) * 4e-3
+    u0, u1 = u[:-1, None], u[1:, None]  # cells in u (rows)
+    largest = others * math.exp(margin)  # W <= m e^B
+    if others == 0:
+        w0 = w1 = torch.zeros(1, 1, dtype=torch.float64)
+    else:
+        edges = largest * torch.logspace(-6, 0, 192, dtype=torch.float64)
+        edges = torch.cat([edges.new_zeros(1), edges])
+        w0, w1 = edges[None, :-1], edges[None, 1:]  # cells in W (columns)
+    weight_hi = torch.exp(margin - u0**2)  # the weight of k, largest at u0
+    p_hi = weight_hi / (1 + weight_hi + w0)  # P_ik is increasing in that weight, falling in W
+    if margin > 0:  # the weight of k may be arbitrarily small: 1 - P_ik <= 1
+        keep = torch.ones_like(p_hi)
+    else:
+        weight_lo = torch.exp(-(u1**2))
+        keep = 1 - weight_lo / (1 + weight_lo + w1)  # 1 - P_ik, largest at u1 and w1
+    bracket = torch.clamp(2 * keep * u1**2 - 1, min=1.0)
+    if others == 0:
+        pull = torch.zeros_like(p_hi)
+    else:
+        # W sqrt(log(M / W)) is concave in W, largest at M e^{-1/2}
+        def h(w):
+            return w * torch.sqrt(torch.log(largest / w.clamp_min(1e-300)).clamp_min(0))
+
+        peak = largest * math.exp(-0.5)
+        inner = torch.where(w0 >= peak, h(w0), h(w0.new_tensor(peak)))
+        spread = torch.where(w1 <= peak, h(w1), inner)
+        low = 1 + (torch.exp(-(u1**2)) if margin <= 0 else 0.0)
+        pull = torch.clamp(spread / (low + w0), max=math.sqrt(c))
+    cell = p_hi * (bracket + 2 * u1 * pull)
+    return float(cell.max()) + 1e-9
 
 
 def _pairwise_spectral(a: Tensor) -> Tensor:

@@ -120,6 +120,8 @@ MUTANTS = [
     Halved(LIP, "phi_inverse", ATTENTION),
     Halved(LIP, "logit_margin_constant", ATTENTION),
     Halved(LIP, "l2_core_column_constant", ATTENTION),
+    Edited(LIP, "core column constant without the other points' pull",
+           "cell = p_hi * (bracket + 2 * u1 * pull)", "cell = p_hi * bracket", ATTENTION),
     Halved(LIP, "induced_attention_bound", first("tests/test_attention_induced.py")),
     Halved(LIP, "induced_core_constant", first("tests/test_attention_induced.py")),
     Halved(LIP, "layernorm_lipschitz_bound", (*ATTENTION, "tests/test_lm_model.py")),
