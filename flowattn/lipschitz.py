@@ -548,7 +548,7 @@ def logit_margin_constant(n: int | Tensor, margin: Tensor | float = 0.0) -> Tens
     return phi_inverse(scaled).to(dtype)
 
 
-def l2_core_column_constant(n: int | Tensor, margin: float = 0.0) -> Tensor:
+def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Tensor:
     """C_N >= max_k sum_i ||J_ik||_2, the block-column sums of the Jacobian of the L2 core.
 
     The core is g(Z)_i = sum_j P_ij z_j with P_ij = softmax_j(-||z_i - z_j||^2) on N points of
@@ -561,25 +561,28 @@ def l2_core_column_constant(n: int | Tensor, margin: float = 0.0) -> Tensor:
         ||I - 2 a b^T|| <= max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||,
         ||e|| <= min(sqrt(c), W sqrt(log(m / W)) / (1 + s + W))
 
-    (the first by Lemma F.2 and Cauchy-Schwarz, the second because x sqrt(log(1/x)) is
-    concave on (0, 1], so the m terms e^{-v^2} v with sum W are at most W sqrt(log(m / W))).
-    Hence C_N = 1 + 2c + (N - 1) kappa_N with kappa_N the supremum over u >= 0 and
-    0 <= W <= m of P_ik times that bracket, bounded from above cell by cell on a grid (step
-    2e-3 in u over [0, 6], 96 cells in W growing geometrically up to m; every factor is
-    monotone in u and W or, for W sqrt(log(m / W)), concave with a known peak, so each cell is
-    bounded by its corners) plus 1e-9 for the tail u > 6: an upper bound, not an estimate.
+    (the first because I - 2 lambda b b^T has the eigenvalues 1 and 1 - 2 lambda u^2; for
+    the second, sqrt(c) by Lemma F.2 and Cauchy-Schwarz, and the other bound because
+    x sqrt(log(1/x)) is concave on (0, 1], so the m terms e^{-v^2} v with sum W are at most
+    W sqrt(log(m / W))). Hence C_N = 1 + 2c + (N - 1) kappa_N with kappa_N the supremum over
+    u >= 0 and 0 <= W <= m of P_ik times that bracket, bounded from above cell by cell on a
+    grid (step 4e-3 in u over [0, 6]; in W a first cell [0, 1e-6 m], then 191 cells growing
+    geometrically up to m; every factor is monotone in u and W or, for W sqrt(log(m / W)),
+    concave with a known peak, so each cell is bounded by its corners) plus 1e-9 for the tail
+    u > 6: an upper bound, not an estimate.
 
-    With a logit ``margin`` B (see :func:`logit_margin_constant`) c is W_0((N - 1) e^B / e),
-    the weight of k is at most e^{B - u^2}, W ranges up to m e^B (the concavity bound holds
-    with m e^B in place of m), 1 - P_ik is only bounded by 1, and the grid extends to
-    sqrt(B) + 6.
+    ``margin`` None is plain L2 attention. A logit ``margin`` B (logits may carry offsets with
+    b(i, j) - b(i, i) <= B, see :func:`logit_margin_constant`) gives c = W_0((N - 1) e^B / e),
+    a weight of k of at most e^{B - u^2} but possibly much less (so 1 - P_ik is only bounded
+    by 1 and the denominator of the pull by 1 + W), W up to m e^B (the concavity bound holds
+    with m e^B in place of m), and a grid that extends to sqrt(B) + 6.
 
     Examples:
         >>> float(l2_core_column_constant(1))  # one element: the core is the identity
         1.0
     """
     n = torch.as_tensor(n)
-    margin = float(margin)
+    margin = None if margin is None else float(margin)
     values = {int(k): _core_column_constant(int(k), margin) for k in torch.unique(n).tolist()}
     out = torch.empty(n.shape, dtype=torch.float64)
     flat = out.view(-1)
@@ -589,19 +592,22 @@ def l2_core_column_constant(n: int | Tensor, margin: float = 0.0) -> Tensor:
 
 
 @functools.lru_cache(maxsize=4096)
-def _core_column_constant(n: int, margin: float = 0.0) -> float:
+def _core_column_constant(n: int, margin: float | None = None) -> float:
     if n < 1:
         raise InputError(f"sequence length must be >= 1, got {n}")
     if n == 1:
         return 1.0
-    c = float(logit_margin_constant(n, margin))
+    c = float(logit_margin_constant(n, 0.0 if margin is None else margin))
     return 1 + 2 * c + (n - 1) * _column_block_supremum(n - 2, c, margin)
 
 
-def _column_block_supremum(others: int, c: float, margin: float) -> float:
+def _column_block_supremum(others: int, c: float, margin: float | None) -> float:
     """An upper bound on sup_{u, W} P_ik (max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||), the
     largest norm of an off-diagonal block of a column of the core's Jacobian (see
-    :func:`l2_core_column_constant`), by monotone brackets over the cells of a grid."""
+    :func:`l2_core_column_constant`; ``margin`` None: no logit offsets), by monotone brackets
+    over the cells of a grid."""
+    plain = margin is None
+    margin = 0.0 if plain else margin
     top = 6.0 + math.sqrt(max(margin, 0.0))
     u = torch.arange(0, round(top * 250) + 1, dtype=torch.float64) * 4e-3
     u0, u1 = u[:-1, None], u[1:, None]  # cells in u (rows)
@@ -614,11 +620,11 @@ def _column_block_supremum(others: int, c: float, margin: float) -> float:
         w0, w1 = edges[None, :-1], edges[None, 1:]  # cells in W (columns)
     weight_hi = torch.exp(margin - u0**2)  # the weight of k, largest at u0
     p_hi = weight_hi / (1 + weight_hi + w0)  # P_ik is increasing in that weight, falling in W
-    if margin > 0:  # the weight of k may be arbitrarily small: 1 - P_ik <= 1
-        keep = torch.ones_like(p_hi)
-    else:
+    if plain:
         weight_lo = torch.exp(-(u1**2))
         keep = 1 - weight_lo / (1 + weight_lo + w1)  # 1 - P_ik, largest at u1 and w1
+    else:  # offsets may make the weight of k arbitrarily small: 1 - P_ik <= 1
+        keep = torch.ones_like(p_hi)
     bracket = torch.clamp(2 * keep * u1**2 - 1, min=1.0)
     if others == 0:
         pull = torch.zeros_like(p_hi)
@@ -630,7 +636,7 @@ def _column_block_supremum(others: int, c: float, margin: float) -> float:
         peak = largest * math.exp(-0.5)
         inner = torch.where(w0 >= peak, h(w0), h(w0.new_tensor(peak)))
         spread = torch.where(w1 <= peak, h(w1), inner)
-        low = 1 + (torch.exp(-(u1**2)) if margin <= 0 else 0.0)
+        low = 1 + (torch.exp(-(u1**2)) if plain else 0.0)  # the pull's denominator, smallest
         pull = torch.clamp(spread / (low + w0), max=math.sqrt(c))
     cell = p_hi * (bracket + 2 * u1 * pull)
     return float(cell.max()) + 1e-9
@@ -677,7 +683,7 @@ def _tight_l2_attention_bound(
     )
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
-    top = 0.0 if margin is None else float(margin.detach().max())
+    top = None if margin is None else float(margin.detach().max())
     column = l2_core_column_constant(n if counts is None else counts, top)
     column = column.to(device=c.device, dtype=c.dtype)
     sqrt_n = torch.sqrt(n.to(c.dtype))
