@@ -238,7 +238,9 @@ def run(mutant, copy: Path) -> tuple[bool, str, float]:
         )
     finally:
         path.write_text(original)
-    lines = result.stdout.strip().splitlines() or ["(no output)"]
+    # when pytest could not start (nothing on stdout), its error is the last line of stderr
+    lines = (result.stdout.strip().splitlines() or result.stderr.strip().splitlines()
+             or ["(no output)"])
     # exit status 1: a test failed; anything else (errors, nothing collected) is not a kill
     return result.returncode == 1, lines[-1], time.perf_counter() - start
 
