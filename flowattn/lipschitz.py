@@ -575,14 +575,17 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Ten
     b(i, j) - b(i, i) <= B, see :func:`logit_margin_constant`) gives c = W_0((N - 1) e^B / e),
     a weight of k of at most e^{B - u^2} but possibly much less (so 1 - P_ik is only bounded
     by 1 and the denominator of the pull by 1 + W), W up to m e^B (the concavity bound holds
-    with m e^B in place of m), and a grid that extends to sqrt(B) + 6.
+    with m e^B in place of m), and a grid that extends to sqrt(B) + 6. B is first rounded up
+    to a multiple of 1/64 (offsets allowed up to B are allowed up to any larger value, so the
+    bound holds): a learnt margin that drifts between training steps then reuses the cached
+    constant instead of evaluating the grid again (about 25 ms) at every step.
 
     Examples:
         >>> float(l2_core_column_constant(1))  # one element: the core is the identity
         1.0
     """
     n = torch.as_tensor(n)
-    margin = None if margin is None else float(margin)
+    margin = None if margin is None else math.ceil(float(margin) * 64) / 64
     values = {int(k): _core_column_constant(int(k), margin) for k in torch.unique(n).tolist()}
     out = torch.empty(n.shape, dtype=torch.float64)
     flat = out.view(-1)
@@ -620,11 +623,9 @@ def _column_block_supremum(others: int, c: float, margin: float | None) -> float
         w0, w1 = edges[None, :-1], edges[None, 1:]  # cells in W (columns)
     weight_hi = torch.exp(margin - u0**2)  # the weight of k, largest at u0
     p_hi = weight_hi / (1 + weight_hi + w0)  # P_ik is increasing in that weight, falling in W
-    if plain:
-        weight_lo = torch.exp(-(u1**2))
-        keep = 1 - weight_lo / (1 + weight_lo + w1)  # 1 - P_ik, largest at u1 and w1
-    else:  # offsets may make the weight of k arbitrarily small: 1 - P_ik <= 1
-        keep = torch.ones_like(p_hi)
+    # the weight of k is at least e^{-u1^2} without offsets, which may make it arbitrarily small
+    weight_lo = torch.exp(-(u1**2)) if plain else torch.zeros_like(u1)
+    keep = 1 - weight_lo / (1 + weight_lo + w1)  # 1 - P_ik, largest at u1 and w1
     bracket = torch.clamp(2 * keep * u1**2 - 1, min=1.0)
     if others == 0:
         pull = torch.zeros_like(p_hi)
@@ -636,8 +637,7 @@ def _column_block_supremum(others: int, c: float, margin: float | None) -> float
         peak = largest * math.exp(-0.5)
         inner = torch.where(w0 >= peak, h(w0), h(w0.new_tensor(peak)))
         spread = torch.where(w1 <= peak, h(w1), inner)
-        low = 1 + (torch.exp(-(u1**2)) if plain else 0.0)  # the pull's denominator, smallest
-        pull = torch.clamp(spread / (low + w0), max=math.sqrt(c))
+        pull = torch.clamp(spread / (1 + weight_lo + w0), max=math.sqrt(c))
     cell = p_hi * (bracket + 2 * u1 * pull)
     return float(cell.max()) + 1e-9
 

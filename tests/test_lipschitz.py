@@ -311,6 +311,19 @@ def test_core_column_constant_values():
     assert _column_block_pointwise_sup(2) >= 0.5
 
 
+def test_core_column_constant_rounds_a_drifting_margin_up_to_a_cached_one():
+    # a learnt margin moves a little at every training step: the constant is evaluated for the
+    # margin rounded up to a multiple of 1/64 (a bound for every smaller margin), so nearby
+    # margins reuse one evaluation of the grid
+    from flowattn.lipschitz import _core_column_constant
+
+    start = _core_column_constant.cache_info().misses
+    values = {l2_core_column_constant(6, 2.0 + k / 1000).item() for k in range(1, 16)}
+    assert _core_column_constant.cache_info().misses - start <= 1
+    assert values == {l2_core_column_constant(6, 2 + 1 / 64).item()}
+    assert l2_core_column_constant(6, 2.0).item() < values.pop()
+
+
 def _optimised_column_sum(n: int, margin: float | None = None, restarts: int = 4,
                           steps: int = 150):
     """The largest block-column sum of the core's Jacobian (logits -||z_i - z_j||^2 minus a
