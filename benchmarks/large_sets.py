@@ -63,7 +63,7 @@ def measure(n: int, batch: int, variant: str, steps: int, threads: int, seed: in
     from flowattn.sets import SetsRunConfig
     from flowattn.sets.train import SetsTask, evaluate
     from flowattn.training.distributed import Distributed
-    from flowattn.training.loop import parameter_groups
+    from flowattn.training.loop import adamw
 
     torch.set_num_threads(threads)
     baseline = _peak_mib()
@@ -73,8 +73,7 @@ def measure(n: int, batch: int, variant: str, steps: int, threads: int, seed: in
     task = SetsTask(config, Distributed.join("cpu"), plots=False)
     task.initialise()
     model, cfg = task.model, config.train
-    optimiser = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=(cfg.beta1, cfg.beta2))
+    optimiser = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     generator = torch.Generator().manual_seed(seed)
     model.train()
     times, losses = [], []

@@ -82,7 +82,7 @@ from flowattn.lm.config import LMConfig, LMRunConfig
 from flowattn.lm.data import eval_windows, get_batch, load_corpus
 from flowattn.lm.model import attention_probabilities, build_model
 from flowattn.lm.train import load_checkpoint, train
-from flowattn.training.loop import parameter_groups
+from flowattn.training.loop import adamw
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -307,8 +307,7 @@ class Timed:
 
 def _optimizer(model: torch.nn.Module, base: dict) -> torch.optim.Optimizer:
     """AdamW as the training loop builds it (matrices decay, vectors do not; nanoGPT's rule)."""
-    return torch.optim.AdamW(parameter_groups(model, base["weight_decay"]), lr=base["lr"],
-                             betas=(0.9, base["beta2"]))
+    return adamw(model, base["lr"], (0.9, base["beta2"]), base["weight_decay"])
 
 
 def load_nanogpt(path: Path):

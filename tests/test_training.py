@@ -2,6 +2,7 @@
 devices, divergence and the command line's errors — each case a user can hit."""
 
 import contextlib
+import copy
 import io
 import json
 import os
@@ -296,6 +297,65 @@ def test_lm_evaluation_computes_each_attention_bound_once_with_the_same_result(
 
 
 # ----------------------------------------------------------------------------- resume
+
+
+def _fused_on_the_cpu() -> bool:
+    try:
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)], fused=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _fused_on_the_cpu(), reason="this torch has no fused AdamW for the CPU")
+def test_adamw_is_fused_and_computes_the_per_tensor_adamw_with_its_groups():
+    from flowattn.training.loop import adamw, parameter_groups
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3))
+    model = model.double()
+    twin, start = copy.deepcopy(model), [p.detach().clone() for p in model.parameters()]
+    fused = adamw(model, 1e-2, (0.8, 0.95), weight_decay=0.3)
+    plain = torch.optim.AdamW(parameter_groups(twin, 0.3), lr=1e-2, betas=(0.8, 0.95))
+    assert all(group["fused"] for group in fused.param_groups)
+    assert [g["weight_decay"] for g in fused.param_groups] == [0.3, 0.0]  # matrices decay
+    x = torch.randn(16, 5, dtype=torch.float64)
+    for _ in range(5):
+        for net, opt in ((model, fused), (twin, plain)):
+            opt.zero_grad()
+            net(x).pow(2).sum().backward()
+            opt.step()
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    moved = zip(model.parameters(), start, strict=True)
+    assert all((a - b).abs().max() > 1e-3 for a, b in moved)
+
+
+def test_adamw_falls_back_to_the_per_tensor_loop_where_torch_has_no_fused_kernel(monkeypatch):
+    from flowattn.training import loop
+
+    class NoFused(torch.optim.AdamW):
+        def __init__(self, params, *args, fused=None, **kwargs):
+            if fused:
+                raise RuntimeError("`fused=True` requires all the params to be floating point "
+                                   "Tensors of supported devices")
+            super().__init__(params, *args, **kwargs)
+
+    monkeypatch.setattr(loop.torch.optim, "AdamW", NoFused)
+    opt = loop.adamw(torch.nn.Linear(3, 2), 1e-3)
+    assert isinstance(opt, NoFused) and not any(g["fused"] for g in opt.param_groups)
+    assert sum(len(g["params"]) for g in opt.param_groups) == 2  # weight and bias, once
+
+
+@pytest.mark.skipif(not _fused_on_the_cpu(), reason="this torch has no fused AdamW for the CPU")
+def test_training_runs_take_the_fused_optimiser_and_resume_with_its_state(tmp_path):
+    out = tmp_path / "run"
+    fit_tiny(out, steps=2)
+    stored = read_checkpoint(out / "checkpoint.pt", "sets")["optimizer"]
+    assert all(group["fused"] for group in stored["param_groups"])
+    fit(out=out, resume=True, flags={"steps": 4}, progress=False, plots=False)
+    stored = read_checkpoint(out / "checkpoint.pt", "sets")["optimizer"]
+    assert all(group["fused"] for group in stored["param_groups"])
 
 
 def test_resume_alone_continues_with_the_stored_settings(tmp_path):

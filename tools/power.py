@@ -224,6 +224,11 @@ MUTANTS = [
            "return y * torch.exp(-self.log_scale) - self.shift",
            "return y * torch.exp(-self.log_scale) - 0.9 * self.shift",
            ("tests/test_lm_model.py",)),
+    Edited("flowattn/training/loop.py", "fused AdamW without the caller's betas",
+           "return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)",
+           "return torch.optim.AdamW(groups, lr=lr, fused=True)",
+           ("tests/test_training.py::test_adamw_is_fused_and_computes_the_per_tensor_adamw_with_"
+            "its_groups",)),
 ]
 
 

@@ -14,6 +14,7 @@ from ..attention import L2MHA, ContractiveL2MHA, DotProductMHA
 from ..errors import InputError
 from ..lm.config import PLAIN_DEFAULTS
 from ..lm.model import LMConfig, TransformerLM
+from ..training.loop import adamw
 from .common import ReproResult, finish_result, new_figure, save_figure
 
 __all__ = ["RuntimeConfig", "time_per_call", "run_runtime", "PAPER_TABLE2", "MODULES"]
@@ -123,7 +124,7 @@ def _lm_step(attention: str, layers: int, config: RuntimeConfig, generator: torc
             **PLAIN_DEFAULTS,  # Table 2's models: no logit offsets
         )
     )
-    optimiser = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimiser = adamw(model, 1e-3)
     shape = (config.batch_size, config.block_size)
     idx = torch.randint(vocab, shape, generator=generator)
     targets = torch.randint(vocab, shape, generator=generator)

@@ -28,6 +28,7 @@ from torch import Tensor
 from ..data import SetData
 from ..errors import DataError, InputError, NonFiniteError
 from ..flows.layers import feature_moments
+from ..training.loop import adamw
 
 __all__ = ["FlattenedSettings", "flattened_flow", "fit_flattened", "flattened_nll",
            "shuffled_batch"]
@@ -155,7 +156,7 @@ def fit_flattened(
     torch.manual_seed(seed)
     flow = flattened_flow(train, settings)
     flow.train()
-    optimiser = torch.optim.Adam(flow.parameters(), lr=settings.lr)
+    optimiser = adamw(flow, settings.lr)  # Adam (no weight decay), fused where it can be
     generator = torch.Generator().manual_seed(seed)
     size, dim = train.set_size, train.dim
     losses: list[float] = []

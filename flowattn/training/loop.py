@@ -34,7 +34,7 @@ from .metrics import MetricsLog
 from .run import DIVERGED_FILE, SUMMARY_FILE, RunPlan
 from .schedule import learning_rate
 
-__all__ = ["Task", "train", "EXIT_DIVERGED", "parameter_groups"]
+__all__ = ["Task", "train", "EXIT_DIVERGED", "adamw", "parameter_groups"]
 
 EXIT_DIVERGED = 3  # the exit status of a command whose training diverged
 
@@ -81,6 +81,30 @@ def parameter_groups(model: nn.Module, weight_decay: float) -> list[dict]:
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
 
 
+def adamw(model: nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.999),
+          weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """AdamW over ``model``'s trainable parameters in :func:`parameter_groups`, with the fused
+    kernel (one pass over all tensors) wherever this torch has it for their device.
+
+    A flow or a language model here holds tens to hundreds of small tensors, and the per-tensor
+    loop of the default implementation costs more than the arithmetic: on one CPU thread the
+    fused step of the sets ``large`` preset (494 tensors) takes 5.8 ms against 46 ms
+    (``benchmarks/optimizer.py``). The CPU has the fused kernel from torch 2.4 on; where it
+    is missing (older torch, another device) the default implementation is used. AdamW with
+    ``weight_decay = 0`` is Adam.
+
+    Examples:
+        >>> opt = adamw(nn.Linear(3, 2), lr=1e-3)
+        >>> opt.param_groups[0]["fused"]
+        True
+    """
+    groups = parameter_groups(model, weight_decay)
+    try:
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+    except RuntimeError:  # no fused kernel for these parameters' device in this torch
+        return torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=betas)
+
+
 def _rng_state(generator: torch.Generator, device: torch.device) -> dict:
     state = {"torch": torch.get_rng_state(), "batches": generator.get_state()}
     if device.type == "cuda":
@@ -107,9 +131,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
 
     # ------------------------------------------------------------------ optimiser and state
     model = task.model
-    optimizer = torch.optim.AdamW(parameter_groups(model, cfg.weight_decay), lr=cfg.lr,
-                                  betas=(cfg.beta1, cfg.beta2),
-                                  fused=dist.device.type == "cuda")
+    optimizer = adamw(model, cfg.lr, (cfg.beta1, cfg.beta2), cfg.weight_decay)
     generator = torch.Generator().manual_seed(cfg.seed)  # the same batches on every process
     loop = {"smoothed": None, "best_smoothed": math.inf, "val_loss": math.nan,
             "best_val_loss": math.inf, "best_step": None, "train_loss": math.nan, "seconds": 0.0,
