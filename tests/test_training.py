@@ -358,6 +358,30 @@ def test_training_runs_take_the_fused_optimiser_and_resume_with_its_state(tmp_pa
     assert all(group["fused"] for group in stored["param_groups"])
 
 
+def test_a_run_checkpointed_by_the_per_tensor_adamw_resumes_with_it_bit_for_bit(
+        tmp_path, monkeypatch):
+    # runs written before the fused optimiser: their stored param groups say fused None, and
+    # loading them keeps the per-tensor loop, so the resumed run repeats an uninterrupted one
+    from flowattn.training import loop
+
+    fused = loop.adamw
+    with monkeypatch.context() as patch:
+        def per_tensor(model, lr, betas=(0.9, 0.999), weight_decay=0.0):
+            return torch.optim.AdamW(loop.parameter_groups(model, weight_decay), lr=lr,
+                                     betas=betas)
+
+        patch.setattr(loop, "adamw", per_tensor)
+        fit_tiny(tmp_path / "whole", steps=4)
+        fit_tiny(tmp_path / "split", steps=2)
+    assert loop.adamw is fused
+    fit(out=tmp_path / "split", resume=True, flags={"steps": 4}, progress=False, plots=False)
+    whole = read_checkpoint(tmp_path / "whole" / "checkpoint.pt", "sets")
+    split = read_checkpoint(tmp_path / "split" / "checkpoint.pt", "sets")
+    assert not any(group["fused"] for group in split["optimizer"]["param_groups"])
+    for name, value in whole["model"].items():
+        assert torch.equal(value, split["model"][name]), name
+
+
 def test_resume_alone_continues_with_the_stored_settings(tmp_path):
     out = tmp_path / "run"
     fit_tiny(out, steps=2)
