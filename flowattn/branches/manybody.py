@@ -151,7 +151,7 @@ class NeighbourhoodInteraction(nn.Module):
         gram = self.in_weight.T @ ((a * tanh_curvature)[:, None] * self.in_weight)
         curvature = torch.linalg.eigvalsh(gram)[-1].clamp_min(0.0)  # >= sup ||Hess F||
         channels = slope.numel()
-        hessians = torch.minimum(slope.sum(), _HESSIAN_SUM * slope.max())
+        hessians = torch.minimum(slope.sum(), _HESSIAN_SUM * slope.amax())
         gradients = min(channels / math.e, _GRADIENT_SUM)
         return (hessians + curvature * gradients) / self.width**2
 

@@ -91,7 +91,7 @@ class RadialInteraction(nn.Module):
     def _dpsi_bound(self, w: Tensor) -> Tensor:
         """Certified bound on sup |psi'| for bump weights ``w``."""
         w = w.abs()
-        return torch.minimum(w.sum(), w.max() * self.bump_sum_bound)
+        return torch.minimum(w.sum(), w.amax() * self.bump_sum_bound)
 
     def effective_weight(self) -> Tensor:
         """w scaled so that the certified bound on sup |psi'| is at most ``coeff``.
