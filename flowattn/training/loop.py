@@ -102,6 +102,7 @@ def adamw(model: nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.999)
     try:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
     except RuntimeError:  # no fused kernel for these parameters' device in this torch
+        # fresh groups: the refused constructor has already written fused=True into ``groups``
         return torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=betas)
 
 
