@@ -214,6 +214,20 @@ def test_the_run_follows_the_schedule_it_documents(tmp_path):
     assert logged == pytest.approx(expected) and logged[-1] == pytest.approx(0.001)
 
 
+def test_a_finished_run_extended_by_steps_follows_the_stretched_schedule(tmp_path):
+    """docs/runs.md: a cosine run resumed with a larger --steps restarts warm, at the longer
+    cosine's rate for the step reached, and decays again to min_lr at its new last step."""
+    out = tmp_path / "run"
+    fit_tiny(out, steps=6, log_every=1, warmup=2, lr=0.01, min_lr=0.001, checkpoint_every=6)
+    fit(out=out, resume=True, flags={"steps": 12}, progress=False, plots=False)
+    logged = [r["lr"] for r in records(out) if r["split"] == "train"]
+    first = [learning_rate(t, lr=0.01, steps=6, warmup=2, min_lr=0.001) for t in range(6)]
+    then = [learning_rate(t, lr=0.01, steps=12, warmup=2, min_lr=0.001) for t in range(6, 12)]
+    assert logged == pytest.approx(first + then)
+    assert logged[5] == pytest.approx(0.001) and logged[6] > 0.004
+    assert logged[-1] == pytest.approx(0.001)
+
+
 # ----------------------------------------------------------------------------- progress
 
 
