@@ -176,7 +176,9 @@ class CNF(Transform):
     batched backward pass (small N D only). ``"hutchinson"``: eps^T (df/dz) eps with one probe
     eps per sample drawn (from ``generator``) at the start of each solve and held fixed for the
     whole solve, so the solver sees a smooth ODE and the estimate of the integrated
-    log-determinant is unbiased.
+    log-determinant is unbiased. In evaluation mode the probes come from a fresh generator
+    seeded with ``eval_seed`` at every solve, so a score is reproducible: the same inputs give
+    the same estimate, and evaluating leaves torch's global RNG as it was.
 
     **Zero centre of mass.** With ``zero_com`` (default: the field's ``zero_com`` attribute)
     the state lives on {sum_i z_i = 0}; inputs must be centred, the field's output is
@@ -217,7 +219,10 @@ class CNF(Transform):
         eval_divergence: the divergence in evaluation mode (``None``: ``divergence``); e.g.
             Hutchinson to train and the exact trace to report likelihoods (E-NF's practice).
         probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
-        generator: torch.Generator the probes are drawn from (default: the global RNG).
+        generator: torch.Generator the training-mode probes are drawn from (default: the
+            global RNG).
+        eval_seed: seed of the evaluation-mode probes (``None``: draw them from ``generator``
+            too, so that repeated evaluations differ).
         regularise: integrate the RNODE regularisers during ``forward``.
         zero_com: zero-centre-of-mass mode; ``None`` takes ``field.zero_com`` (or False).
         max_steps: maximum number of adaptive steps per solve (``None``: unlimited).
@@ -254,6 +259,7 @@ class CNF(Transform):
         eval_divergence: str | None = None,
         probe: str = "rademacher",
         generator: torch.Generator | None = None,
+        eval_seed: int | None = 0,
         regularise: bool = False,
         zero_com: bool | None = None,
         max_steps: int | None = None,
@@ -279,6 +285,8 @@ class CNF(Transform):
                              f"{eval_divergence!r}")
         if probe not in PROBES:
             raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
+        if eval_seed is not None and not isinstance(eval_seed, int):
+            raise InputError(f"eval_seed must be an int or None, got {eval_seed!r}")
         if max_steps is not None and max_steps < 1:
             raise InputError(f"max_steps must be a positive integer, got {max_steps!r}")
         if solver in FIXED_GRID_SOLVERS and "step_size" not in (solver_options or {}):
@@ -293,6 +301,7 @@ class CNF(Transform):
         self.adjoint_rtol = rtol if adjoint_rtol is None else adjoint_rtol
         self.divergence, self.probe, self.generator = divergence, probe, generator
         self.eval_divergence = divergence if eval_divergence is None else eval_divergence
+        self.eval_seed = eval_seed
         self.regularise = regularise
         self.zero_com = bool(getattr(field, "zero_com", False)) if zero_com is None else zero_com
         self.max_steps = max_steps
@@ -373,7 +382,10 @@ class CNF(Transform):
         self._counter = counter
         probe = None
         if (self.divergence if self.training else self.eval_divergence) == "hutchinson":
-            probe = sample_probes(z0.shape, self.probe, mask, self.zero_com, self.generator,
+            generator = self.generator
+            if not self.training and self.eval_seed is not None:
+                generator = torch.Generator(device=z0.device).manual_seed(self.eval_seed)
+            probe = sample_probes(z0.shape, self.probe, mask, self.zero_com, generator,
                                   z0.device, z0.dtype)
         dynamics = _Dynamics(
             self.field, mask, probe, self.zero_com, regularise, counter, self.adjoint

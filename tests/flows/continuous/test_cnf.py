@@ -156,6 +156,30 @@ def test_hutchinson_probe_is_fixed_for_the_whole_solve():
     assert torch.equal(again, logabsdet)
 
 
+def test_evaluation_probes_are_seeded_and_leave_the_global_rng_alone():
+    # In evaluation mode every solve draws its probes from a fresh generator seeded with
+    # eval_seed: the same inputs give the same score, whatever the global RNG did in between,
+    # and the score is eps^T J eps T for the probes of that seed.
+    a = torch.tensor([[0.3, -1.0], [0.7, 0.2]])
+    x = torch.randn(5, 3, 2, generator=torch.Generator().manual_seed(7))
+    cnf = CNF(LinearField(a), t1=2.0, divergence="hutchinson", eval_seed=11, **TIGHT).eval()
+    state = torch.get_rng_state()
+    first = cnf(x)[1]
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.randn(100)  # the global RNG moves on; the score does not
+    assert torch.equal(cnf(x)[1], first)
+    eps = sample_probes(x.shape, "rademacher", generator=torch.Generator().manual_seed(11),
+                        dtype=x.dtype)
+    assert torch.allclose(first, 2.0 * ((eps @ a.t()) * eps).sum(dim=(1, 2)), atol=1e-9)
+    # training mode, and eval_seed=None, keep drawing fresh probes
+    for train, seed in ((True, 11), (False, None)):
+        other = CNF(LinearField(a), t1=2.0, divergence="hutchinson", eval_seed=seed,
+                    **TIGHT).train(train)
+        assert not torch.equal(other(x)[1], other(x)[1])
+    with pytest.raises(ValueError, match="eval_seed"):
+        CNF(LinearField(a), eval_seed=1.5)
+
+
 # ----------------------------------------------------------------------------- inverse
 
 
