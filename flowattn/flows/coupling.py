@@ -18,6 +18,21 @@ head, so permuting the elements permutes the parameters: the layer is permutatio
 and the density of a flow of such layers is exchangeable. Unlike a contractive residual block,
 nothing bounds how strongly elements influence each other, and each element's map is an
 arbitrary monotone spline of its own coordinate.
+
+**Particles (zero centre of mass).** On configurations with sum_i x_i = 0 the moved coordinates
+are re-centred after the spline, y_i^a = s(x_i^a) - (1/n) sum_j s(x_j^a), so the layer maps the
+zero-centre-of-mass subspace onto itself. For one moved feature the map is P D on the
+(n - 1)-dimensional subspace 1^perp, with D = diag(s'(x_i)) and P the centring projection. With
+an orthonormal basis Q of 1^perp and u = 1/sqrt(n), [Q u] is orthogonal and the cofactor formula
+for the (u, u) entry of ([Q u]^T D [Q u])^{-1} = [Q u]^T D^{-1} [Q u] gives
+det(Q^T D Q) = det D * u^T D^{-1} u, so
+
+.. math:: \log|\det J| = \sum_{d \in a} \Big[\sum_i \log s'(x_{id})
+          + \log \frac{1}{n} \sum_i \frac{1}{s'(x_{id})}\Big],
+
+still exact and cheap. The inverse finds, per set and moved feature, the shift c with
+sum_i s^{-1}(y_i + c) = 0 (increasing in c; bracketed because s is the identity outside its
+interval) by bisection, then x_i = s^{-1}(y_i + c).
 """
 
 from __future__ import annotations
@@ -70,6 +85,8 @@ class SetCoupling(Transform):
         heads: attention heads (must divide ``hidden``).
         bins: spline bins.
         tail_bound: the spline's interval is [-tail_bound, tail_bound].
+        zero_com: particle mode: inputs have sum_i x_i = 0 and so do outputs (the moved
+            coordinates are re-centred; the log-det is that of the map on the subspace).
 
     Examples:
         >>> layer = SetCoupling(2, parity=0)
@@ -91,6 +108,7 @@ class SetCoupling(Transform):
         heads: int = 1,
         bins: int = 8,
         tail_bound: float = 5.0,
+        zero_com: bool = False,
     ) -> None:
         super().__init__()
         if dim < 2:
@@ -106,6 +124,7 @@ class SetCoupling(Transform):
         if not (math.isfinite(tail_bound) and tail_bound > 0):
             raise InputError(f"tail_bound must be positive, got {tail_bound}")
         self.dim, self.bins, self.tail_bound = dim, bins, float(tail_bound)
+        self.zero_com = bool(zero_com)
         moved = [d for d in range(dim) if d % 2 == parity]
         kept = [d for d in range(dim) if d % 2 != parity]
         self.register_buffer("moved", torch.tensor(moved), persistent=False)
@@ -126,13 +145,53 @@ class SetCoupling(Transform):
             widths, heights, derivatives = self._spline_parameters(x, mask)
         check_deferred(inputs, "SetCoupling", widths, heights, derivatives)
         with full_precision(x):  # the spline and its log-det in the data's precision
-            moved, logabsdet = unconstrained_rational_quadratic_spline(
-                x[..., self.moved], widths, heights, derivatives, inverse=inverse,
-                tails="linear", tail_bound=self.tail_bound)
+            def spline(values: Tensor, inverse: bool) -> tuple[Tensor, Tensor]:
+                return unconstrained_rational_quadratic_spline(
+                    values, widths, heights, derivatives, inverse=inverse, tails="linear",
+                    tail_bound=self.tail_bound)
+
+            moved = x[..., self.moved]
+            if self.zero_com and inverse:
+                moved = moved + self._centring_shift(moved, spline, w)
+            moved, logabsdet = spline(moved, inverse)
+            logdet = (logabsdet * w).sum(dim=(1, 2))
+            if self.zero_com:
+                n = w.sum(dim=1, keepdim=True)
+                moved = moved - (moved * w).sum(dim=1, keepdim=True) / n
+                # log (1/n) sum_i 1/s'(x_i) per moved feature; the inverse's is the negative
+                # of the forward's at its output, where log s' = -logabsdet
+                sign = 1.0 if inverse else -1.0
+                terms = (sign * logabsdet).masked_fill(w == 0, float("-inf"))
+                correction = (torch.logsumexp(terms, dim=1) - n.squeeze(1).log()).sum(dim=-1)
+                logdet = logdet - correction if inverse else logdet + correction
             y = x.index_copy(-1, self.moved, moved)
             if mask is not None:
                 y = torch.where(mask.unsqueeze(-1), y, inputs)
-            return y, (logabsdet * w).sum(dim=(1, 2))
+            return y, logdet
+
+    def _centring_shift(self, y: Tensor, spline, w: Tensor, iterations: int = 64) -> Tensor:
+        """c (B, 1, |a|) with sum_i w_i s^{-1}(y_i + c) = 0, by bisection.
+
+        s^{-1}(v) - v lies in [-2 B, 2 B] for every v (B = tail_bound: inside the interval both
+        are in [-B, B], outside the spline is the identity), so the root lies within 2 B of
+        minus the mean of y; the sum is increasing in c. The bisection runs without a graph;
+        one Newton step from its result, c - h(c) / h'(c), leaves the value where it is (h(c) is
+        0 to rounding) and gives c the derivative of the implicit function, dc = -dh / h'.
+        """
+        n = w.sum(dim=1, keepdim=True)
+        mean = (y * w).sum(dim=1, keepdim=True) / n
+        lo = -mean - 2 * self.tail_bound - 1
+        hi = -mean + 2 * self.tail_bound + 1
+        with torch.no_grad():
+            for _ in range(iterations):
+                mid = (lo + hi) / 2
+                above = (spline(y + mid, True)[0] * w).sum(dim=1, keepdim=True) > 0
+                lo, hi = torch.where(above, lo, mid), torch.where(above, mid, hi)
+        c = (lo + hi) / 2
+        values, logslope = spline(y + c, True)
+        h = (values * w).sum(dim=1, keepdim=True)
+        slope = (logslope.exp() * w).sum(dim=1, keepdim=True)
+        return c - h / slope
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         return self._couple(inputs, context, inverse=False)
@@ -151,6 +210,7 @@ def coupling_flow(
     tail_bound: float = 5.0,
     location: bool = True,
     linear: bool = True,
+    zero_com: bool = False,
 ) -> SetFlow:
     r"""An exchangeable flow of set-coupling layers with exact log-det and inverse.
 
@@ -158,7 +218,10 @@ def coupling_flow(
     centroid), then ``layers`` times ActNorm -> :class:`~flowattn.flows.EquivariantLinear`
     (optional) -> :class:`SetCoupling`, the moved features alternating between layers (for
     D = 2: the first coordinate, then the second). Every layer is permutation-equivariant with
-    an exact log-det, so log p(x[:, perm]) = log p(x) exactly. Not for zero-centre-of-mass data.
+    an exact log-det, so log p(x[:, perm]) = log p(x) exactly. With ``zero_com`` (particles) the
+    flow lives on the zero-centre-of-mass subspace: no SetLocation, ActNorms without shift,
+    equivariant maps without the mean term and re-centred couplings; it is then invariant to
+    permutations and translations but not to rotations.
 
     Arguments:
         dim: feature width D (at least 2).
@@ -168,9 +231,11 @@ def coupling_flow(
         heads: attention heads (must divide ``hidden``).
         bins: spline bins.
         tail_bound: the splines act on [-tail_bound, tail_bound].
-        location: start with a :class:`~flowattn.flows.SetLocation`.
+        location: start with a :class:`~flowattn.flows.SetLocation` (not with ``zero_com``).
         linear: an :class:`~flowattn.flows.EquivariantLinear` before every coupling (it also
             rotates the features, so that the split differs from layer to layer).
+        zero_com: particle mode (zero centre of mass, the E-NF convention of
+            :class:`~flowattn.flows.SetFlow`).
 
     Examples:
         >>> flow = coupling_flow(2, layers=2, hidden=8).eval()
@@ -181,13 +246,16 @@ def coupling_flow(
     """
     if layers < 1:
         raise InputError(f"layers must be >= 1, got {layers}")
+    if location and zero_com:
+        raise InputError("location=True models the centroid, which zero_com fixes at 0")
     steps: list[Transform] = [SetLocation(dim)] if location else []
     for index in range(layers):
-        steps.append(ActNorm(dim))
+        steps.append(ActNorm(dim, zero_com=zero_com))
         if linear:
-            steps.append(EquivariantLinear(dim))
-        steps.append(SetCoupling(dim, index % 2, hidden, blocks, heads, bins, tail_bound))
-    return SetFlow(CompositeTransform(steps), dim)
+            steps.append(EquivariantLinear(dim, zero_com=zero_com))
+        steps.append(SetCoupling(dim, index % 2, hidden, blocks, heads, bins, tail_bound,
+                                 zero_com=zero_com))
+    return SetFlow(CompositeTransform(steps), dim, zero_com=zero_com)
 
 
 class _Conditioner(nn.Module):

@@ -381,7 +381,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     Raises:
         ConfigError: for settings that do not fit the data (heads not dividing D, radial
             settings where the interaction resolves to another one, a coupling flow on
-            particles or on one-dimensional elements).
+            one-dimensional elements).
     """
     from nflows.transforms import CompositeTransform
 
@@ -481,10 +481,6 @@ def _induced_attention(inducing: int | None) -> Any:
 def _build_coupling(flow: SetsFlow, dim: int, zero_com: bool) -> Any:
     from ..flows.coupling import coupling_flow
 
-    if zero_com:
-        raise ConfigError("flow=coupling does not support particle data (zero centre of mass): "
-                          "its splines move single coordinates off the zero-centre-of-mass "
-                          "subspace; use flow=resflow or flow=cnf")
     if dim < 2:
         raise ConfigError(f"flow=coupling splits the features of each element in two: it needs "
                           f"elements of D >= 2, the data have D={dim}")
@@ -495,4 +491,4 @@ def _build_coupling(flow: SetsFlow, dim: int, zero_com: bool) -> Any:
     blocks = 2 if flow.coupling_blocks is None else flow.coupling_blocks
     return coupling_flow(dim, layers=flow.coupling_layers or 8, hidden=hidden, blocks=blocks,
                          heads=flow.heads, bins=flow.coupling_bins or 8,
-                         location=flow.location)
+                         location=flow.location and not zero_com, zero_com=zero_com)

@@ -1,20 +1,22 @@
 """Tests for the set-coupling layer and flow: inverse, exact log-det, exchangeability, padding."""
 
+import math
+
 import pytest
 import torch
 
 from flowattn.errors import ConfigError, InputError
-from flowattn.flows import SetCoupling, coupling_flow
+from flowattn.flows import SetCoupling, SetLocation, coupling_flow
 from flowattn.sets.config import SetsFlow, build_flow
 
 DT = torch.float64
 
 
-def _layer(parity=0, dim=2, blocks=2, seed=0):
+def _layer(parity=0, dim=2, blocks=2, seed=0, zero_com=False):
     """A coupling layer far from the identity: random weights in its zero-initialised head."""
     torch.manual_seed(seed)
     layer = SetCoupling(dim, parity, hidden=16, blocks=blocks, heads=2, bins=6,
-                        tail_bound=3.0).double()
+                        tail_bound=3.0, zero_com=zero_com).double()
     with torch.no_grad():
         layer.conditioner.head.weight.normal_(0, 0.5)
         layer.conditioner.head.bias.normal_(0, 0.5)
@@ -180,8 +182,11 @@ def test_coupling_config_builds_and_refuses_what_it_cannot_do():
     couplings = [m for m in flow.modules() if isinstance(m, SetCoupling)]
     assert len(couplings) == 2 and couplings[0].bins == 4
     assert flow.log_prob(torch.randn(3, 8, 2)).shape == (3,)
-    with pytest.raises(ConfigError, match="zero centre of mass"):
-        build_flow(SetsFlow(flow="coupling"), 2, 4, True)
+    particles = build_flow(SetsFlow(flow="coupling", coupling_layers=2, coupling_hidden=8),
+                           3, 4, True)
+    assert particles.zero_com and all(m.zero_com for m in particles.modules()
+                                      if isinstance(m, SetCoupling))
+    assert not any(isinstance(m, SetLocation) for m in particles.modules())  # as for resflow
     with pytest.raises(ConfigError, match="D >= 2"):
         build_flow(SetsFlow(flow="coupling"), 1, 4, False)
     with pytest.raises(ConfigError, match="heads=3 must divide"):
@@ -192,6 +197,93 @@ def test_coupling_config_builds_and_refuses_what_it_cannot_do():
         SetsFlow(flow="coupling", interaction="linear")
     with pytest.raises(ValueError, match="setting of continuous flows"):
         SetsFlow(flow="coupling", field="egnn")
+
+
+# ----------------------------------------------------------------- particles (zero_com)
+
+
+def _centred(x, mask=None):
+    w = torch.ones(x.shape[:2], dtype=x.dtype) if mask is None else mask.to(x.dtype)
+    mean = (x * w[..., None]).sum(1, keepdim=True) / w.sum(1)[:, None, None]
+    return torch.where(w[..., None] > 0, x - mean, x)
+
+
+def _subspace_jacobian(fn, x, mask):
+    """The Jacobian of fn on the zero-centre-of-mass subspace of the present elements of the
+    one set in x, in an orthonormal basis of that subspace: ((n - 1) D, (n - 1) D)."""
+    jac = _present_jacobian(fn, x, mask)
+    n, d = int(mask.sum()), x.shape[-1]
+    centre = torch.eye(n, dtype=DT) - 1.0 / n
+    basis_n = torch.linalg.svd(centre)[0][:, : n - 1].contiguous()
+    basis = torch.kron(basis_n, torch.eye(d, dtype=DT))
+    return basis.T @ jac @ basis
+
+
+@pytest.mark.parametrize("parity,dim", [(0, 2), (1, 2), (0, 3), (1, 3)])
+def test_zero_com_coupling_logdet_is_the_determinant_on_the_subspace(parity, dim):
+    # the re-centring term log (1/n) sum_i 1/s'(x_i) is what makes it exact: without it the
+    # log-det would be that of the map on all of R^{n D}, which leaves the subspace
+    layer = _layer(parity, dim=dim, zero_com=True)
+    mask = torch.tensor([[True, True, False, True, True, True]])
+    x = _centred(1.5 * torch.randn(1, 6, dim, dtype=DT), mask)
+    y, logdet = layer(x, context=mask)
+    assert (y[0, mask[0]].sum(0)).abs().max() < 1e-12  # outputs stay centred
+    restricted = _subspace_jacobian(lambda v: layer(v, context=mask)[0], x, mask)
+    sign, ref = torch.linalg.slogdet(restricted)
+    assert sign > 0 and abs(logdet.item() - ref.item()) < 1e-10
+    plain = layer.zero_com
+    layer.zero_com = False  # the uncorrected log-det differs by more than rounding
+    assert abs(layer(x, context=mask)[1].item() - ref.item()) > 1e-3
+    layer.zero_com = plain
+
+
+def test_zero_com_coupling_inverse_round_trips_with_its_implicit_derivative():
+    layer = _layer(0, zero_com=True)
+    mask = _mask()
+    x = _centred(2 * torch.randn(3, 6, 2, dtype=DT), mask)
+    x[0, 0, 0] += 4.0  # beyond the tail bound for one element
+    x = _centred(x, mask)
+    y, logdet = layer(x, context=mask)
+    x_back, inv_logdet = layer.inverse(y, context=mask)
+    assert (x_back - x).abs().max() < 1e-10
+    assert torch.allclose(inv_logdet, -logdet, atol=1e-10)
+    # the inverse's Jacobian on the subspace is the inverse of the forward one: the bisection
+    # carries no graph, so this checks the Newton step that gives the shift its derivative
+    one = mask[:1]
+    forward = _subspace_jacobian(lambda v: layer(v, context=one)[0], x[:1], one)
+    backward = _subspace_jacobian(lambda v: layer.inverse(v, context=one)[0], y[:1], one)
+    eye = torch.eye(forward.shape[0], dtype=DT)
+    assert (backward @ forward - eye).abs().max() < 1e-8
+
+
+def test_zero_com_coupling_flow_density_is_exchangeable_translation_invariant_and_samples():
+    torch.manual_seed(1)
+    flow = coupling_flow(3, layers=3, hidden=16, blocks=1, location=False,
+                         zero_com=True).double()
+    x = _centred(torch.randn(4, 5, 3, dtype=DT))
+    flow.log_prob(1.5 * x)  # initialise the ActNorms
+    with torch.no_grad():
+        for module in flow.modules():
+            if isinstance(module, SetCoupling):
+                module.conditioner.head.weight.normal_(0, 0.3)
+    flow.eval()
+    log_prob = flow.log_prob(x)
+    perm = torch.tensor([2, 4, 0, 1, 3])
+    assert torch.allclose(flow.log_prob(x[:, perm]), log_prob, atol=1e-10)
+    assert torch.allclose(flow.log_prob(x + 2.5), log_prob, atol=1e-10)
+    # the density of the E-NF convention: log N(z) on the (n - 1) D subspace + exact log-det
+    restricted = _subspace_jacobian(lambda v: flow.transform_to_noise(v), x[:1],
+                                    torch.ones(1, 5, dtype=torch.bool))
+    z = flow.transform_to_noise(x[:1])
+    expected = (-0.5 * z.square().sum() - 0.5 * 4 * 3 * math.log(2 * math.pi)
+                + torch.linalg.slogdet(restricted)[1])
+    assert abs(log_prob[0].item() - expected.item()) < 1e-9
+    samples, sample_log_prob = flow.sample_and_log_prob(
+        6, set_size=5, generator=torch.Generator().manual_seed(2))
+    assert samples.sum(1).abs().max() < 1e-10
+    assert torch.allclose(flow.log_prob(samples), sample_log_prob, atol=1e-8)
+    with pytest.raises(InputError, match="centroid"):
+        coupling_flow(2, zero_com=True)  # location defaults to True: refused by name
 
 
 @pytest.mark.slow
