@@ -82,6 +82,10 @@ class SetsData(Section):
     set_size: int | None = Field(None, ge=1, description="elements per set of a data set that "
                                  "takes a size (surface-clouds; none: its default, 1000)")
     val_sets: int = Field(500, ge=1, description="validation sets scored at each evaluation")
+    augment: Literal["none", "rotations"] = Field(
+        "none", description="rotations: each training set rotated and reflected about its "
+        "centroid at random (Haar on O(D)) every time it is drawn; only for data whose density "
+        "does not change under that, such as particle systems")
 
     @model_validator(mode="after")
     def _check_set_size(self) -> SetsData:

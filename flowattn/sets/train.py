@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..attention import frozen_certificates
-from ..data import SetData, load_dataset
+from ..data import SetData, load_dataset, random_orthogonal, rotate_sets
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import set_dims
 from ..flows.builders import SetFlow
@@ -215,9 +215,13 @@ class SetsTask:
         self.flow.log_prob(x, mask)
 
     def batch(self, generator: torch.Generator, dist: Distributed):
-        index = torch.randint(len(self.train_data), (self.config.train.batch_size,),
-                              generator=generator)
-        return _batch(self.train_data, index[dist.rank :: dist.world], dist.device)
+        size = self.config.train.batch_size
+        index = torch.randint(len(self.train_data), (size,), generator=generator)
+        x, mask = _batch(self.train_data, index[dist.rank :: dist.world], dist.device)
+        if self.config.data.augment == "rotations":  # drawn for the whole batch: every process
+            q = random_orthogonal(size, x.shape[-1], generator)  # keeps its share of it
+            x = rotate_sets(x, mask, q[dist.rank :: dist.world])
+        return x, mask
 
     def loss(self, module: nn.Module, batch):
         """The NLL per dimension, plus RNODE's penalties (per dimension too) when weighted:
