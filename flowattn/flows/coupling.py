@@ -54,7 +54,7 @@ from .geometry import full_precision, mask_from_context
 from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
 from .pairs import UNIT_SLOPE
 
-__all__ = ["SetCoupling", "coupling_flow"]
+__all__ = ["SetCoupling", "coupling_flow", "coupling_stack"]
 
 
 
@@ -249,13 +249,40 @@ def coupling_flow(
     if location and zero_com:
         raise InputError("location=True models the centroid, which zero_com fixes at 0")
     steps: list[Transform] = [SetLocation(dim)] if location else []
+    steps += coupling_stack(dim, layers, hidden, blocks, heads, bins, tail_bound, linear,
+                            zero_com)
+    return SetFlow(CompositeTransform(steps), dim, zero_com=zero_com)
+
+
+def coupling_stack(
+    dim: int,
+    layers: int,
+    hidden: int = 64,
+    blocks: int = 2,
+    heads: int = 1,
+    bins: int = 8,
+    tail_bound: float = 5.0,
+    linear: bool = True,
+    zero_com: bool = False,
+) -> list[Transform]:
+    """The layers of :func:`coupling_flow` after its SetLocation: ``layers`` times ActNorm ->
+    EquivariantLinear (if ``linear``) -> :class:`SetCoupling`, the moved features alternating
+    from the first coordinate on; to put after other transforms of a flow.
+
+    Examples:
+        >>> [type(t).__name__ for t in coupling_stack(2, 1, hidden=8)]
+        ['ActNorm', 'EquivariantLinear', 'SetCoupling']
+    """
+    if layers < 1:
+        raise InputError(f"layers must be >= 1, got {layers}")
+    steps: list[Transform] = []
     for index in range(layers):
         steps.append(ActNorm(dim, zero_com=zero_com))
         if linear:
             steps.append(EquivariantLinear(dim, zero_com=zero_com))
         steps.append(SetCoupling(dim, index % 2, hidden, blocks, heads, bins, tail_bound,
                                  zero_com=zero_com))
-    return SetFlow(CompositeTransform(steps), dim, zero_com=zero_com)
+    return steps
 
 
 class _Conditioner(nn.Module):

@@ -173,14 +173,17 @@ class SetsFlow(Section):
         "auto", description="cnf: divergence in training (auto: exact when N D <= 64); "
         "evaluation is exact when N D <= 64")
     coupling_layers: int | None = Field(None, ge=1, description="coupling: coupling layers "
-                                        "(none: 8)")
-    coupling_hidden: int | None = Field(None, ge=1, description="coupling: conditioner width "
-                                        "(none: 64)")
-    coupling_blocks: int | None = Field(None, ge=0, description="coupling: attention blocks "
-                                        "of each conditioner, 0: splines from each element's "
-                                        "own features (none: 2)")
-    coupling_bins: int | None = Field(None, ge=1, description="coupling: spline bins "
-                                      "(none: 8)")
+                                        "(none: 8); resflow: set-coupling layers after the "
+                                        "residual blocks, on the base side (none: no such "
+                                        "layers)")
+    coupling_hidden: int | None = Field(None, ge=1, description="coupling, or resflow with "
+                                        "coupling_layers: conditioner width (none: 64)")
+    coupling_blocks: int | None = Field(None, ge=0, description="coupling, or resflow with "
+                                        "coupling_layers: attention blocks of each "
+                                        "conditioner, 0: splines from each element's own "
+                                        "features (none: 2)")
+    coupling_bins: int | None = Field(None, ge=1, description="coupling, or resflow with "
+                                      "coupling_layers: spline bins (none: 8)")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> SetsFlow:
@@ -225,9 +228,14 @@ class SetsFlow(Section):
                 raise ValueError(f"{name} is a setting of residual flows: use it with "
                                  f"flow=resflow (here {self.flow})")
         for name in COUPLING_SETTINGS:
-            if self.flow != "coupling" and getattr(self, name) is not None:
+            if self.flow == "cnf" and getattr(self, name) is not None:
                 raise ValueError(f"{name} is a setting of coupling flows: use it with "
-                                 f"flow=coupling (here {self.flow})")
+                                 f"flow=coupling, or flow=resflow with coupling_layers "
+                                 f"(here {self.flow})")
+            if (self.flow == "resflow" and self.coupling_layers is None
+                    and getattr(self, name) is not None):
+                raise ValueError(f"{name} shapes the coupling layers of a residual flow: give "
+                                 "coupling_layers too")
         return self
 
 
@@ -430,7 +438,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
         logdet = flow.train_logdet
         if logdet == "auto":  # radial branches decide themselves (closed-form Jacobians)
             logdet = "exact" if small else ("auto" if interaction == "radial" else "roulette")
-        return set_flow(
+        residual = set_flow(
             dim,
             flow.blocks,
             flow.heads,
@@ -452,6 +460,10 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             attention=_induced_attention(flow.inducing_points),
             attention_width=flow.attention_width,
         )
+        if flow.coupling_layers is None:
+            return residual
+        steps = list(residual.transform._transforms) + _coupling_stack(flow, dim, zero_com)
+        return SetFlow(CompositeTransform(steps), dim, zero_com)
     from ..flows.continuous.cnf import CNF
 
     divergence = flow.divergence
@@ -483,16 +495,28 @@ def _induced_attention(inducing: int | None) -> Any:
 
 
 def _build_coupling(flow: SetsFlow, dim: int, zero_com: bool) -> Any:
-    from ..flows.coupling import coupling_flow
+    from nflows.transforms import CompositeTransform
+
+    from ..flows.builders import SetFlow
+    from ..flows.layers import SetLocation
+
+    location = [SetLocation(dim)] if flow.location and not zero_com else []
+    steps = location + _coupling_stack(flow, dim, zero_com, default_layers=8)
+    return SetFlow(CompositeTransform(steps), dim, zero_com)
+
+
+def _coupling_stack(flow: SetsFlow, dim: int, zero_com: bool, default_layers: int = 0) -> list:
+    """The set-coupling layers of a coupling flow, or those after a residual flow's blocks."""
+    from ..flows.coupling import coupling_stack
 
     if dim < 2:
-        raise ConfigError(f"flow=coupling splits the features of each element in two: it needs "
-                          f"elements of D >= 2, the data have D={dim}")
+        raise ConfigError(f"a coupling layer splits the features of each element in two: it "
+                          f"needs elements of D >= 2, the data have D={dim}")
     hidden = flow.coupling_hidden or 64
     if hidden % flow.heads != 0:
         raise ConfigError(f"heads={flow.heads} must divide the coupling conditioner's width "
                           f"coupling_hidden={hidden}")
     blocks = 2 if flow.coupling_blocks is None else flow.coupling_blocks
-    return coupling_flow(dim, layers=flow.coupling_layers or 8, hidden=hidden, blocks=blocks,
-                         heads=flow.heads, bins=flow.coupling_bins or 8,
-                         location=flow.location and not zero_com, zero_com=zero_com)
+    return coupling_stack(dim, flow.coupling_layers or default_layers, hidden=hidden,
+                          blocks=blocks, heads=flow.heads, bins=flow.coupling_bins or 8,
+                          zero_com=zero_com)

@@ -192,7 +192,9 @@ def test_coupling_config_builds_and_refuses_what_it_cannot_do():
     with pytest.raises(ConfigError, match="heads=3 must divide"):
         build_flow(SetsFlow(flow="coupling", heads=3), 3, 4, False)
     with pytest.raises(ValueError, match="coupling_layers is a setting of coupling flows"):
-        SetsFlow(flow="resflow", coupling_layers=4)
+        SetsFlow(flow="cnf", coupling_layers=4)
+    with pytest.raises(ValueError, match="give coupling_layers too"):
+        SetsFlow(flow="resflow", coupling_hidden=32)
     with pytest.raises(ValueError, match="residual-flow setting"):
         SetsFlow(flow="coupling", interaction="linear")
     with pytest.raises(ValueError, match="setting of continuous flows"):
@@ -284,6 +286,31 @@ def test_zero_com_coupling_flow_density_is_exchangeable_translation_invariant_an
     assert torch.allclose(flow.log_prob(samples), sample_log_prob, atol=1e-8)
     with pytest.raises(InputError, match="centroid"):
         coupling_flow(2, zero_com=True)  # location defaults to True: refused by name
+
+
+def test_residual_flow_with_coupling_layers_is_exact_on_the_subspace():
+    # resflow + coupling_layers: the residual blocks, then set couplings on the base side
+    torch.manual_seed(3)
+    flow = build_flow(SetsFlow(blocks=2, coupling_layers=2, coupling_hidden=8,
+                               coupling_blocks=1), 2, 4, True).double()
+    kinds = [type(t).__name__ for t in flow.transform._transforms]
+    assert kinds[-3:] == ["ActNorm", "EquivariantLinear", "SetCoupling"]
+    assert kinds.count("SetCoupling") == 2 and "RadialInteraction" in str(flow)
+    x = _centred(torch.randn(3, 4, 2, dtype=DT))
+    flow.log_prob(1.5 * x)  # initialise the ActNorms
+    with torch.no_grad():
+        for module in flow.modules():
+            if isinstance(module, SetCoupling):
+                module.conditioner.head.weight.normal_(0, 0.3)
+    flow.eval()
+    restricted = _subspace_jacobian(lambda v: flow.transform_to_noise(v), x[:1],
+                                    torch.ones(1, 4, dtype=torch.bool))
+    z = flow.transform_to_noise(x[:1])
+    expected = (-0.5 * z.square().sum() - 0.5 * 3 * 2 * math.log(2 * math.pi)
+                + torch.linalg.slogdet(restricted)[1])
+    assert abs(flow.log_prob(x[:1]).item() - expected.item()) < 1e-8
+    plain = build_flow(SetsFlow(blocks=2), 2, 4, True)
+    assert not any(isinstance(m, SetCoupling) for m in plain.modules())
 
 
 @pytest.mark.slow
