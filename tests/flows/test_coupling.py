@@ -221,6 +221,27 @@ def _subspace_jacobian(fn, x, mask):
     return basis.T @ jac @ basis
 
 
+def _randomise_heads(flow, x):
+    """Initialise the ActNorms on x and move every coupling off the identity; eval mode."""
+    flow.log_prob(1.5 * x)
+    with torch.no_grad():
+        for module in flow.modules():
+            if isinstance(module, SetCoupling):
+                module.conditioner.head.weight.normal_(0, 0.3)
+    flow.eval()
+
+
+def _subspace_log_prob(flow, x):
+    """log p of the one configuration x (1, n, D) in the E-NF convention, brute force: log N(z)
+    on the (n - 1) D subspace plus the log-det of the Jacobian in a basis of it."""
+    n, d = x.shape[1:]
+    restricted = _subspace_jacobian(lambda v: flow.transform_to_noise(v), x,
+                                    torch.ones(1, n, dtype=torch.bool))
+    z = flow.transform_to_noise(x)
+    return (-0.5 * z.square().sum() - 0.5 * (n - 1) * d * math.log(2 * math.pi)
+            + torch.linalg.slogdet(restricted)[1]).item()
+
+
 @pytest.mark.parametrize("parity,dim", [(0, 2), (1, 2), (0, 3), (1, 3)])
 def test_zero_com_coupling_logdet_is_the_determinant_on_the_subspace(parity, dim):
     # the re-centring term log (1/n) sum_i 1/s'(x_i) is what makes it exact: without it the
@@ -263,23 +284,12 @@ def test_zero_com_coupling_flow_density_is_exchangeable_translation_invariant_an
     flow = coupling_flow(3, layers=3, hidden=16, blocks=1, location=False,
                          zero_com=True).double()
     x = _centred(torch.randn(4, 5, 3, dtype=DT))
-    flow.log_prob(1.5 * x)  # initialise the ActNorms
-    with torch.no_grad():
-        for module in flow.modules():
-            if isinstance(module, SetCoupling):
-                module.conditioner.head.weight.normal_(0, 0.3)
-    flow.eval()
+    _randomise_heads(flow, x)
     log_prob = flow.log_prob(x)
     perm = torch.tensor([2, 4, 0, 1, 3])
     assert torch.allclose(flow.log_prob(x[:, perm]), log_prob, atol=1e-10)
     assert torch.allclose(flow.log_prob(x + 2.5), log_prob, atol=1e-10)
-    # the density of the E-NF convention: log N(z) on the (n - 1) D subspace + exact log-det
-    restricted = _subspace_jacobian(lambda v: flow.transform_to_noise(v), x[:1],
-                                    torch.ones(1, 5, dtype=torch.bool))
-    z = flow.transform_to_noise(x[:1])
-    expected = (-0.5 * z.square().sum() - 0.5 * 4 * 3 * math.log(2 * math.pi)
-                + torch.linalg.slogdet(restricted)[1])
-    assert abs(log_prob[0].item() - expected.item()) < 1e-9
+    assert abs(log_prob[0].item() - _subspace_log_prob(flow, x[:1])) < 1e-9
     samples, sample_log_prob = flow.sample_and_log_prob(
         6, set_size=5, generator=torch.Generator().manual_seed(2))
     assert samples.sum(1).abs().max() < 1e-10
@@ -297,18 +307,8 @@ def test_residual_flow_with_coupling_layers_is_exact_on_the_subspace():
     assert kinds[-3:] == ["ActNorm", "EquivariantLinear", "SetCoupling"]
     assert kinds.count("SetCoupling") == 2 and "RadialInteraction" in str(flow)
     x = _centred(torch.randn(3, 4, 2, dtype=DT))
-    flow.log_prob(1.5 * x)  # initialise the ActNorms
-    with torch.no_grad():
-        for module in flow.modules():
-            if isinstance(module, SetCoupling):
-                module.conditioner.head.weight.normal_(0, 0.3)
-    flow.eval()
-    restricted = _subspace_jacobian(lambda v: flow.transform_to_noise(v), x[:1],
-                                    torch.ones(1, 4, dtype=torch.bool))
-    z = flow.transform_to_noise(x[:1])
-    expected = (-0.5 * z.square().sum() - 0.5 * 3 * 2 * math.log(2 * math.pi)
-                + torch.linalg.slogdet(restricted)[1])
-    assert abs(flow.log_prob(x[:1]).item() - expected.item()) < 1e-8
+    _randomise_heads(flow, x)
+    assert abs(flow.log_prob(x[:1]).item() - _subspace_log_prob(flow, x[:1])) < 1e-8
     plain = build_flow(SetsFlow(blocks=2), 2, 4, True)
     assert not any(isinstance(m, SetCoupling) for m in plain.modules())
 
