@@ -360,8 +360,9 @@ def set_flow(
             halves from block to block; exact log-det and inverse. A residual block stretches
             space by at most 1 + ``coeff``, so a multimodal distribution of the elements takes
             many of them; a spline bends it at once, and leaves the interaction blocks the
-            dependence between elements. Needs D >= 2; not with ``zero_com`` (a spline moves
-            single coordinates off the zero-centre-of-mass subspace).
+            dependence between elements. Needs D >= 2; not with ``zero_com`` (these splines
+            are not re-centred; for particles see
+            :func:`~flowattn.flows.coupling.coupling_stack` with ``zero_com=True``).
         pair_splines: after the equivariant map of every block, a
             :class:`~flowattn.flows.pairs.PairSplines`: every pair of elements moved along its
             axis by a monotone spline of its log-distance (midpoints kept, exact log-det and
