@@ -462,7 +462,11 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
         )
         if flow.coupling_layers is None:
             return residual
-        steps = list(residual.transform._transforms) + _coupling_stack(flow, dim, zero_com)
+        from ..flows.coupling import coupling_stack
+
+        couplings = coupling_stack(dim, flow.coupling_layers, zero_com=zero_com,
+                                   **_coupling_settings(flow, dim))
+        steps = list(residual.transform._transforms) + couplings
         return SetFlow(CompositeTransform(steps), dim, zero_com)
     from ..flows.continuous.cnf import CNF
 
@@ -495,20 +499,15 @@ def _induced_attention(inducing: int | None) -> Any:
 
 
 def _build_coupling(flow: SetsFlow, dim: int, zero_com: bool) -> Any:
-    from nflows.transforms import CompositeTransform
+    from ..flows.coupling import coupling_flow
 
-    from ..flows.builders import SetFlow
-    from ..flows.layers import SetLocation
-
-    location = [SetLocation(dim)] if flow.location and not zero_com else []
-    steps = location + _coupling_stack(flow, dim, zero_com, default_layers=8)
-    return SetFlow(CompositeTransform(steps), dim, zero_com)
+    return coupling_flow(dim, layers=flow.coupling_layers or 8,
+                         location=flow.location and not zero_com, zero_com=zero_com,
+                         **_coupling_settings(flow, dim))
 
 
-def _coupling_stack(flow: SetsFlow, dim: int, zero_com: bool, default_layers: int = 0) -> list:
-    """The set-coupling layers of a coupling flow, or those after a residual flow's blocks."""
-    from ..flows.coupling import coupling_stack
-
+def _coupling_settings(flow: SetsFlow, dim: int) -> dict[str, int]:
+    """The shape of set-coupling layers, of a coupling flow or after a residual flow's blocks."""
     if dim < 2:
         raise ConfigError(f"a coupling layer splits the features of each element in two: it "
                           f"needs elements of D >= 2, the data have D={dim}")
@@ -517,6 +516,5 @@ def _coupling_stack(flow: SetsFlow, dim: int, zero_com: bool, default_layers: in
         raise ConfigError(f"heads={flow.heads} must divide the coupling conditioner's width "
                           f"coupling_hidden={hidden}")
     blocks = 2 if flow.coupling_blocks is None else flow.coupling_blocks
-    return coupling_stack(dim, flow.coupling_layers or default_layers, hidden=hidden,
-                          blocks=blocks, heads=flow.heads, bins=flow.coupling_bins or 8,
-                          zero_com=zero_com)
+    return {"hidden": hidden, "blocks": blocks, "heads": flow.heads,
+            "bins": flow.coupling_bins or 8}
