@@ -50,7 +50,7 @@ from ..attention import DotProductMHA
 from ..errors import InputError
 from ..validation import check_deferred, check_sets, present_weights, trusted_inputs
 from .builders import SetFlow
-from .geometry import full_precision, mask_from_context
+from .geometry import full_precision, mask_from_context, subtract_mean
 from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
 from .pairs import UNIT_SLOPE
 
@@ -157,7 +157,7 @@ class SetCoupling(Transform):
             logdet = (logabsdet * w).sum(dim=(1, 2))
             if self.zero_com:
                 n = w.sum(dim=1, keepdim=True)
-                moved = moved - (moved * w).sum(dim=1, keepdim=True) / n
+                moved = subtract_mean(moved, mask)  # padded entries are restored below
                 # log (1/n) sum_i 1/s'(x_i) per moved feature; the inverse's is the negative
                 # of the forward's at its output, where log s' = -logabsdet
                 sign = 1.0 if inverse else -1.0
@@ -244,8 +244,6 @@ def coupling_flow(
         >>> bool(torch.allclose(flow.log_prob(x), flow.log_prob(x[:, perm]), atol=1e-5))
         True
     """
-    if layers < 1:
-        raise InputError(f"layers must be >= 1, got {layers}")
     if location and zero_com:
         raise InputError("location=True models the centroid, which zero_com fixes at 0")
     steps: list[Transform] = [SetLocation(dim)] if location else []
