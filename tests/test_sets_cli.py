@@ -89,20 +89,22 @@ def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(tmp
     assert results[1]["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
 
 
-def _fit_command(out: Path, config: Path, steps: int) -> list[str]:
+def _fit_command(out: Path, config: Path, steps: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "flowattn", "sets", "fit", *TINY, "--steps", str(steps),
-            "--out", str(out), "--config", str(config)]
+            "--out", str(out), "--config", str(config), *extra]
 
 
 @pytest.mark.slow
-def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path):
+@pytest.mark.parametrize("extra", [(), ("--augment", "rotations")], ids=["plain", "augmented"])
+def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path, extra):
+    # augmented: the rotations come from the batch generator, whose state the checkpoint keeps
     config = tiny_config(tmp_path, checkpoint_every=3, eval_every=100)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     straight = tmp_path / "straight"
-    subprocess.run(_fit_command(straight, config, 12), check=True, env=env,
+    subprocess.run(_fit_command(straight, config, 12, *extra), check=True, env=env,
                    capture_output=True)
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(_fit_command(killed, config, 12), env=env,
+    proc = subprocess.Popen(_fit_command(killed, config, 12, *extra), env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.time() + 120
     while not (killed / "checkpoint.pt").exists() and time.time() < deadline:
