@@ -191,3 +191,173 @@ def test_sample_energy_refuses_another_set_size_or_a_single_sample(tmp_path, cap
     assert main(["sets", "sample", "--checkpoint", str(run), "--num", "1", "--energy",
                  "--out", out]) == 2
     assert "--energy needs --num >= 2" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# training by energy: the reverse KL E_q[E_reg(x) + log q(x)] beside the NLL
+
+
+def test_regularised_energy_is_the_energy_below_high_logarithmic_above_and_never_nan():
+    from flowattn.sets.boltzmann import ENERGY_LIMIT, regularised_energy
+
+    def energy(x):  # E = sum of squares: values and gradients known in closed form
+        return x.pow(2).sum((-2, -1))
+
+    x = torch.tensor([[[1.0, 0.0]], [[0.0, 5.0]], [[float("inf"), 0.0]], [[3.0, 0.0]]],
+                     dtype=torch.float64, requires_grad=True)
+    e = regularised_energy(energy, x, high=9.0)
+    expected = torch.tensor([1.0, 9.0 + math.log(1 + 25.0 - 9.0),
+                             9.0 + math.log1p(ENERGY_LIMIT - 9.0), 9.0], dtype=torch.float64)
+    torch.testing.assert_close(e.detach(), expected, rtol=1e-12, atol=0)
+    e.sum().backward()
+    grad = x.grad
+    assert torch.isfinite(grad).all()  # the infinite row passes no gradient, not NaN
+    torch.testing.assert_close(grad[0], torch.tensor([[2.0, 0.0]], dtype=torch.float64))
+    # above high: dE_reg/dx = E'(x) / (1 + E - high)
+    torch.testing.assert_close(grad[1], torch.tensor([[0.0, 10.0 / 17.0]], dtype=torch.float64))
+    assert (grad[2] == 0).all()
+    torch.testing.assert_close(grad[3], torch.tensor([[6.0, 0.0]], dtype=torch.float64))
+
+
+def test_regularised_energy_of_lj13_with_overlapping_particles_keeps_finite_gradients():
+    from flowattn.data import lj13_energy
+    from flowattn.sets.boltzmann import regularised_energy
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(3, 13, 3, generator=g) * 1.5).requires_grad_(True)  # float32
+    with torch.no_grad():
+        x[1, 1] = x[1, 0]  # coincident: E = inf (NaN)
+        x[2, 1] = x[2, 0] + 1e-3  # E ~ 1e36: finite in float32 at most just, its gradient not
+    regularised_energy(lj13_energy, x, 100.0).sum().backward()
+    assert torch.isfinite(x.grad).all() and (x.grad[1:] == 0).all() and x.grad[0].abs().sum() > 0
+
+
+def _small_particle_flow(coupling: bool):
+    from flowattn.flows.inverse import InverseOptions
+    from flowattn.flows.residual import InvertibleResidual
+    from flowattn.sets.config import build_flow
+
+    settings = {"data": "dw4", "blocks": 2, "radial_basis": 8}
+    if coupling:
+        settings.update(coupling_layers=1, coupling_hidden=8, coupling_blocks=1)
+    torch.manual_seed(0)
+    flow = build_flow(SetsRunConfig.build(settings).flow, 2, 4, True).double().eval()
+    with torch.no_grad():  # away from the initialisation (a zero last layer hides mistakes)
+        for p in flow.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    for module in flow.modules():  # solve the inverses to rounding: finite differences need it
+        if isinstance(module, InvertibleResidual):
+            module.inverse_options = InverseOptions("anderson", tol=1e-13, max_iter=5000)
+        if hasattr(module, "tol") and isinstance(module.tol, float):
+            module.tol = 1e-14
+    return flow
+
+
+@pytest.mark.parametrize("coupling", [False, True], ids=["resflow", "with-coupling"])
+def test_the_reverse_kl_gradient_through_the_inverse_matches_finite_differences(coupling):
+    # L(θ) = mean over fixed base draws z of E_reg(f_θ⁻¹(z)) + log q_θ(f_θ⁻¹(z)): the samples
+    # depend on θ only through the inverse, so a sample drawn without a graph (or an inverse
+    # without implicit gradients) gets this derivative wrong
+    from flowattn.flows.base import sample_standard_normal
+    from flowattn.sets.boltzmann import regularised_energy
+
+    flow = _small_particle_flow(coupling)
+    z = sample_standard_normal((6, 4, 2), None, True, torch.Generator().manual_seed(1),
+                               dtype=torch.float64) * 0.8
+
+    def loss():
+        x, log_q = flow.from_noise(z)
+        return (regularised_energy(dw4_energy, x, 30.0) + log_q).mean()
+
+    params = [p for p in flow.parameters() if p.requires_grad]
+    value = loss()
+    grads = torch.autograd.grad(value, params, allow_unused=True)
+    g = torch.Generator().manual_seed(2)
+    direction = [torch.randn(p.shape, generator=g, dtype=p.dtype) for p in params]
+    analytic = sum((d * gr).sum() for d, gr in zip(direction, grads, strict=True)
+                   if gr is not None)
+    eps = 1e-5
+    with torch.no_grad():
+        values = []
+        for sign in (1, -1):
+            for p, d in zip(params, direction, strict=True):
+                p.add_(sign * eps * d)
+            values.append(loss())
+            for p, d in zip(params, direction, strict=True):
+                p.sub_(sign * eps * d)
+    numeric = (values[0] - values[1]) / (2 * eps)
+    assert abs(float(analytic)) > 1e-2  # the direction moves the loss
+    assert float(analytic) == pytest.approx(float(numeric), rel=1e-5)
+
+
+def _energy_task(settings):
+    from flowattn.sets.train import SetsTask
+    from flowattn.training.distributed import Distributed
+
+    config = SetsRunConfig.build({"data": "dw4", "blocks": 1, "radial_basis": 8,
+                                  "batch_size": 8, "val_sets": 16, **settings})
+    torch.manual_seed(0)
+    return SetsTask(config, Distributed(rank=0, world=1, device=torch.device("cpu")),
+                    plots=False)
+
+
+def test_training_by_energy_adds_the_weighted_reverse_kl_per_dimension(small_particles):
+    from flowattn.flows.base import set_dims
+    from flowattn.sets.boltzmann import regularised_energy
+
+    task = _energy_task({"energy_weight": 0.5, "energy_samples": 5, "energy_max": 20.0})
+    batch = task.batch(torch.Generator().manual_seed(3), task.dist)
+    x, mask, z = batch
+    assert x.shape == (8, 4, 2) and z.shape == (5, 4, 2)
+    torch.testing.assert_close(z.sum(1), torch.zeros(5, 2), rtol=0, atol=1e-6)  # on V
+    again = task.batch(torch.Generator().manual_seed(3), task.dist)  # the generator's draws
+    assert torch.equal(again[2], z) and torch.equal(again[0], x)
+    objective, nll, count = task.loss(task.forward_module, batch)
+    samples, log_q = task.flow.from_noise(z)
+    dims = set_dims(x, mask, True).double().mean()
+    reverse = (regularised_energy(dw4_energy, samples, 20.0) + log_q).mean()
+    assert count == 8 and dims == 6
+    torch.testing.assert_close(objective, nll + 0.5 * reverse / 6, rtol=1e-5, atol=1e-6)
+    stats = task.train_stats()
+    assert stats["reverse_kl"] == pytest.approx(float(reverse.detach()), rel=1e-5)
+    objective.backward()
+    assert all(torch.isfinite(p.grad).all() for p in task.flow.parameters()
+               if p.grad is not None)
+
+    plain = _energy_task({})  # no weight: no draws, the NLL alone, no statistics
+    batch = plain.batch(torch.Generator().manual_seed(3), plain.dist)
+    assert len(batch) == 2
+    objective, nll, _ = plain.loss(plain.forward_module, batch)
+    assert objective is nll and plain.train_stats() == {}
+
+
+def test_a_run_trained_by_energy_logs_the_reverse_kl(tmp_path, small_particles):
+    config = SetsRunConfig.build({"data": "dw4", "blocks": 1, "radial_basis": 8, "steps": 4,
+                                  "batch_size": 8, "eval_every": 4, "checkpoint_every": 4,
+                                  "log_every": 2, "val_sets": 16, "warmup": 1,
+                                  "energy_weight": 0.1})
+    summary = fit(config, tmp_path / "run", progress=False, tensorboard=False, plots=False)
+    assert math.isfinite(summary["test_nll"])
+    records = [json.loads(line) for line in
+               (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r["split"] == "train"]
+    assert train and all(math.isfinite(r["reverse_kl"]) for r in train)
+
+
+@pytest.mark.parametrize("settings,message", [
+    ({"data": "gaussian-sets", "energy_weight": 0.1}, "needs a known energy"),
+    ({"data": "dw4", "flow": "cnf", "energy_weight": 0.1}, "residual and coupling flows"),
+    ({"data": "dw4", "energy_samples": 8}, "give energy_weight > 0"),
+])
+def test_training_by_energy_is_refused_where_it_cannot_run(settings, message):
+    from flowattn.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        SetsRunConfig.build(settings)
+
+
+def test_the_configs_particle_data_are_the_particle_systems():
+    from flowattn.data import PARTICLE_SYSTEMS
+    from flowattn.sets.config import PARTICLE_DATA
+
+    assert set(PARTICLE_DATA) == set(PARTICLE_SYSTEMS)

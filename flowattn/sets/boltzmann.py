@@ -32,9 +32,13 @@ from ..errors import InputError, NonFiniteError
 from ..flows.builders import SetFlow
 from ..importance import event_kl, kish_ess, log_mean_weight, self_normalised_mean
 
-__all__ = ["BoltzmannSample", "boltzmann_sample", "boltzmann_summary", "HARD_CORE"]
+__all__ = ["BoltzmannSample", "boltzmann_sample", "boltzmann_summary", "regularised_energy",
+           "HARD_CORE", "ENERGY_LIMIT"]
 
 HARD_CORE = 0.85  # closer, an LJ13 pair's energy exceeds +3.4 (its minimum is -2 at r = 1)
+#: energies above this (or not finite) give training by energy no gradient: their derivatives
+#: (an LJ pair's 12 r^-13) would overflow float32 on the way back
+ENERGY_LIMIT = 1e12
 
 
 @dataclass
@@ -180,3 +184,39 @@ def boltzmann_summary(sample: BoltzmannSample, hard_core: float = HARD_CORE) -> 
         "close_pairs_kl": event_kl(min(max(float(close_w), 0.0), 1.0),
                                    (float(close.sum()) + 0.5) / (n + 1)),
     }
+
+
+def regularised_energy(energy: Callable[[Tensor], Tensor], x: Tensor, high: float) -> Tensor:
+    r"""E(x) as training by energy uses it: itself up to ``high``, logarithmic above.
+
+    E_reg(x) = E(x) where E(x) <= high, and high + log(1 + E(x) - high) above (the
+    regularisation of Noé et al. 2019): a sample with two particles almost on top of each other
+    (an LJ energy of 10⁹) still pulls them apart, but with a gradient of the size of a typical
+    sample's rather than 10⁹ times it. A configuration whose energy is not finite or above
+    :data:`ENERGY_LIMIT` counts as high + log(1 + ENERGY_LIMIT) and passes no gradient (its
+    derivative would overflow): E is evaluated once without a graph to find such rows, and then
+    on ``x`` with those rows detached.
+
+    Arguments:
+        energy: E, (..., n, D) -> (...), at kT = 1.
+        x: configurations (B, n, D), usually drawn from a flow with a graph.
+        high: where the logarithmic part begins.
+
+    Returns:
+        E_reg, shape (B,), finite, differentiable w.r.t. ``x``.
+
+    Examples:
+        >>> from flowattn.data import lj13_energy
+        >>> x = torch.randn(2, 13, 3, dtype=torch.float64) * 2
+        >>> x[1, 1] = x[1, 0] + 1e-3  # a pair at 0.001: E of order 10^36
+        >>> e = regularised_energy(lj13_energy, x.requires_grad_(), 100.0)
+        >>> bool(torch.isfinite(e).all()), round(float(e[1]), 2)  # 100 + log(1 + 10^12)
+        (True, 127.63)
+    """
+    with torch.no_grad():
+        blocked = ~(energy(x) <= ENERGY_LIMIT)  # NaN and +inf too
+    flat = (-1,) + (1,) * (x.dim() - 1)
+    e = energy(torch.where(blocked.reshape(flat), x.detach(), x))
+    e = torch.where(blocked, torch.full_like(e, ENERGY_LIMIT), e)
+    excess = (e - high).clamp(min=0)
+    return torch.where(e > high, high + torch.log1p(excess), e)

@@ -24,6 +24,8 @@ __all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
 INTERACTIONS = ("attention", "radial", "linear", "none")
 # built-in data sets whose set size is a setting (flowattn.data.SIZED_DATASETS; no torch here)
 SIZED_DATA = ("surface-clouds",)
+# built-in data sets with a known energy (flowattn.data.PARTICLE_SYSTEMS; no torch here)
+PARTICLE_DATA = ("dw4", "lj13", "lj55")
 # Probes per round of an estimated log-det in evaluation (N D > 512; smaller sets are exact).
 # Rounds continue until the standard error is <= 2e-3 nats per dimension; Hutchinson's standard
 # error per dimension falls as 1 / sqrt(N D), so at N D = 3000 the first round of 4 probes is
@@ -169,6 +171,15 @@ class SetsFlow(Section):
     jacobian_weight: float = Field(0.0, ge=0, description="cnf: weight of RNODE's Jacobian "
                                    "Frobenius norm int ||df/dz||_F^2 dt in the training loss "
                                    "(per dimension; 0: not integrated)")
+    energy_weight: float = Field(0.0, ge=0, description="built-in particle systems (dw4, "
+                                 "lj13, lj55): weight of the reverse KL E_q[E(x) + log q(x)] "
+                                 "over configurations drawn from the flow, beside the NLL "
+                                 "(training by energy; per dimension, as the NLL; 0: none "
+                                 "drawn)")
+    energy_samples: int | None = Field(None, ge=1, description="with energy_weight: "
+                                       "configurations drawn per step (none: the batch size)")
+    energy_max: float = Field(100.0, description="with energy_weight: energies above it count "
+                              "as E_max + log(1 + E - E_max) in the reverse KL")
     divergence: Literal["auto", "exact", "hutchinson"] = Field(
         "auto", description="cnf: divergence in training (auto: exact when N D <= 64); "
         "evaluation is exact when N D <= 64")
@@ -227,6 +238,13 @@ class SetsFlow(Section):
             if getattr(self, name) and self.flow != "resflow":
                 raise ValueError(f"{name} is a setting of residual flows: use it with "
                                  f"flow=resflow (here {self.flow})")
+        if self.flow == "cnf" and self.energy_weight > 0:
+            raise ValueError("energy_weight is a setting of residual and coupling flows: a "
+                             "continuous flow's samples would need the solver's graph (use "
+                             "flow=resflow or flow=coupling)")
+        if self.energy_samples is not None and self.energy_weight == 0:
+            raise ValueError("energy_samples sets how many configurations training by energy "
+                             "draws: give energy_weight > 0 too")
         for name in COUPLING_SETTINGS:
             if self.flow == "cnf" and getattr(self, name) is not None:
                 raise ValueError(f"{name} is a setting of coupling flows: use it with "
@@ -267,6 +285,13 @@ class SetsRunConfig(RunConfig):
     @classmethod
     def _apply_preset(cls, values: Any) -> Any:
         return apply_preset(values) if isinstance(values, Mapping) else values
+
+    @model_validator(mode="after")
+    def _check_energy(self) -> SetsRunConfig:
+        if self.flow.energy_weight > 0 and self.data.data not in PARTICLE_DATA:
+            raise ValueError(f"energy_weight needs a known energy: the built-in particle "
+                             f"systems ({', '.join(PARTICLE_DATA)}), not {self.data.data!r}")
+        return self
 
     @classmethod
     def from_stored(cls, values: Mapping[str, Any], source: str = "") -> SetsRunConfig:

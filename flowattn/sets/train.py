@@ -20,27 +20,33 @@ from torch import Tensor, nn
 from ..attention import frozen_certificates
 from ..data import SetData, load_dataset, random_orthogonal, rotate_sets
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
-from ..flows.base import set_dims
+from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
 from ..flows.residual import InvertibleResidual
 from ..training.checkpoint import read_model
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
 from ..training.run import data_fingerprint, plan_run
+from .boltzmann import regularised_energy
 from .config import SetsRunConfig, build_flow, legacy_settings
 
 __all__ = ["SetsTask", "fit", "evaluate", "eval_batch_size", "load_flow"]
 
 
 class _LogProb(nn.Module):
-    """log p(x) as a module's forward, so DistributedDataParallel sees the computation."""
+    """log p(x) as a module's forward, so DistributedDataParallel sees the computation; with
+    base draws ``z``, also the configurations f⁻¹(z) and their log-densities (training by
+    energy), in the same forward."""
 
     def __init__(self, flow: SetFlow):
         super().__init__()
         self.flow = flow
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
-        return self.flow.log_prob(x, mask)
+    def forward(self, x: Tensor, mask: Tensor | None, z: Tensor | None = None):
+        log_prob = self.flow.log_prob(x, mask)
+        if z is None:
+            return log_prob
+        return log_prob, self.flow.from_noise(z)
 
 
 def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]:
@@ -198,6 +204,12 @@ class SetsTask:
         self.flow = flow.to(dist.device)
         self.model = self.flow
         self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
+        self.energy = None  # training by energy: E of the built-in particle system
+        if config.flow.energy_weight > 0:
+            from ..data.particles import PARTICLE_SYSTEMS
+
+            self.energy = PARTICLE_SYSTEMS[data.data].energy
+        self._energy_stats: dict[str, Tensor] = {}
 
     def initialise(self) -> None:
         """Data-dependent initialisation (ActNorm) on a batch every process shares.
@@ -221,30 +233,54 @@ class SetsTask:
         if self.config.data.augment == "rotations":  # drawn for the whole batch: every process
             q = random_orthogonal(size, x.shape[-1], generator)  # keeps its share of it
             x = rotate_sets(x, mask, q[dist.rank :: dist.world])
-        return x, mask
+        if self.energy is None:
+            return x, mask
+        # base draws for training by energy, from the same generator (so a resumed run draws
+        # what an uninterrupted one would), shared out as the batch is
+        count = self.config.flow.energy_samples or size
+        shape = (count, self.train_data.set_size, self.train_data.dim)
+        z = sample_standard_normal(shape, None, True, generator, dtype=x.dtype)
+        return x, mask, z[dist.rank :: dist.world].to(dist.device)
 
     def loss(self, module: nn.Module, batch):
-        """The NLL per dimension, plus RNODE's penalties (per dimension too) when weighted:
-        the value logged as the training loss is the NLL alone."""
-        x, mask = batch
-        log_prob = module(x, mask)
+        r"""The NLL per dimension, plus the weighted extras (per dimension too): RNODE's
+        penalties, and for training by energy the reverse KL up to log Z,
+        E_q[E_reg(x) + log q(x)] over configurations x = f⁻¹(z) of the batch's base draws z
+        (:func:`~flowattn.sets.boltzmann.regularised_energy`). The value logged as the
+        training loss is the NLL alone."""
+        x, mask, *draws = batch
+        if draws:
+            log_prob, (samples, log_q) = module(x, mask, draws[0])
+        else:
+            log_prob = module(x, mask)
         dims = set_dims(x, mask, self.train_data.zero_com).mean()
         nll = -log_prob.mean() / dims
         flow = self.config.flow
-        if not (flow.kinetic_weight > 0 or flow.jacobian_weight > 0):
-            return nll, nll, x.shape[0]
-        penalty = sum(flow.kinetic_weight * cnf.kinetic_energy.mean()
-                      + flow.jacobian_weight * cnf.jacobian_frobenius.mean()
-                      for cnf in self.flow.modules() if hasattr(cnf, "kinetic_energy"))
-        return nll + penalty / dims, nll, x.shape[0]
+        objective = nll
+        if flow.kinetic_weight > 0 or flow.jacobian_weight > 0:
+            penalty = sum(flow.kinetic_weight * cnf.kinetic_energy.mean()
+                          + flow.jacobian_weight * cnf.jacobian_frobenius.mean()
+                          for cnf in self.flow.modules() if hasattr(cnf, "kinetic_energy"))
+            objective = objective + penalty / dims
+        if draws:
+            energy = regularised_energy(self.energy, samples, flow.energy_max)
+            reverse = (energy + log_q).mean()
+            objective = objective + flow.energy_weight * reverse / dims
+            self._energy_stats = {"reverse_kl": reverse.detach(),
+                                  "sample_energy": energy.detach().mean()}
+        return objective, nll, x.shape[0]
 
-    def train_stats(self) -> dict[str, int]:
-        """Field evaluations of the latest forward and backward solve (continuous flows)."""
+    def train_stats(self) -> dict[str, float]:
+        """Field evaluations of the latest forward and backward solve (continuous flows);
+        training by energy: the latest E_q[E_reg + log q] (``reverse_kl``, nats per
+        configuration: KL(q ‖ p) - log Z) and mean E_reg of the samples."""
+        stats: dict[str, float] = {name: float(value)
+                                   for name, value in self._energy_stats.items()}
         solvers = [m for m in self.flow.modules() if hasattr(m, "nfe_forward")]
-        if not solvers:
-            return {}
-        return {"nfe_forward": sum(int(m.nfe_forward) for m in solvers),
-                "nfe_backward": sum(int(m.nfe_backward) for m in solvers)}
+        if solvers:
+            stats.update(nfe_forward=sum(int(m.nfe_forward) for m in solvers),
+                         nfe_backward=sum(int(m.nfe_backward) for m in solvers))
+        return stats
 
     def evaluate(self, dist: Distributed) -> dict[str, float]:
         result = evaluate(self.flow, self.val_data, limit=self.config.data.val_sets)
