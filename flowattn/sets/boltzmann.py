@@ -210,7 +210,7 @@ def regularised_energy(energy: Callable[[Tensor], Tensor], x: Tensor, high: floa
         >>> x = torch.randn(2, 13, 3, dtype=torch.float64) * 2
         >>> x[1, 1] = x[1, 0] + 1e-3  # a pair at 0.001: E of order 10^36
         >>> e = regularised_energy(lj13_energy, x.requires_grad_(), 100.0)
-        >>> bool(torch.isfinite(e).all()), round(float(e[1]), 2)  # 100 + log(1 + 10^12)
+        >>> bool(torch.isfinite(e).all()), round(e[1].item(), 2)  # 100 + log(1 + 10^12)
         (True, 127.63)
     """
     with torch.no_grad():
