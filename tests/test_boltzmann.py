@@ -356,6 +356,17 @@ def test_training_by_energy_is_refused_where_it_cannot_run(settings, message):
         SetsRunConfig.build(settings)
 
 
+def test_training_by_energy_needs_a_draw_for_every_process(small_particles):
+    from flowattn.errors import ConfigError
+    from flowattn.sets.train import SetsTask
+    from flowattn.training.distributed import Distributed
+
+    config = SetsRunConfig.build({"data": "dw4", "blocks": 1, "radial_basis": 8,
+                                  "energy_weight": 0.1, "energy_samples": 1})
+    with pytest.raises(ConfigError, match="energy_samples=1 .* processes \\(2\\)"):
+        SetsTask(config, Distributed(rank=0, world=2, device=torch.device("cpu")), plots=False)
+
+
 def test_the_configs_particle_data_are_the_particle_systems():
     from flowattn.data import PARTICLE_SYSTEMS
     from flowattn.sets.config import PARTICLE_DATA

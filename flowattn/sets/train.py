@@ -209,6 +209,11 @@ class SetsTask:
             from ..data.particles import PARTICLE_SYSTEMS
 
             self.energy = PARTICLE_SYSTEMS[data.data].energy
+            count = config.flow.energy_samples or config.train.batch_size
+            if count < dist.world:  # each process draws its share: none may be empty
+                raise ConfigError(f"energy_samples={count} draws fewer configurations than "
+                                  f"there are processes ({dist.world}): give at least "
+                                  f"{dist.world}")
         self._energy_stats: dict[str, Tensor] = {}
 
     def initialise(self) -> None:
