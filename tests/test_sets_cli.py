@@ -191,6 +191,29 @@ def test_torchrun_two_gloo_processes_match_the_single_process_run(tmp_path):
 
 
 @pytest.mark.slow
+def test_torchrun_training_by_energy_matches_the_single_process_run(tmp_path):
+    # each process maps its share of the step's base draws: the mean of the two shares'
+    # reverse KLs is the single process's (a fresh home: DW4 is sampled here, by the first run)
+    config = tiny_config(tmp_path, eval_every=100, radial_basis=8, energy_weight=0.5,
+                         energy_samples=16)
+    env = dict(os.environ, OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"))
+    dw4 = ["--data", "dw4", "--num-train", "200", "--batch-size", "16", "--no-progress"]
+    single, ddp = tmp_path / "single", tmp_path / "ddp"
+    fit = ["sets", "fit", *dw4, "--steps", "4", "--config", str(config), "--out"]
+    subprocess.run([sys.executable, "-m", "flowattn", *fit, str(single)], check=True, env=env,
+                   capture_output=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "-m", "flowattn", *fit, str(ddp)]
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    a, b = final_parameters(single), final_parameters(ddp)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
+    records = [json.loads(line) for line in (ddp / "metrics.jsonl").read_text().splitlines()]
+    assert any("reverse_kl" in r for r in records if r["split"] == "train")
+
+
+@pytest.mark.slow
 def test_cnf_fit_logs_solver_evaluations(tmp_path):
     out = tmp_path / "run"
     config = tiny_config(tmp_path, field_hidden=8)
