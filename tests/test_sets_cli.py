@@ -190,6 +190,16 @@ def test_torchrun_two_gloo_processes_match_the_single_process_run(tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_a_batch_smaller_than_the_number_of_processes_is_refused():
+    from flowattn.sets.train import SetsTask
+    from flowattn.training.distributed import Distributed
+
+    config = SetsRunConfig.build({"data": "gaussian-sets", "num_train": 32, "batch_size": 2})
+    with pytest.raises(ConfigError, match="batch_size=2 is smaller than the number of "
+                       "processes \\(3\\)"):
+        SetsTask(config, Distributed(rank=0, world=3, device=torch.device("cpu")), plots=False)
+
+
 @pytest.mark.slow
 def test_torchrun_training_by_energy_matches_the_single_process_run(tmp_path):
     # each process maps its share of the step's base draws: the mean of the two shares'

@@ -189,6 +189,9 @@ class SetsTask:
     def __init__(self, config: SetsRunConfig, dist: Distributed, progress: bool = False,
                  plots: bool = True):
         self.config, self.dist, self.plots = config, dist, plots
+        if config.train.batch_size < dist.world:  # each process takes its share of a batch
+            raise ConfigError(f"batch_size={config.train.batch_size} is smaller than the number "
+                              f"of processes ({dist.world}): give at least {dist.world}")
         data = config.data
         sizes = None if data.num_train is None else {"train": data.num_train}
         splits = load_dataset(data.data, sizes, seed=config.train.seed,
