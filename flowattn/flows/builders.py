@@ -182,7 +182,7 @@ class SetFlow(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Samples and their log-densities, log p(x) = log N(z) - log|det dx/dz|."""
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
-        return self.from_noise(z, mask)
+        return self._from_noise(z, mask)
 
     def from_noise(self, z: Tensor, mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """Sets x = f⁻¹(z) from given base draws ``z`` (B, N, D), and log p(x) = log N(z) -
@@ -199,7 +199,9 @@ class SetFlow(nn.Module):
             >>> bool(torch.allclose(log_q, flow.log_prob(x), atol=1e-4))
             True
         """
-        mask = check_sets(z, mask, dim=self.dim, name="z")
+        return self._from_noise(z, check_sets(z, mask, dim=self.dim, name="z"))
+
+    def _from_noise(self, z: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         x, logdet_inv = self._inverse(z, mask)
         return x, standard_normal_log_prob(z, mask, self.zero_com) - logdet_inv
 

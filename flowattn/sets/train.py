@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..attention import frozen_certificates
-from ..data import SetData, load_dataset, random_orthogonal, rotate_sets
+from ..data import PARTICLE_SYSTEMS, SetData, load_dataset, random_orthogonal, rotate_sets
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
@@ -27,6 +27,7 @@ from ..training.checkpoint import read_model
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
 from ..training.run import data_fingerprint, plan_run
+from ..validation import trusted_inputs
 from .boltzmann import regularised_energy
 from .config import SetsRunConfig, build_flow, legacy_settings
 
@@ -46,7 +47,8 @@ class _LogProb(nn.Module):
         log_prob = self.flow.log_prob(x, mask)
         if z is None:
             return log_prob
-        return log_prob, self.flow.from_noise(z)
+        with trusted_inputs():  # the task's own base draws: no check (a host sync) per step
+            return log_prob, self.flow.from_noise(z)
 
 
 def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]:
@@ -189,10 +191,18 @@ class SetsTask:
     def __init__(self, config: SetsRunConfig, dist: Distributed, progress: bool = False,
                  plots: bool = True):
         self.config, self.dist, self.plots = config, dist, plots
-        if config.train.batch_size < dist.world:  # each process takes its share of a batch
-            raise ConfigError(f"batch_size={config.train.batch_size} is smaller than the number "
-                              f"of processes ({dist.world}): give at least {dist.world}")
         data = config.data
+        # training by energy: E of the built-in particle system, and the base draws per step
+        self.energy = PARTICLE_SYSTEMS[data.data].energy if config.flow.energy_weight > 0 \
+            else None
+        self.energy_samples = config.flow.energy_samples or config.train.batch_size
+        shares = {"batch_size": config.train.batch_size}
+        if self.energy is not None:
+            shares["energy_samples"] = self.energy_samples
+        for name, count in shares.items():  # each process takes its share: none may be empty
+            if count < dist.world:
+                raise ConfigError(f"{name}={count} is smaller than the number of processes "
+                                  f"({dist.world}): give at least {dist.world}")
         sizes = None if data.num_train is None else {"train": data.num_train}
         splits = load_dataset(data.data, sizes, seed=config.train.seed,
                               progress=progress and dist.is_main, set_size=data.set_size)
@@ -207,16 +217,6 @@ class SetsTask:
         self.flow = flow.to(dist.device)
         self.model = self.flow
         self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
-        self.energy = None  # training by energy: E of the built-in particle system
-        if config.flow.energy_weight > 0:
-            from ..data.particles import PARTICLE_SYSTEMS
-
-            self.energy = PARTICLE_SYSTEMS[data.data].energy
-            count = config.flow.energy_samples or config.train.batch_size
-            if count < dist.world:  # each process draws its share: none may be empty
-                raise ConfigError(f"energy_samples={count} draws fewer configurations than "
-                                  f"there are processes ({dist.world}): give at least "
-                                  f"{dist.world}")
         self._energy_stats: dict[str, Tensor] = {}
 
     def initialise(self) -> None:
@@ -245,8 +245,7 @@ class SetsTask:
             return x, mask
         # base draws for training by energy, from the same generator (so a resumed run draws
         # what an uninterrupted one would), shared out as the batch is
-        count = self.config.flow.energy_samples or size
-        shape = (count, self.train_data.set_size, self.train_data.dim)
+        shape = (self.energy_samples, self.train_data.set_size, self.train_data.dim)
         z = sample_standard_normal(shape, None, True, generator, dtype=x.dtype)
         return x, mask, z[dist.rank :: dist.world].to(dist.device)
 
