@@ -8,6 +8,7 @@ Run from the repository root:
     python benchmarks/resflow.py --sections training set --before /path/to/older/flowattn
     python benchmarks/resflow.py --sections set-reference --reference /path/to/residual-flows
     python benchmarks/resflow.py --sections particles --before /path/to/older/flowattn
+    python benchmarks/resflow.py --sections particles-compile --threads 1
 
 Every section prints a Markdown table. Sections can be selected with --sections.
 """
@@ -406,6 +407,33 @@ def bench_particle_step(quick: bool, before: str | None = None, steps: int | Non
         step_table(times, "flowattn before" if before else "flowattn")
 
 
+def bench_particle_compile(quick: bool, steps: int | None = None,
+                           systems: tuple[str, ...] = ("dw4", "lj13")) -> None:
+    print("### Particle-flow training step compiled: `SetFlow.compiled_log_prob()` (each layer "
+          "through torch.compile, inductor) against the same flow eager, as `flowattn sets fit "
+          "--data SYSTEM` trains it with and without `--compile`, float32\n")
+    for system in systems:
+        eager, log_prob, batch = _particle_model(system)
+        twin, _, _ = _particle_model(system)
+        n, d = PARTICLES[system]
+        torch.manual_seed(1)
+        data = torch.randn(batch, n, d)
+        data = data - data.mean(1, keepdim=True)
+        for flow in (eager, twin):
+            flow.standardise(data)
+            flow.log_prob(data)  # data-dependent initialisation, eagerly (as the task does)
+        compiled = twin.compiled_log_prob()
+        t0 = time.perf_counter()
+        loss = -compiled(data).mean()
+        loss.backward()
+        print(f"{system}: compilation (first step, forward and backward): "
+              f"{time.perf_counter() - t0:.1f} s\n")
+        count = steps or (3 if quick else 10 if n > 20 else 30)
+        times = time_steps([("eager", eager, log_prob), ("compiled", twin, compiled)], data,
+                           count, warmup=2)
+        step_table(times, "eager")
+
+
 # ------------------------------------------------------------------------------ set, reference
 SET_REFERENCE = "Residual Flows reference code"
 
@@ -586,6 +614,7 @@ SECTIONS = {
     "training": bench_training_step,
     "set": bench_set_step,
     "particles": bench_particle_step,
+    "particles-compile": bench_particle_compile,
     "set-reference": bench_set_reference,
     "compile": bench_compile,
 }
@@ -614,6 +643,8 @@ def main() -> None:
             bench_set_step(args.quick, args.before, args.steps)
         elif name == "particles":
             bench_particle_step(args.quick, args.before, args.steps)
+        elif name == "particles-compile":
+            bench_particle_compile(args.quick, args.steps)
         elif name == "set-reference":
             bench_set_reference(args.quick, args.reference, args.steps)
         elif name == "compile":

@@ -18,6 +18,7 @@ from flowattn.flows import set_flow
 from flowattn.flows.builders import SetFlow
 from flowattn.sets import SetsRunConfig, fit, load_flow
 from flowattn.sets.boltzmann import BoltzmannSample, boltzmann_sample, boltzmann_summary
+from flowattn.training.device import NO_COMPILER, cpp_compiler
 
 
 def harmonic(stiffness):
@@ -120,6 +121,7 @@ def small_particles(monkeypatch, tmp_path):
 def tiny_run(tmp_path: Path, data: str) -> Path:
     """Two training steps of a one-block flow (no plots: they would take most of the time)."""
     config = SetsRunConfig.build({"data": data, "blocks": 1, "hidden": 8, "steps": 2,
+                                  "compile": False,  # eager: these tests are about sampling
                                   "batch_size": 8, "eval_every": 2, "checkpoint_every": 2,
                                   "val_sets": 16, "warmup": 1, "radial_basis": 8})
     out = tmp_path / f"run-{data}"
@@ -295,7 +297,8 @@ def _energy_task(settings):
     from flowattn.training.distributed import Distributed
 
     config = SetsRunConfig.build({"data": "dw4", "blocks": 1, "radial_basis": 8,
-                                  "batch_size": 8, "val_sets": 16, **settings})
+                                  "batch_size": 8, "val_sets": 16, "compile": False,
+                                  **settings})
     torch.manual_seed(0)
     return SetsTask(config, Distributed(rank=0, world=1, device=torch.device("cpu")),
                     plots=False)
@@ -331,11 +334,41 @@ def test_training_by_energy_adds_the_weighted_reverse_kl_per_dimension(small_par
     assert objective is nll and plain.train_stats() == {}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(cpp_compiler() is None, reason=NO_COMPILER)
+def test_a_compiled_run_writes_the_checkpoint_of_the_eager_run(tmp_path, small_particles):
+    """DW4 compiles by default: the compiled log-density (by energy too, beside the eager
+    inverse) trains the parameters the eager one does, and the run resumes without it."""
+    from flowattn.training.checkpoint import read_checkpoint
+
+    settings = {"data": "dw4", "blocks": 1, "radial_basis": 8, "steps": 3, "batch_size": 8,
+                "eval_every": 3, "checkpoint_every": 3, "val_sets": 16, "warmup": 1,
+                "energy_weight": 0.1}
+    assert SetsRunConfig.build(settings).train.compile  # the data set's default
+    summaries, states = {}, {}
+    for compile in (False, True):
+        out = tmp_path / f"compile-{compile}"
+        summaries[compile] = fit(SetsRunConfig.build({**settings, "compile": compile}), out,
+                                 progress=False, tensorboard=False, plots=False)
+        states[compile] = read_checkpoint(out, "sets")
+    assert states[True]["config"]["train"]["compile"] is True
+    assert summaries[True]["val_loss"] == pytest.approx(summaries[False]["val_loss"], rel=1e-5)
+    reference = states[False]["model"]
+    assert list(states[True]["model"]) == list(reference)
+    for key, value in reference.items():
+        torch.testing.assert_close(states[True]["model"][key], value, rtol=1e-4, atol=1e-6,
+                                   msg=key)
+    resumed = fit(SetsRunConfig.build({**settings, "compile": False, "steps": 5}),
+                  tmp_path / "compile-True", resume=True, progress=False, tensorboard=False,
+                  plots=False)
+    assert resumed["step"] == 5 and not resumed["diverged"]
+
+
 def test_a_run_trained_by_energy_logs_the_reverse_kl(tmp_path, small_particles):
     config = SetsRunConfig.build({"data": "dw4", "blocks": 1, "radial_basis": 8, "steps": 4,
                                   "batch_size": 8, "eval_every": 4, "checkpoint_every": 4,
                                   "log_every": 2, "val_sets": 16, "warmup": 1,
-                                  "energy_weight": 0.1})
+                                  "energy_weight": 0.1, "compile": False})
     summary = fit(config, tmp_path / "run", progress=False, tensorboard=False, plots=False)
     assert math.isfinite(summary["test_nll"])
     records = [json.loads(line) for line in

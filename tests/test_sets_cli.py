@@ -205,7 +205,7 @@ def test_torchrun_training_by_energy_matches_the_single_process_run(tmp_path):
     # each process maps its share of the step's base draws: the mean of the two shares'
     # reverse KLs is the single process's (a fresh home: DW4 is sampled here, by the first run)
     config = tiny_config(tmp_path, eval_every=100, radial_basis=8, energy_weight=0.5,
-                         energy_samples=16)
+                         energy_samples=16, compile=False)  # (DW4 compiles by default)
     env = dict(os.environ, OMP_NUM_THREADS="1", HOME=str(tmp_path / "home"))
     dw4 = ["--data", "dw4", "--num-train", "200", "--batch-size", "16", "--no-progress"]
     single, ddp = tmp_path / "single", tmp_path / "ddp"

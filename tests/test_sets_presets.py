@@ -12,6 +12,7 @@ from flowattn.errors import ConfigError
 from flowattn.sets import SetsRunConfig, fit
 from flowattn.sets import config as sets_config
 from flowattn.training.config import from_sources
+from flowattn.training.device import cpp_compiler
 from flowattn.training.run import plan_run
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "sets.md"
@@ -124,7 +125,7 @@ def test_a_resumed_run_keeps_the_preset_values_it_started_with(tmp_path, monkeyp
 DATA_DOCUMENTED = {
     "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0, "steps": 12000,
             "batch_size": 128, "warmup": 100, "eval_every": 1000, "checkpoint_every": 1000,
-            "val_sets": 1000},
+            "val_sets": 1000, "compile": True},
     "lj13": {"blocks": 8, "mlp": False, "radial_max_slope": 4.0, "steps": 5000, "warmup": 100,
              "eval_every": 500, "checkpoint_every": 500, "keep_best": True},
     "lj55": {"blocks": 8, "mlp": False, "radial_basis": 32, "steps": 400, "batch_size": 32,
@@ -137,7 +138,10 @@ DATA_DOCUMENTED = {
 def test_particle_data_get_their_documented_defaults(data):
     assert sets_config.DATA_DEFAULTS[data] == DATA_DOCUMENTED[data]
     flat = SetsRunConfig.build({"data": data}).flat()
-    assert {key: flat[key] for key in DATA_DOCUMENTED[data]} == DATA_DOCUMENTED[data]
+    resolved = dict(DATA_DOCUMENTED[data])
+    if "compile" in resolved and cpp_compiler() is None:
+        resolved["compile"] = False  # compiled only where torch.compile can build kernels
+    assert {key: flat[key] for key in DATA_DOCUMENTED[data]} == resolved
     radial = SetsRunConfig.build({"data": data, "interaction": "radial"}).flat()
     assert flat == {**radial, "interaction": DATA_DOCUMENTED[data].get("interaction", "auto")}
     section = DOCS.read_text().split("### Defaults of the built-in data sets", 1)[1]
@@ -148,6 +152,23 @@ def test_particle_data_get_their_documented_defaults(data):
     shown = {key: {True: "yes", False: "no"}[value] if isinstance(value, bool) else str(value)
              for key, value in DATA_DOCUMENTED[data].items()}
     assert dict(item.split(" ") for item in cell.split(", ")) == shown, rows[0]
+
+
+def test_the_dw4_default_compiles_only_where_a_compiler_can_build_kernels(
+        monkeypatch, tmp_path, capsys):
+    from flowattn.training import device
+
+    monkeypatch.setattr(sets_config, "cpp_compiler", lambda: "/usr/bin/g++")
+    assert SetsRunConfig.build({"data": "dw4"}).train.compile is True
+    for module in (sets_config, device):
+        monkeypatch.setattr(module, "cpp_compiler", lambda: None)
+    assert SetsRunConfig.build({"data": "dw4"}).train.compile is False  # eager, not refused
+    out = tmp_path / "run"  # asked for explicitly: refused in one line, nothing written
+    assert main(["sets", "fit", "--data", "gaussian-sets", "--compile", "--steps", "1",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--compile" in err and "C++ compiler" in err and len(err.splitlines()) == 1
+    assert not out.exists()
 
 
 def test_data_defaults_yield_to_given_settings_and_apply_only_to_radial_residual_flows():

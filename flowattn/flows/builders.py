@@ -121,10 +121,11 @@ class SetFlow(nn.Module):
             state_dict.setdefault(f"{prefix}standardisation.{name}", value)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-    def _forward(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
+    def _forward(self, x: Tensor, mask: Tensor | None,
+                 transform: Transform | None = None) -> tuple[Tensor, Tensor]:
         with trusted_inputs():  # checked once, in _prepare; the layers trust their caller
             u, scale_logdet = self.standardisation(x, context=mask)
-            z, logdet = self.transform(u, context=mask)
+            z, logdet = (transform or self.transform)(u, context=mask)
         logdet = scale_logdet + logdet
         check_deferred(x, "SetFlow", z, logdet)
         return z, logdet
@@ -153,9 +154,37 @@ class SetFlow(nn.Module):
 
     def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """log p(x) per set, shape (B,): exact in eval mode where feasible, else an estimate."""
+        return self._log_prob(x, mask, self.transform)
+
+    def _log_prob(self, x: Tensor, mask: Tensor | None, transform: Transform) -> Tensor:
         x, mask = self._prepare(x, mask)
-        z, logdet = self._forward(x, mask)
+        z, logdet = self._forward(x, mask, transform)
         return standard_normal_log_prob(z, mask, self.zero_com) + logdet
+
+    def compiled_log_prob(self, **options: Any) -> Callable[..., Tensor]:
+        """:meth:`log_prob` with each layer of the flow compiled on its own
+        (``torch.compile(layer, **options)``), for training.
+
+        Layers of one kind share their compiled code (their parameters are inputs of the
+        graph), so a deep flow compiles a few small graphs, not one large one: about a minute
+        on one CPU core for the 12 residual and 12 monotone blocks of the DW4 flow, against
+        twelve for the whole log-density as one graph. The entry check and the base density
+        stay eager; the flow itself is unchanged (the compiled layers share its parameters),
+        so its evaluation, sampling and state dict are those of the eager flow.
+
+        Examples:
+            >>> flow = set_flow(dim=2, blocks=1, heads=1)
+            >>> log_prob = flow.compiled_log_prob(backend="eager")
+            >>> x = torch.randn(3, 4, 2)
+            >>> bool(torch.allclose(log_prob(x), flow.log_prob(x)))
+            True
+        """
+        layers = self.transform
+        if isinstance(layers, CompositeTransform):
+            layers = CompositeTransform([torch.compile(t, **options) for t in layers._transforms])
+        else:
+            layers = torch.compile(layers, **options)
+        return lambda x, mask=None: self._log_prob(x, mask, layers)
 
     def _reference_tensor(self) -> Tensor:
         for t in self.parameters():

@@ -208,6 +208,14 @@ class InvertibleResidual(Transform):
         return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph,
                             chunk_size=_chunk_size(*x.shape), vjp_fn=vjp_fn)
 
+    def _closed_form(self, n: int, d: int) -> bool:
+        """Whether the log-det of the current mode is the determinant of the branch's own
+        closed-form ``jacobian``: no VJP, so no double backward in its gradient."""
+        if not callable(getattr(self.branch, "jacobian", None)) or self.causal:
+            return False
+        method = self.logdet_options.method if self.training else "auto"
+        return method == "exact" or (method == "auto" and self._exact_feasible(n, d))
+
     def _exact_feasible(self, n: int, d: int) -> bool:
         opt = self.logdet_options
         max_dim = opt.exact_max_dim if self.training else opt.eval_exact_max_dim
@@ -291,6 +299,15 @@ class InvertibleResidual(Transform):
             with torch.set_grad_enabled(need_graph):
                 gx, vjp_fn = self._linearised(x_in, mask)
                 logdet = logdet_fn(gx, x_in, need_graph, vjp_fn)
+            return x_in + gx, logdet
+        if self._closed_form(*x_in.shape[1:]) and not (
+            need_graph and self.logdet_options.memory_efficient
+        ):
+            # The determinant of the branch's closed-form Jacobian: plain differentiable code,
+            # which torch.compile traces (with the branch) in one graph.
+            with torch.set_grad_enabled(need_graph):
+                gx = self._g(x_in, mask)
+                logdet = logdet_fn(gx, x_in, need_graph)
             return x_in + gx, logdet
         return self._autograd_forward(x_in, mask, logdet_fn, need_graph)
 

@@ -406,7 +406,8 @@ class LMTrain(TrainSettings.with_defaults(
         beta1=0.9, beta2=0.99, weight_decay=0.1, grad_clip=1.0,
         divergence_factor=2.0, eval_every=250, checkpoint_every=250, log_every=10, seed=1337,
         device="auto")):
-    """The shared training settings with the language model's defaults, and ``compile``.
+    """The shared training settings with the language model's defaults; ``lr`` and ``warmup``
+    may be ``"auto"`` (the model's own).
 
     ``compile`` trains through ``torch.compile(model)``, a wrapper that shares the model's
     parameters: the checkpoint holds the model's own state dict, the same with and without it.
@@ -422,8 +423,6 @@ class LMTrain(TrainSettings.with_defaults(
     warmup: Annotated[int, Field(ge=0)] | Literal["auto"] = Field(
         AUTO, description="linear warm-up steps (auto: 400 for l2-tied, contractive-l2 and "
         "with --invertible, else 100)")
-    compile: bool = Field(False, description="train through torch.compile(model) (on CPU it "
-                          "needs a C++ compiler); the checkpoint is the same with and without")
 
     def model_post_init(self, __context) -> None:
         if AUTO not in (self.lr, self.warmup):  # (automatic ones are checked once resolved)

@@ -16,6 +16,7 @@ from pydantic import model_validator
 
 from ..errors import ConfigError
 from ..training.config import Field, RunConfig, Section, TrainSettings
+from ..training.device import cpp_compiler
 
 __all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
            "resolved_interaction", "resolved_field", "legacy_settings", "PRESETS",
@@ -58,7 +59,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 DATA_DEFAULTS: dict[str, dict[str, Any]] = {
     "dw4": {"blocks": 12, "mlp": False, "coeff": 0.97, "radial_max_slope": 4.0,
             "steps": 12000, "batch_size": 128, "warmup": 100, "eval_every": 1000,
-            "checkpoint_every": 1000, "val_sets": 1000},
+            "checkpoint_every": 1000, "val_sets": 1000, "compile": True},
     "lj13": {"blocks": 8, "mlp": False, "radial_max_slope": 4.0, "steps": 5000, "warmup": 100,
              "eval_every": 500, "checkpoint_every": 500, "keep_best": True},
     "lj55": {"blocks": 8, "mlp": False, "radial_basis": 32, "steps": 400, "batch_size": 32,
@@ -274,8 +275,8 @@ class SetsRunConfig(RunConfig):
     """
 
     RESUMABLE: ClassVar[frozenset[str]] = frozenset(
-        {"steps", "device", "threads", "eval_every", "checkpoint_every", "log_every",
-         "val_sets"})
+        {"steps", "device", "threads", "compile", "eval_every", "checkpoint_every",
+         "log_every", "val_sets"})
 
     data: SetsData = SetsData()
     flow: SetsFlow = SetsFlow()
@@ -359,6 +360,8 @@ def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
             return out  # measured with radial interactions: an explicit auto keeps attention
     leaves = SetsRunConfig.leaves()
     for key, value in chosen.items():
+        if key == "compile" and cpp_compiler() is None:
+            continue  # compiled where torch.compile can build kernels, else eager
         section = out.setdefault(leaves[key][0], {})
         if isinstance(section, dict):
             section.setdefault(key, value)

@@ -24,6 +24,7 @@ from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
 from ..flows.residual import InvertibleResidual
 from ..training.checkpoint import read_model
+from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
 from ..training.run import data_fingerprint, plan_run
@@ -39,12 +40,14 @@ class _LogProb(nn.Module):
     base draws ``z``, also the configurations f⁻¹(z) and their log-densities (training by
     energy), in the same forward."""
 
-    def __init__(self, flow: SetFlow):
+    def __init__(self, flow: SetFlow, compile: bool = False):
         super().__init__()
         self.flow = flow
+        # compiled layer by layer (SetFlow.compiled_log_prob): sharing the flow's parameters
+        self.log_prob = flow.compiled_log_prob() if compile else flow.log_prob
 
     def forward(self, x: Tensor, mask: Tensor | None, z: Tensor | None = None):
-        log_prob = self.flow.log_prob(x, mask)
+        log_prob = self.log_prob(x, mask)
         if z is None:
             return log_prob
         with trusted_inputs():  # the task's own base draws: no check (a host sync) per step
@@ -216,7 +219,11 @@ class SetsTask:
         flow.standardise(self.train_data.x, self.train_data.mask)
         self.flow = flow.to(dist.device)
         self.model = self.flow
-        self.forward_module = _LogProb(self.flow)  # what DistributedDataParallel wraps
+        if config.train.compile:
+            check_compilable(dist.device)
+        # what DistributedDataParallel wraps; with compile, the training step's log-density is
+        # compiled (evaluation and sampling stay eager)
+        self.forward_module = _LogProb(self.flow, compile=config.train.compile)
         self._energy_stats: dict[str, Tensor] = {}
 
     def initialise(self) -> None:

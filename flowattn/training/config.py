@@ -423,6 +423,8 @@ class TrainSettings(Section):
                         "auto (cuda when available)")
     threads: int | None = Field(None, ge=1, description="intra-op CPU threads; none: torch's "
                                 "default (1 avoids OpenMP waits on a busy machine)")
+    compile: bool = Field(False, description="train through torch.compile (on CPU it needs a "
+                          "C++ compiler); the checkpoint is the same with and without")
 
     def model_post_init(self, __context) -> None:
         if self.min_lr > self.lr:
