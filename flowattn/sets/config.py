@@ -61,7 +61,7 @@ DATA_DEFAULTS: dict[str, dict[str, Any]] = {
             "steps": 12000, "batch_size": 128, "warmup": 100, "eval_every": 1000,
             "checkpoint_every": 1000, "val_sets": 1000, "compile": True},
     "lj13": {"blocks": 8, "mlp": False, "radial_max_slope": 4.0, "steps": 5000, "warmup": 100,
-             "eval_every": 500, "checkpoint_every": 500, "keep_best": True},
+             "eval_every": 500, "checkpoint_every": 500, "keep_best": True, "compile": True},
     "lj55": {"blocks": 8, "mlp": False, "radial_basis": 32, "steps": 400, "batch_size": 32,
              "warmup": 50, "eval_every": 100, "checkpoint_every": 100, "val_sets": 200},
     "repulsive-sets": {"interaction": "radial", "radial_max_slope": 4.0},
