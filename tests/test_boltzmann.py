@@ -336,7 +336,8 @@ def test_training_by_energy_adds_the_weighted_reverse_kl_per_dimension(small_par
 
 @pytest.mark.slow
 @pytest.mark.skipif(cpp_compiler() is None, reason=NO_COMPILER)
-def test_a_compiled_run_writes_the_checkpoint_of_the_eager_run(tmp_path, small_particles):
+def test_a_compiled_run_writes_the_checkpoint_of_the_eager_run(tmp_path, small_particles,
+                                                               capsys):
     """DW4 compiles by default: the compiled log-density (by energy too, beside the eager
     inverse) trains the parameters the eager one does, and the run resumes without it."""
     from flowattn.training.checkpoint import read_checkpoint
@@ -348,9 +349,12 @@ def test_a_compiled_run_writes_the_checkpoint_of_the_eager_run(tmp_path, small_p
     summaries, states = {}, {}
     for compile in (False, True):
         out = tmp_path / f"compile-{compile}"
+        capsys.readouterr()
         summaries[compile] = fit(SetsRunConfig.build({**settings, "compile": compile}), out,
                                  progress=False, tensorboard=False, plots=False)
         states[compile] = read_checkpoint(out, "sets")
+        printed = capsys.readouterr()
+        assert ("torch.compile: the first steps compile" in printed.out + printed.err) == compile
     assert states[True]["config"]["train"]["compile"] is True
     assert summaries[True]["val_loss"] == pytest.approx(summaries[False]["val_loss"], rel=1e-5)
     reference = states[False]["model"]

@@ -19,6 +19,7 @@ import gc
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -152,10 +153,16 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     else:
         task.initialise()
         torch.manual_seed(cfg.seed + dist.rank)  # dropout and probes differ per process
+    if cfg.compile:
+        # inductor's lowering warns about a deprecation inside torch itself at every graph
+        warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated",
+                                category=FutureWarning)
     if main:
         plan.prepare()
         for note in plan.notes:
             log(note)
+        if cfg.compile and step < cfg.steps:
+            log("torch.compile: the first steps compile the model (a minute or more on a CPU)")
     dist.barrier()
     module = dist.wrap(getattr(task, "forward_module", model))
     metrics = MetricsLog(out, step, enabled=main, tensorboard=tensorboard)
