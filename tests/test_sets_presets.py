@@ -158,10 +158,9 @@ def test_the_dw4_default_compiles_only_where_a_compiler_can_build_kernels(
         monkeypatch, tmp_path, capsys):
     from flowattn.training import device
 
-    monkeypatch.setattr(sets_config, "cpp_compiler", lambda: "/usr/bin/g++")
+    monkeypatch.setattr(device, "cpp_compiler", lambda: "/usr/bin/g++")
     assert SetsRunConfig.build({"data": "dw4"}).train.compile is True
-    for module in (sets_config, device):
-        monkeypatch.setattr(module, "cpp_compiler", lambda: None)
+    monkeypatch.setattr(device, "cpp_compiler", lambda: None)
     assert SetsRunConfig.build({"data": "dw4"}).train.compile is False  # eager, not refused
     out = tmp_path / "run"  # asked for explicitly: refused in one line, nothing written
     assert main(["sets", "fit", "--data", "gaussian-sets", "--compile", "--steps", "1",

@@ -16,7 +16,6 @@ from pydantic import model_validator
 
 from ..errors import ConfigError
 from ..training.config import Field, RunConfig, Section, TrainSettings
-from ..training.device import cpp_compiler
 
 __all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
            "resolved_interaction", "resolved_field", "legacy_settings", "PRESETS",
@@ -358,9 +357,11 @@ def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
         wanted = chosen.get("interaction")
         if wanted is not None and flow.get("interaction", wanted) != wanted:
             return out  # measured with radial interactions: an explicit auto keeps attention
+    from ..training import device  # (imports torch: not before a data set's defaults apply)
+
     leaves = SetsRunConfig.leaves()
     for key, value in chosen.items():
-        if key == "compile" and cpp_compiler() is None:
+        if key == "compile" and device.cpp_compiler() is None:
             continue  # compiled where torch.compile can build kernels, else eager
         section = out.setdefault(leaves[key][0], {})
         if isinstance(section, dict):
