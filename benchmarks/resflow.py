@@ -8,7 +8,7 @@ Run from the repository root:
     python benchmarks/resflow.py --sections training set --before /path/to/older/flowattn
     python benchmarks/resflow.py --sections set-reference --reference /path/to/residual-flows
     python benchmarks/resflow.py --sections particles --before /path/to/older/flowattn
-    python benchmarks/resflow.py --sections particles-compile --threads 1
+    python benchmarks/resflow.py --sections compiled-sets --threads 1
 
 Every section prints a Markdown table. Sections can be selected with --sections.
 """
@@ -407,30 +407,50 @@ def bench_particle_step(quick: bool, before: str | None = None, steps: int | Non
         step_table(times, "flowattn before" if before else "flowattn")
 
 
-def bench_particle_compile(quick: bool, steps: int | None = None,
-                           systems: tuple[str, ...] = ("dw4", "lj13")) -> None:
-    print("### Particle-flow training step compiled: `SetFlow.compiled_log_prob()` (each layer "
-          "through torch.compile, inductor) against the same flow eager, as `flowattn sets fit "
-          "--data SYSTEM` trains it with and without `--compile`, float32\n")
-    for system in systems:
-        eager, log_prob, batch = _particle_model(system)
-        twin, _, _ = _particle_model(system)
-        n, d = PARTICLES[system]
-        torch.manual_seed(1)
-        data = torch.randn(batch, n, d)
-        data = data - data.mean(1, keepdim=True)
-        for flow in (eager, twin):
-            flow.standardise(data)
-            flow.log_prob(data)  # data-dependent initialisation, eagerly (as the task does)
+#: what the compile section times: the flows ``flowattn sets fit`` trains for these settings
+COMPILE_CASES = {
+    "dw4": {"data": "dw4"},
+    "lj13": {"data": "lj13"},
+    "shape-sets, attention + splines, 8 blocks": {"data": "shape-sets", "splines": True,
+                                                   "blocks": 8},
+}
+
+
+def _compile_case(settings: dict):
+    """The flow ``sets fit`` builds for ``settings``, standardised and initialised on a batch of
+    its training data (eagerly, as the task does), and the batch."""
+    from flowattn.data import load_dataset
+    from flowattn.sets.config import SetsRunConfig, build_flow
+
+    config = SetsRunConfig.build(settings)
+    train = load_dataset(config.data.data, None, seed=0)["train"]
+    torch.manual_seed(0)
+    flow = build_flow(config.flow, train.dim, train.set_size, train.zero_com).train()
+    flow.standardise(train.x, train.mask)
+    batch = train.x[: config.train.batch_size]
+    flow.log_prob(batch)
+    return flow, batch
+
+
+def bench_compiled_sets(quick: bool, steps: int | None = None) -> None:
+    print("### Set-flow training step compiled: `SetFlow.compiled_log_prob()` (each layer "
+          "through torch.compile, inductor) against the same flow eager, as `flowattn sets fit` "
+          "trains it with and without `--compile`, a batch of training sets, float32\n")
+    for name, settings in COMPILE_CASES.items():
+        eager, batch = _compile_case(settings)
+        twin, _ = _compile_case(settings)
         compiled = twin.compiled_log_prob()
+        torch._dynamo.utils.counters.clear()
         t0 = time.perf_counter()
-        loss = -compiled(data).mean()
+        loss = -compiled(batch).mean()
         loss.backward()
-        print(f"{system}: compilation (first step, forward and backward): "
-              f"{time.perf_counter() - t0:.1f} s\n")
-        count = steps or (3 if quick else 10 if n > 20 else 30)
-        times = time_steps([("eager", eager, log_prob), ("compiled", twin, compiled)], data,
-                           count, warmup=2)
+        counters = torch._dynamo.utils.counters
+        print(f"{name}: compilation (first step, forward and backward): "
+              f"{time.perf_counter() - t0:.1f} s, {counters['stats']['unique_graphs']} graphs, "
+              f"{sum(counters['graph_break'].values())} graph breaks\n")
+        count = steps or (3 if quick else 10 if batch.shape[1] > 8 else 30)
+        times = time_steps([("eager", eager, eager.log_prob), ("compiled", twin, compiled)],
+                           batch, count, warmup=2)
         step_table(times, "eager")
 
 
@@ -614,7 +634,7 @@ SECTIONS = {
     "training": bench_training_step,
     "set": bench_set_step,
     "particles": bench_particle_step,
-    "particles-compile": bench_particle_compile,
+    "compiled-sets": bench_compiled_sets,
     "set-reference": bench_set_reference,
     "compile": bench_compile,
 }
@@ -643,8 +663,8 @@ def main() -> None:
             bench_set_step(args.quick, args.before, args.steps)
         elif name == "particles":
             bench_particle_step(args.quick, args.before, args.steps)
-        elif name == "particles-compile":
-            bench_particle_compile(args.quick, args.steps)
+        elif name == "compiled-sets":
+            bench_compiled_sets(args.quick, args.steps)
         elif name == "set-reference":
             bench_set_reference(args.quick, args.reference, args.steps)
         elif name == "compile":
