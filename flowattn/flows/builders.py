@@ -170,7 +170,10 @@ class SetFlow(nn.Module):
         on one CPU core for the 12 residual and 12 monotone blocks of the DW4 flow, against
         twelve for the whole log-density as one graph. The entry check and the base density
         stay eager; the flow itself is unchanged (the compiled layers share its parameters),
-        so its evaluation, sampling and state dict are those of the eager flow.
+        so its evaluation, sampling and state dict are those of the eager flow. The first call
+        also runs the flow once eagerly without gradients, so that one-time work (ActNorm's
+        data-dependent initialisation, a monotone block's check of its branch) happens outside
+        the compiled graphs, also for a flow loaded from a checkpoint.
 
         Examples:
             >>> flow = set_flow(dim=2, blocks=1, heads=1)
@@ -184,7 +187,17 @@ class SetFlow(nn.Module):
             layers = CompositeTransform([torch.compile(t, **options) for t in layers._transforms])
         else:
             layers = torch.compile(layers, **options)
-        return lambda x, mask=None: self._log_prob(x, mask, layers)
+        settled = False
+
+        def log_prob(x: Tensor, mask: Tensor | None = None) -> Tensor:
+            nonlocal settled
+            if not settled:  # one-time work, eagerly
+                with torch.no_grad():
+                    self._log_prob(x, mask, self.transform)
+                settled = True
+            return self._log_prob(x, mask, layers)
+
+        return log_prob
 
     def _reference_tensor(self) -> Tensor:
         for t in self.parameters():

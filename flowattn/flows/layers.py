@@ -86,8 +86,10 @@ class ActNorm(Transform):
         self._seen_initialised = False  # the buffer read once as True: no more reads (syncs)
 
     def _load_from_state_dict(self, *args, **kwargs) -> None:
-        self._seen_initialised = False  # the loaded buffer decides again
         super()._load_from_state_dict(*args, **kwargs)
+        # the loaded buffer decides, read once here: a resumed training step reads nothing
+        # back (and under torch.compile, breaks no graph on it)
+        self._seen_initialised = bool(self.initialized)
 
     def _needs_initialisation(self) -> bool:
         if not self._seen_initialised:

@@ -127,6 +127,20 @@ def test_a_training_step_reads_no_tensor_back_but_the_entry_check():
     assert sum(reads.values()) == 1 and all("validation.py" in k for k in reads), reads
 
 
+def test_a_flow_loaded_from_a_state_dict_reads_no_tensor_back_in_its_first_step():
+    """A resumed run: ActNorm's flag is read when the state is loaded, not in the step (where
+    under torch.compile the read would break the graph)."""
+    torch.manual_seed(0)
+    trained = set_flow(dim=2, blocks=3, heads=1, interaction="linear", logdet=SERIES)
+    x = torch.randn(8, 5, 2)
+    trained.log_prob(x)
+    flow = set_flow(dim=2, blocks=3, heads=1, interaction="linear", logdet=SERIES)
+    flow.load_state_dict(trained.state_dict())
+
+    reads = _host_reads(lambda: flow.log_prob(x).mean().backward())
+    assert sum(reads.values()) == 1 and all("validation.py" in k for k in reads), reads
+
+
 @pytest.mark.parametrize("masked", [False, True])
 def test_attention_blocks_defer_their_overflow_check_to_the_entry_point(masked):
     """An attention residual's certificate reads nothing back (its counts stay on the host),
