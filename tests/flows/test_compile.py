@@ -192,6 +192,7 @@ def test_closed_form_blocks_compile_layer_by_layer_without_graph_breaks():
     whole (no eager autograd log-det), and layers of one kind share one compiled graph; a flow
     loaded from a state dict (a resumed run) reads nothing back either."""
     torch.manual_seed(2)
+    torch._dynamo.utils.counters.clear()  # (dynamo's reset keeps the counts of earlier tests)
     flow = _particle_flow()
     layers = len(flow.transform._transforms)
     compiled = flow.compiled_log_prob(backend="aot_eager")
