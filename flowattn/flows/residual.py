@@ -211,10 +211,19 @@ class InvertibleResidual(Transform):
     def _closed_form(self, n: int, d: int) -> bool:
         """Whether the log-det of the current mode is the determinant of the branch's own
         closed-form ``jacobian``: no VJP, so no double backward in its gradient."""
-        if not callable(getattr(self.branch, "jacobian", None)) or self.causal:
-            return False
-        method = self.logdet_options.method if self.training else "auto"
-        return method == "exact" or (method == "auto" and self._exact_feasible(n, d))
+        has_jacobian = callable(getattr(self.branch, "jacobian", None)) and not self.causal
+        return has_jacobian and self._method(n, d) == "exact"
+
+    def _method(self, n: int, d: int) -> str:
+        """The log-det estimator of the current mode for sets of n elements of dimension d:
+        ``"exact"``, ``"series"`` or ``"roulette"`` in training (``auto`` resolved), ``"exact"``
+        or ``"eval-series"`` (the high-accuracy series) in evaluation."""
+        if not self.training:
+            return "exact" if self._exact_feasible(n, d) else "eval-series"
+        method = self.logdet_options.method
+        if method == "auto":
+            return "exact" if self._exact_feasible(n, d) else "roulette"
+        return method
 
     def _exact_feasible(self, n: int, d: int) -> bool:
         opt = self.logdet_options
@@ -230,9 +239,8 @@ class InvertibleResidual(Transform):
         opt = self.logdet_options
         structure = "pointwise" if self.structure == "pointwise" else "full"
         self.logdet_variance = None
-        if not self.training:
-            if self._exact_feasible(n, d):
-                return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
+        method = self._method(n, d)
+        if method == "eval-series":
             bound = self._check_contractive(n)
             terms = opt.eval_n_terms or _terms_for_bound(bound)
 
@@ -247,9 +255,6 @@ class InvertibleResidual(Transform):
                 return value
 
             return eval_series
-        method = opt.method
-        if method == "auto":
-            method = "exact" if self._exact_feasible(n, d) else "roulette"
         if method == "exact":
             return lambda gx, x, cg, vjp_fn=None: self._exact_logdet(gx, x, mask, cg, vjp_fn)
         if method == "series":
