@@ -381,6 +381,33 @@ def test_a_run_trained_by_energy_logs_the_reverse_kl(tmp_path, small_particles):
     assert train and all(math.isfinite(r["reverse_kl"]) for r in train)
 
 
+def test_a_finished_run_resumes_trained_by_energy_and_nothing_else_may_change(
+        tmp_path, small_particles):
+    """Fine-tuning by energy: a maximum-likelihood run resumed with a larger ``steps`` and an
+    energy weight trains on with the reverse KL (logged from the resumed steps only)."""
+    from flowattn.errors import ConfigError
+
+    settings = {"data": "dw4", "blocks": 1, "radial_basis": 8, "steps": 4, "batch_size": 8,
+                "eval_every": 4, "checkpoint_every": 2, "log_every": 1, "val_sets": 16,
+                "warmup": 1, "compile": False}
+    out = tmp_path / "run"
+    first = fit(SetsRunConfig.build(settings), out, progress=False, tensorboard=False,
+                plots=False)
+    assert first["step"] == 4
+    tuned = {**settings, "steps": 6, "energy_weight": 0.1, "energy_samples": 4,
+             "energy_max": 50.0}
+    summary = fit(SetsRunConfig.build(tuned), out, resume=True, progress=False,
+                  tensorboard=False, plots=False)
+    assert summary["step"] == 6 and math.isfinite(summary["test_nll"])
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if r["split"] == "train"]
+    assert [r["step"] for r in train if "reverse_kl" in r] == [5, 6]
+    assert all(math.isfinite(r["reverse_kl"]) for r in train if "reverse_kl" in r)
+    with pytest.raises(ConfigError, match="blocks"):
+        fit(SetsRunConfig.build({**tuned, "steps": 8, "blocks": 2}), out, resume=True,
+            progress=False, tensorboard=False, plots=False)
+
+
 @pytest.mark.parametrize("settings,message", [
     ({"data": "gaussian-sets", "energy_weight": 0.1}, "needs a known energy"),
     ({"data": "dw4", "flow": "cnf", "energy_weight": 0.1}, "residual and coupling flows"),

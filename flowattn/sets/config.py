@@ -273,9 +273,11 @@ class SetsRunConfig(RunConfig):
         ('dw4', 8, 100, 0.003)
     """
 
+    # training by energy may be switched on, off or reweighted on resume: fine-tuning a
+    # maximum-likelihood run by energy (the loss changes, the state and its shapes do not)
     RESUMABLE: ClassVar[frozenset[str]] = frozenset(
         {"steps", "device", "threads", "compile", "eval_every", "checkpoint_every",
-         "log_every", "val_sets"})
+         "log_every", "val_sets", "energy_weight", "energy_samples", "energy_max"})
 
     data: SetsData = SetsData()
     flow: SetsFlow = SetsFlow()
