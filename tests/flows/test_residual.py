@@ -166,6 +166,18 @@ def test_eval_mode_logdet_is_deterministic_and_accurate_when_exact_is_infeasible
     assert ((a - exact).abs() < 4 * se).all(), (a - exact, se)
 
 
+def test_training_mode_auto_is_exact_up_to_exact_max_dim_and_an_estimate_above():
+    torch.manual_seed(4)
+    att = ContractiveL2MHA(4, 1, coeff=0.9).double()
+    block = InvertibleResidual(att, logdet=LogDetOptions(exact_max_dim=12)).train()
+    small = torch.randn(2, 3, 4, dtype=DT)  # N D = 12: the exact log-det, in training too
+    _, a = block(small)
+    assert torch.allclose(a, brute_logdet(block, small), atol=1e-10, rtol=0)
+    large = torch.randn(2, 4, 4, dtype=DT)  # N D = 16: the roulette estimate
+    _, b = block(large)
+    assert not torch.allclose(b, brute_logdet(block, large), atol=1e-6, rtol=0)
+
+
 def test_eval_mode_logdet_is_exact_up_to_n_d_512_and_reports_no_variance():
     torch.manual_seed(4)
     att = ContractiveL2MHA(4, 1, coeff=0.9).double()
