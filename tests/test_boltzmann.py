@@ -406,6 +406,14 @@ def test_a_finished_run_resumes_trained_by_energy_and_nothing_else_may_change(
     with pytest.raises(ConfigError, match="blocks"):
         fit(SetsRunConfig.build({**tuned, "steps": 8, "blocks": 2}), out, resume=True,
             progress=False, tensorboard=False, plots=False)
+    # and switched off again: the weight 0 and no draws
+    plain = {**tuned, "steps": 8, "energy_weight": 0.0, "energy_samples": None}
+    assert fit(SetsRunConfig.build(plain), out, resume=True, progress=False,
+               tensorboard=False, plots=False)["step"] == 8
+    train = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+             if r["split"] == "train"]
+    assert [r["step"] for r in train if "reverse_kl" in r] == [5, 6]
+    assert [r["step"] for r in train if r["step"] > 6] == [7, 8]
 
 
 @pytest.mark.parametrize("settings,message", [

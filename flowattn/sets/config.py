@@ -244,7 +244,7 @@ class SetsFlow(Section):
                              "flow=resflow or flow=coupling)")
         if self.energy_samples is not None and self.energy_weight == 0:
             raise ValueError("energy_samples sets how many configurations training by energy "
-                             "draws: give energy_weight > 0 too")
+                             "draws: give energy_weight > 0 too, or energy_samples none")
         for name in COUPLING_SETTINGS:
             if self.flow == "cnf" and getattr(self, name) is not None:
                 raise ValueError(f"{name} is a setting of coupling flows: use it with "
