@@ -202,17 +202,20 @@ class InvertibleResidual(Transform):
 
     def _exact_logdet(self, gx: Tensor, x: Tensor, mask: Tensor | None, create_graph: bool,
                       vjp_fn=None):
-        jacobian_fn = getattr(self.branch, "jacobian", None)
-        if callable(jacobian_fn) and not self.causal:  # the branch's closed form: one pass
-            return jacobian_logdet(jacobian_fn(x, mask).to(x.dtype), mask, self.zero_com)
+        if self._has_jacobian():  # the branch's closed form: one pass
+            return jacobian_logdet(self.branch.jacobian(x, mask).to(x.dtype), mask, self.zero_com)
         return exact_logdet(gx, x, mask, self.structure, self.zero_com, create_graph,
                             chunk_size=_chunk_size(*x.shape), vjp_fn=vjp_fn)
 
     def _closed_form(self, n: int, d: int) -> bool:
         """Whether the log-det of the current mode is the determinant of the branch's own
         closed-form ``jacobian``: no VJP, so no double backward in its gradient."""
-        has_jacobian = callable(getattr(self.branch, "jacobian", None)) and not self.causal
-        return has_jacobian and self._method(n, d) == "exact"
+        return self._has_jacobian() and self._method(n, d) == "exact"
+
+    def _has_jacobian(self) -> bool:
+        """Whether the branch gives its Jacobian in closed form (``jacobian(x, mask)``) for
+        this block: not under a causal mask, which that Jacobian does not take."""
+        return callable(getattr(self.branch, "jacobian", None)) and not self.causal
 
     def _method(self, n: int, d: int) -> str:
         """The log-det estimator of the current mode for sets of n elements of dimension d:
@@ -228,7 +231,7 @@ class InvertibleResidual(Transform):
     def _exact_feasible(self, n: int, d: int) -> bool:
         opt = self.logdet_options
         max_dim = opt.exact_max_dim if self.training else opt.eval_exact_max_dim
-        if callable(getattr(self.branch, "jacobian", None)) and not self.causal:
+        if self._has_jacobian():
             return n * d <= 8 * max_dim  # no VJPs: only the determinant's cost
         return self.structure != "full" or n * d <= max_dim
 
