@@ -345,14 +345,16 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
     warm-up, compilation included)."""
     corpus = load_corpus(base["data"])
     vocab = corpus.vocab.size
+    device = torch.device(base["device"])
     models: dict[str, torch.nn.Module] = {}
     for name in names:
         torch.manual_seed(0)
         network = LMRunConfig.build({**base, **VARIANTS[name]}).network
-        models[name] = build_model(LMConfig(vocab_size=vocab, **network.to_dict())).train()
+        models[name] = build_model(LMConfig(vocab_size=vocab, **network.to_dict()))
     if nanogpt is not None:
         torch.manual_seed(0)
-        models["nanoGPT"] = nanogpt_model(load_nanogpt(nanogpt), base, vocab).train()
+        models["nanoGPT"] = nanogpt_model(load_nanogpt(nanogpt), base, vocab)
+    models = {name: model.to(device).train() for name, model in models.items()}
     rows = [Timed(n, "eager", m, m, _optimizer(m, base)) for n, m in models.items()]
     if compile:
         rows += [Timed(n, "compiled", m, torch.compile(m), _optimizer(m, base))
@@ -361,11 +363,12 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
         rows += [Timed(n, "own certificates", m, m, _optimizer(m, base))
                  for n, m in models.items() if n not in ("dp", "nanoGPT")]
     generator = torch.Generator().manual_seed(0)
-    batches = [tuple(t.contiguous() for t in  # nanoGPT views targets, as its batches allow
+    batches = [tuple(t.contiguous().to(device) for t in  # nanoGPT views targets
                      get_batch(corpus.train, base["block_size"], base["batch_size"], generator))
                for _ in range(steps)]
 
     def step(row: Timed) -> float:
+        _sync(device)
         start = time.perf_counter()
         with _own_certificates() if row.mode == "own certificates" else contextlib.nullcontext():
             for x, y in batches:
@@ -375,6 +378,7 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(row.model.parameters(), 1.0)
                 row.optimizer.step()
+        _sync(device)
         return time.perf_counter() - start
 
     for row in rows:  # warm-up (and compilation)

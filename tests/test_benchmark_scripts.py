@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 def _script(name: str):
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -70,3 +72,33 @@ def test_enf_budget_is_the_epochs_of_enf_sweep_in_steps():
     assert enf.budget("lj13", 10) == {"steps": 500, "batch_size": 10, "eval_every": 10}
     with pytest.raises(SystemExit, match="no dw4 run with 5000 .* 100000"):
         enf.budget("dw4", 5000)
+
+
+@pytest.mark.parametrize("device", [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                  reason="no CUDA device")),
+])
+def test_lm_throughput_trains_every_model_on_the_device_it_is_given(tmp_path, monkeypatch,
+                                                                     device):
+    # the rates of `lm.py throughput --device cuda` are those of the GPU only if the models,
+    # their optimisers and the batches are all there
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its neighbour machine.py
+    lm = _script("lm")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("First Citizen: before we proceed any further, hear me speak.\n" * 40)
+    seen: dict[str, set] = {"parameters": set(), "inputs": set()}
+    build = lm._optimizer
+
+    def recording(model, base):
+        seen["parameters"].update(p.device.type for p in model.parameters())
+        model.register_forward_pre_hook(lambda m, args: seen["inputs"].add(args[0].device.type))
+        return build(model, base)
+
+    monkeypatch.setattr(lm, "_optimizer", recording)
+    base = {**lm.NANOGPT, "data": str(corpus), "device": device, "seed": 0, "layers": 1,
+            "dim": 16, "heads": 2}
+    rows = lm.interleaved_throughput(base, ["dp", "contractive-l2"], rounds=1, steps=1)
+    assert [r["name"] for r in rows] == ["dp", "contractive-l2"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    assert seen == {"parameters": {device}, "inputs": {device}}
