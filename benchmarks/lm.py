@@ -16,7 +16,9 @@ Three studies, each writing a JSON file and printing a Markdown table:
 * ``throughput``: only the interleaved timing of training steps, for ``--variants``;
   ``--compile`` times each model also through ``torch.compile``, ``--own-certificates``
   each Lipschitz model also with every layer evaluating its own certificate (no
-  ``shared_certificates`` batch over the layers), ``--nanogpt PATH`` adds
+  ``shared_certificates`` batch over the layers), ``--constant-certificates`` also with its
+  contractive layers dividing by a constant (what the model would cost if its certificate
+  were free; not a certified model), ``--nanogpt PATH`` adds
   nanoGPT's ``GPT`` (imported from a checkout at PATH) in the same configuration.
 * ``certificates``: forward and backward of the certificates of every layer's contractive
   attention for one training batch, each layer evaluating its own against one evaluation
@@ -46,6 +48,7 @@ meaning what was measured (``l2-tied-legacy`` etc. are the former defaults).
     python benchmarks/lm.py throughput --variants dp l2-tied contractive-l2 invertible
     python benchmarks/lm.py throughput --compile --nanogpt ../nanoGPT --variants dp l2-tied
     python benchmarks/lm.py throughput --own-certificates --variants dp contractive-l2 invertible
+    python benchmarks/lm.py throughput --constant-certificates --variants dp contractive-l2
     python benchmarks/lm.py certificates --variants contractive-l2 invertible
     python benchmarks/lm.py self-weight --variants l2-tied-legacy l2-tied-offsets
     python benchmarks/lm.py budget --variants invertible-s2 --out runs/lm-inv-s2
@@ -298,7 +301,7 @@ class Timed:
     its ``torch.compile`` wrapper) and its optimiser."""
 
     name: str
-    mode: str  # "eager", "compiled" or "own certificates"
+    mode: str  # "eager", "compiled", "own certificates" or "constant certificates"
     model: torch.nn.Module
     forward: Callable
     optimizer: torch.optim.Optimizer
@@ -333,16 +336,19 @@ def nanogpt_model(module, base: dict, vocab_size: int) -> torch.nn.Module:
 
 def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int,
                            compile: bool = False, nanogpt: Path | None = None,
-                           own_certificates: bool = False) -> list[dict]:
+                           own_certificates: bool = False,
+                           constant_certificates: bool = False) -> list[dict]:
     """Median training tokens/s of each variant over ``rounds`` interleaved rounds of ``steps``
     optimiser steps (forward, backward, clipping and AdamW update) on Tiny Shakespeare batches.
 
     With ``compile``, every model is timed twice, eagerly and through ``torch.compile(model)``;
     with ``nanogpt`` (a nanoGPT checkout), nanoGPT's ``GPT`` in the same configuration joins
     the rounds; with ``own_certificates`` every model but dot product's is timed again with
-    each layer evaluating its own certificate, as before ``shared_certificates``. Returns one
-    dict per row: ``name``, ``mode``, ``tokens_per_s``, ``params`` and ``compile_s`` (the
-    warm-up, compilation included)."""
+    each layer evaluating its own certificate, as before ``shared_certificates``; with
+    ``constant_certificates`` every model but dot product's is timed again with each
+    contractive layer dividing by a constant (:func:`_constant_certificates`: what a free
+    certificate would give). Returns one dict per row: ``name``, ``mode``, ``tokens_per_s``,
+    ``params`` and ``compile_s`` (the warm-up, compilation included)."""
     corpus = load_corpus(base["data"])
     vocab = corpus.vocab.size
     device = torch.device(base["device"])
@@ -359,9 +365,14 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
     if compile:
         rows += [Timed(n, "compiled", m, torch.compile(m), _optimizer(m, base))
                  for n, m in models.items()]
-    if own_certificates:
-        rows += [Timed(n, "own certificates", m, m, _optimizer(m, base))
-                 for n, m in models.items() if n not in ("dp", "nanoGPT")]
+    for mode, wanted in (("own certificates", own_certificates),
+                         ("constant certificates", constant_certificates)):
+        if wanted:
+            rows += [Timed(n, mode, m, m, _optimizer(m, base))
+                     for n, m in models.items() if n not in ("dp", "nanoGPT")]
+    kept: dict = {}  # the constant rows' certificates
+    contexts = {"own certificates": _own_certificates,
+                "constant certificates": lambda: _constant_certificates(kept)}
     generator = torch.Generator().manual_seed(0)
     batches = [tuple(t.contiguous().to(device) for t in  # nanoGPT views targets
                      get_batch(corpus.train, base["block_size"], base["batch_size"], generator))
@@ -370,7 +381,7 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
     def step(row: Timed) -> float:
         _sync(device)
         start = time.perf_counter()
-        with _own_certificates() if row.mode == "own certificates" else contextlib.nullcontext():
+        with contexts.get(row.mode, contextlib.nullcontext)():
             for x, y in batches:
                 _, loss = row.forward(x, y)
                 loss = loss["loss"] if isinstance(loss, dict) else loss  # nanoGPT: the loss
@@ -401,6 +412,25 @@ def _own_certificates():
     stack's ``shared_certificates`` replaced by a context that does nothing."""
     return mock.patch.object(lm_model, "shared_certificates",
                              lambda *args, **kwargs: contextlib.nullcontext())
+
+
+def _constant_certificates(kept: dict) -> contextlib.ExitStack:
+    """The language models with every contractive layer dividing by a constant: its own
+    certificate, evaluated at the first call (kept in ``kept``) and then reused, detached, at
+    every step while the weights train on. Not a certified model; the cost floor of the
+    certificate (how fast the model would train if the certificate were free)."""
+    bound = ContractiveAttention._bound
+
+    def constant(module, length, every_count, causal=False):
+        key = (module, length, every_count, causal)
+        if key not in kept:
+            kept[key] = bound(module, length, every_count, causal).detach()
+        return kept[key]
+
+    stack = contextlib.ExitStack()
+    stack.enter_context(_own_certificates())
+    stack.enter_context(mock.patch.object(ContractiveAttention, "_bound", constant))
+    return stack
 
 
 def rates(rows: list[dict], mode: str = "eager") -> dict[str, float]:
@@ -581,11 +611,13 @@ def throughput(args, base: dict) -> dict:
     names = args.variants
     rows = interleaved_throughput(base, names, max(args.rounds, 1), args.timing_steps,
                                   compile=args.compile, nanogpt=args.nanogpt,
-                                  own_certificates=args.own_certificates)
+                                  own_certificates=args.own_certificates,
+                                  constant_certificates=args.constant_certificates)
     reference = "dp" if "dp" in names else names[0]
     modes = ("eager", "compiled") if args.compile else ("eager",)
     by_mode = {mode: rates(rows, mode) for mode in modes}
-    by_mode["own certificates"] = by_mode["eager"]  # against eager dot product
+    for mode in ("own certificates", "constant certificates"):
+        by_mode[mode] = by_mode["eager"]  # against eager dot product
     lines = []
     for row in rows:
         same = by_mode[row["mode"]]
@@ -603,6 +635,7 @@ def throughput(args, base: dict) -> dict:
     return {"study": "throughput", "machine": {**machine(), "cpu": cpu_name()}, "rows": rows,
             "rounds": args.rounds, "timing_steps": args.timing_steps, "compile": args.compile,
             "own_certificates": args.own_certificates,
+            "constant_certificates": args.constant_certificates,
             "nanogpt": str(args.nanogpt) if args.nanogpt else None,
             "throughput_ratio_target": THROUGHPUT_TARGET, "below_target": below}
 
@@ -739,6 +772,9 @@ def main(argv=None) -> int:
     parser.add_argument("--own-certificates", action="store_true",
                         help="throughput: time each Lipschitz model also with every layer "
                         "evaluating its own certificate (no batch over the layers)")
+    parser.add_argument("--constant-certificates", action="store_true",
+                        help="throughput: time each Lipschitz model also with its contractive "
+                        "layers dividing by a constant (the cost floor of the certificate)")
     parser.add_argument("--compile", action="store_true",
                         help="throughput: also time every model through torch.compile")
     parser.add_argument("--nanogpt", type=Path, metavar="PATH",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from flowattn.attention import ContractiveL2MHA
 from flowattn.attention.contractive import ContractiveAttention
 from flowattn.flows import LogDetOptions, set_flow
 
@@ -102,3 +103,31 @@ def test_lm_throughput_trains_every_model_on_the_device_it_is_given(tmp_path, mo
     assert [r["name"] for r in rows] == ["dp", "contractive-l2"]
     assert all(r["tokens_per_s"] > 0 for r in rows)
     assert seen == {"parameters": {device}, "inputs": {device}}
+
+
+def test_lm_throughput_constant_certificates_evaluate_each_certificate_once(tmp_path,
+                                                                          monkeypatch):
+    # the "constant certificates" rows time the model as if its certificate were free: each
+    # layer's certificate is evaluated at the row's first call and never again, while the
+    # eager row of the same model evaluates it at every step
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    lm = _script("lm")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("First Citizen: before we proceed any further, hear me speak.\n" * 40)
+    calls = []
+    certificate = ContractiveL2MHA._certificate
+
+    def counted(self, counts, causal):
+        calls.append(self)
+        return certificate(self, counts, causal)
+
+    monkeypatch.setattr(ContractiveL2MHA, "_certificate", counted)
+    base = {**lm.NANOGPT, "data": str(corpus), "device": "cpu", "seed": 0, "layers": 2,
+            "dim": 16, "heads": 2}
+    rows = lm.interleaved_throughput(base, ["contractive-l2"], rounds=2, steps=3,
+                                     constant_certificates=True)
+    assert [(r["name"], r["mode"]) for r in rows] == [
+        ("contractive-l2", "eager"), ("contractive-l2", "constant certificates")]
+    # eager: (1 warm-up + 2 rounds) x 3 steps, each one evaluation batched over the two layers;
+    # constant: one evaluation of each layer's own, in all
+    assert len(calls) == 9 + 2
