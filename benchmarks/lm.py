@@ -116,6 +116,10 @@ VARIANTS = {
     "contractive-l2": dict(attention="contractive-l2"),
     # (its network defaults include the number of heads, 8, where nanoGPT's settings say 4)
     "invertible": dict(invertible=True, heads="auto"),
+    # today's models with the certificate's spectral norms from matrix products (squarings)
+    # instead of the eigensolver: the same models to about 1e-6, for speed on a GPU
+    "contractive-l2-squarings": dict(attention="contractive-l2", spectral_norms="squarings"),
+    "invertible-squarings": dict(invertible=True, heads="auto", spectral_norms="squarings"),
     # the invertible model of version 4, the feed-forward readout alone (version 5 adds 8
     # heads and s = 1 to it: invertible-readout-h8-s1-lr6-warmup400 is version 5's row), and
     # dot-product attention with the same readout (what the readout gives a free model)

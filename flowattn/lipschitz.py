@@ -4,7 +4,8 @@ Upper bounds (certificates) are closed-form functions of the weights:
 
 * Theorem 3.2 of Kim, Papamakarios & Mnih (2021) for tied L2 multi-head attention,
 * Appendix N of the same paper for LayerNorm, and the exact constant of LipsFormer's CenterNorm,
-* matrix norms: the max-row-sum norm and the spectral norm (exact, or power iteration).
+* matrix norms: the max-row-sum norm and the spectral norm (exact from an eigensolver, a
+  certified upper bound from matrix products alone, or power iteration).
 
 Lower bounds are measured: ``jacobian_norm`` at a point, and ``lipschitz_lower_bound`` which
 maximises it over inputs as in Kim et al. (2021), Appendix H.
@@ -30,6 +31,7 @@ __all__ = [
     "phi_inverse",
     "matrix_inf_norm",
     "spectral_norm_exact",
+    "spectral_norm_bound",
     "power_iteration",
     "PowerIteration",
     "l2_attention_bound",
@@ -48,6 +50,7 @@ __all__ = [
 _INF_NAMES = ("inf", float("inf"), math.inf)
 MIXED_NAMES = ("2,inf",)
 CERTIFICATES = ("tight", "thm3.2")
+SPECTRAL_NORMS = ("eigh", "squarings")
 
 
 def _norm_name(p, mixed: bool = False) -> str:
@@ -183,6 +186,72 @@ def spectral_norm_exact(w: Tensor) -> Tensor:
     return torch.linalg.vector_norm(w @ v if tall else w.mT @ v, dim=(-2, -1))
 
 
+def spectral_norm_bound(w: Tensor, squarings: int = 10) -> Tensor:
+    r"""A certified upper bound on ||W||_2 = sigma_max(W) from matrix products alone, batched
+    over leading dims.
+
+    With G = W^T W (or W W^T, the smaller Gram matrix, q x q) and k = 2^``squarings``::
+
+        sigma_max^{2k} = lambda_max(G)^k <= tr(G^k) = sum_i lambda_i^k <= r lambda_max(G)^k,
+
+    so tr(G^k)^{1/(2k)} is at least sigma_max and at most r^{1/(2k)} sigma_max, r the rank of
+    W: with the default k = 1024 at most 0.24 % above it for r <= 128 and 0.31 % for r <= 512,
+    and within about 10^-6 of it when the top singular value stands apart. G^k is formed by
+    repeated squaring in float64, rescaled to unit trace at every step (the logarithms of the
+    scales summed), so nothing overflows; a factor 1 + 4 q eps (float64's eps, then the result's
+    dtype's) covers the rounding of the products and of the final cast, so the value is never
+    below sigma_max. The column of G^k with the largest diagonal entry is proportional to a top
+    eigenvector v (G^k / tr G^k -> v v^T); the derivative is that of ||W v|| with v held
+    constant, u v^T, which is sigma_max's, as for :func:`spectral_norm_exact`.
+
+    It needs no eigensolver and no host synchronisation: ``2 squarings + 2`` batched products.
+    On the CPU the float64 products cost more than the eigensolver; on a GPU, where cuSOLVER's
+    small eigensolvers launch many kernels and read their convergence back at every sweep, the
+    contractive language model trains 1.12x faster with it at D = 128 and 4.9x faster at
+    D = 512 (``docs/benchmarks.md``). The certificates take it with
+    ``spectral_norms="squarings"``.
+
+    Examples:
+        >>> w = torch.tensor([[3.0, 0.0], [0.0, 4.0], [0.0, 0.0]])
+        >>> b = float(spectral_norm_bound(w))
+        >>> 4.0 <= b < 4.0 * (1 + 1e-5)
+        True
+    """
+    if squarings < 1:
+        raise InputError(f"squarings must be >= 1, got {squarings}")
+    tall = w.shape[-1] <= w.shape[-2]
+    with torch.no_grad():
+        w64 = w.detach().to(torch.float64)
+        g = w64.mT @ w64 if tall else w64 @ w64.mT
+        tiny = torch.finfo(torch.float64).tiny
+        log_bound = g.new_zeros(g.shape[:-2])  # sum_j 2^-j log tr(G_j), G_j the rescaled powers
+        weight = 1.0
+        for _ in range(squarings):
+            trace = g.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(tiny)
+            log_bound = log_bound + weight * trace.log()
+            g = g / trace[..., None, None]
+            g = g @ g
+            weight /= 2
+        diagonal = g.diagonal(dim1=-2, dim2=-1)
+        log_bound = log_bound + weight * diagonal.sum(-1).clamp_min(tiny).log()
+        q = g.shape[-1]
+        slack = (1 + 4 * q * torch.finfo(torch.float64).eps) * (1 + 4 * torch.finfo(w.dtype).eps)
+        bound = (torch.exp(log_bound / 2) * slack).to(w.dtype)
+        index = diagonal.argmax(dim=-1, keepdim=True).unsqueeze(-2)  # (..., 1, 1)
+        v = torch.take_along_dim(g, index, dim=-1)  # (..., q, 1): the dominant column
+        v = (v / torch.linalg.vector_norm(v, dim=-2, keepdim=True).clamp_min(tiny)).to(w.dtype)
+    estimate = torch.linalg.vector_norm(w @ v if tall else w.mT @ v, dim=(-2, -1))
+    return estimate + (bound - estimate).detach()
+
+
+def _spectral_norm(method: str) -> Callable[[Tensor], Tensor]:
+    """The spectral-norm function a certificate uses: ``"eigh"`` (:func:`spectral_norm_exact`)
+    or ``"squarings"`` (:func:`spectral_norm_bound`)."""
+    if method not in SPECTRAL_NORMS:
+        raise InputError(f"spectral_norms must be one of {SPECTRAL_NORMS}, got {method!r}")
+    return spectral_norm_exact if method == "eigh" else spectral_norm_bound
+
+
 def power_iteration(
     w: Tensor,
     u: Tensor | None = None,
@@ -261,6 +330,7 @@ def l2_attention_bound(
     method: str = "tight",
     margin: Tensor | float | None = None,
     weighted_counts: Tensor | None = None,
+    spectral_norms: str = "eigh",
 ) -> Tensor:
     """Certified Lipschitz bound of tied L2 multi-head attention F for sets of ``n`` elements.
 
@@ -319,6 +389,11 @@ def l2_attention_bound(
             distance term (tight method only); None for plain L2 attention (B = 0).
         weighted_counts: S_h (..., H), the offsets' weighted count of other keys for each
             count of ``n`` (tight method, with ``margin``); None: (n - 1) e^{B_h}.
+        spectral_norms: how every spectral norm is taken: ``"eigh"``, exact from a symmetric
+            eigensolver (:func:`spectral_norm_exact`), or ``"squarings"``, a certified upper
+            bound from matrix products alone (:func:`spectral_norm_bound`: at most about
+            10^-6 above the exact one for trained weights, no host synchronisation; the faster
+            on a GPU).
 
     Examples:
         >>> eye = torch.eye(1, dtype=torch.float64)
@@ -329,6 +404,7 @@ def l2_attention_bound(
     if method not in CERTIFICATES:
         raise InputError(f"method must be one of {CERTIFICATES}, got {method!r}")
     norm = _norm_name(norm, mixed=method == "tight")
+    spectral = _spectral_norm(spectral_norms)
     heads, dim, head_dim = w_q.shape
     if w_v.shape != w_q.shape or w_o.shape != (dim, dim) or heads * head_dim != dim:
         raise InputError(
@@ -365,31 +441,33 @@ def l2_attention_bound(
         else:
             # sums of exponentials, non-negative: no check, so no read back from the device
             c = phi_inverse(weighted_counts, check=False).to(device=w_q.device, dtype=w_q.dtype)
-        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host)
+        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host, spectral)
     if w0_of_count is not None:
         w0 = torch.tensor(w0_of_count, dtype=w_q.dtype, device=w_q.device)
     else:
         w0 = phi_inverse((n_host - 1).to(torch.float64)).to(device=w_q.device, dtype=w_q.dtype)
     if method == "thm3.2":
-        return _theorem_3_2(n, w0, w_q, w_v, w_o, norm)
+        return _theorem_3_2(n, w0, w_q, w_v, w_o, norm, spectral)
     c = w0.unsqueeze(-1).expand(*w0.shape, heads)
-    tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, counts=n_host)
+    tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, counts=n_host,
+                                      spectral=spectral)
     if norm == "2,inf":
         return tight
     # both are certificates, so their minimum is one: never looser than the paper's
-    return torch.minimum(tight, _theorem_3_2(n, w0, w_q, w_v, w_o, norm))
+    return torch.minimum(tight, _theorem_3_2(n, w0, w_q, w_v, w_o, norm, spectral))
 
 
-def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str):
+def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str,
+                 spectral: Callable[[Tensor], Tensor] = spectral_norm_exact):
     head_dim = w_q.shape[-1]
     if norm == "inf":
         q_term = (matrix_inf_norm(w_q) * matrix_inf_norm(w_q.transpose(1, 2))).amax()
         v_term = matrix_inf_norm(w_v.transpose(1, 2)).amax()
         o_term = matrix_inf_norm(w_o.t())
         return (4 * w0 + head_dim**-0.5) * o_term * q_term * v_term
-    qv = torch.sqrt((spectral_norm_exact(w_q) ** 2 * spectral_norm_exact(w_v) ** 2).sum())
+    qv = torch.sqrt((spectral(w_q) ** 2 * spectral(w_v) ** 2).sum())
     sqrt_n = torch.sqrt(n.to(w_q.dtype))
-    return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral_norm_exact(w_o)
+    return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral(w_o)
 
 
 def induced_attention_bound(
@@ -642,7 +720,8 @@ def _column_block_supremum(others: int, c: float, margin: float | None) -> float
     return float(cell.max()) + 1e-9
 
 
-def _pairwise_spectral(a: Tensor) -> Tensor:
+def _pairwise_spectral(a: Tensor,
+                       spectral: Callable[[Tensor], Tensor] = spectral_norm_exact) -> Tensor:
     """(H, p, q) -> (H, H): ||A_h A_k^T||_2 for every pair of heads, from the H (H + 1) / 2
     pairs h <= k (the matrix is symmetric: A_k A_h^T is the transpose of A_h A_k^T)."""
     heads, rows, _ = a.shape
@@ -651,7 +730,7 @@ def _pairwise_spectral(a: Tensor) -> Tensor:
     # product, then the blocks h <= k (a gather of p x p blocks, not of the A_h)
     blocks = (stack @ stack.mT).reshape(heads, rows, heads, rows).transpose(1, 2)
     h, k = torch.triu_indices(heads, heads, device=a.device)
-    upper = spectral_norm_exact(blocks[h, k])
+    upper = spectral(blocks[h, k])
     gamma = a.new_zeros(heads, heads).index_put((h, k), upper)
     return gamma + gamma.triu(1).transpose(0, 1)
 
@@ -659,27 +738,29 @@ def _pairwise_spectral(a: Tensor) -> Tensor:
 def _tight_l2_attention_bound(
     n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str,
     margin: Tensor | None = None, counts: Tensor | None = None,
+    spectral: Callable[[Tensor], Tensor] = spectral_norm_exact,
 ) -> Tensor:
     """The tight certificate with c (..., H), Lemma F.2's constant of each head; ``margin``
-    (H,) the logit margins (only the 2-norm's column constant reads it, on the host)."""
+    (H,) the logit margins (only the 2-norm's column constant reads it, on the host);
+    ``spectral`` the spectral-norm function."""
     heads, dim, head_dim = w_q.shape
     m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
-    beta = spectral_norm_exact(w_q)  # (H,)
+    beta = spectral(w_q)  # (H,)
     if norm == "inf":
         g = w_q @ m  # (H, D, D): G_h = W^{Q,h} M_h = A_h W^{V,h} W^{O,h}
         omega = torch.minimum(dim**0.5 * beta, w_q.norm(dim=2).sum(dim=1))
         linear = g.abs().sum(dim=1).sum(dim=0)  # (D,): sum_h ||G_h e_r||_1
         rank_one = omega.unsqueeze(-1) * m.norm(dim=1)  # (H, D): omega_h ||M_h e_r||
         return (linear + 4 * c @ rank_one).amax(dim=-1)
-    mixed = _mixed_norm_bound(c, w_q, m, beta)
+    mixed = _mixed_norm_bound(c, w_q, m, beta, spectral)
     if norm == "2,inf":
         return mixed
     m_cat = m.reshape(dim, dim)  # [M_1; ...; M_H]
     w_cat = w_q.permute(1, 0, 2).reshape(dim, dim)  # W^Q = [W^{Q,1}, ..., W^{Q,H}]
     weights = torch.minimum(
-        spectral_norm_exact(m_cat) * spectral_norm_exact(w_cat),
-        spectral_norm_exact((beta[:, None, None] * m).reshape(dim, dim))
-        * spectral_norm_exact((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
+        spectral(m_cat) * spectral(w_cat),
+        spectral((beta[:, None, None] * m).reshape(dim, dim))
+        * spectral((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
     )
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
@@ -691,24 +772,26 @@ def _tight_l2_attention_bound(
     return torch.minimum(kappa * weights, sqrt_n * mixed)
 
 
-def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor) -> Tensor:
+def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor,
+                      spectral: Callable[[Tensor], Tensor] = spectral_norm_exact) -> Tensor:
     """The "2,inf" bound: linear part from G_h = W^{Q,h} M_h, rank-one part from M_h; c (..., H)
-    (head h's rank-one term has norm at most 4 c_h beta_h)."""
+    (head h's rank-one term has norm at most 4 c_h beta_h); ``spectral`` the norm function."""
     heads, dim, _ = w_q.shape
     # G_h G_k^T = Q_h (R_h M_h M_k^T R_k^T) Q_k^T with W^{Q,h} = Q_h R_h (orthonormal Q_h): the
     # d x d middle factor has the same spectral norm, at a fraction of the cost.
     rm = torch.linalg.qr(w_q).R @ m  # (H, d, D)
     linear = torch.minimum(
-        _pairwise_spectral(rm).sum().sqrt(), heads**0.5 * spectral_norm_exact(rm.reshape(dim, dim))
+        _pairwise_spectral(rm, spectral).sum().sqrt(),
+        heads**0.5 * spectral(rm.reshape(dim, dim)),
     )
-    gamma = _pairwise_spectral(m)
+    gamma = _pairwise_spectral(m, spectral)
     cb = c * beta  # (..., H)
     # c = 0 for rows that see one key: keep sqrt's derivative at 0 finite (the value moves
     # by at most sqrt(tiny), upwards: still a bound)
     tiny = torch.finfo(cb.dtype).tiny
     rank_one = torch.minimum(
         ((cb @ gamma) * cb).sum(dim=-1).clamp_min(tiny).sqrt(),
-        spectral_norm_exact(m.reshape(dim, dim)) * cb.norm(dim=-1),
+        spectral(m.reshape(dim, dim)) * cb.norm(dim=-1),
     )
     return linear + 4 * rank_one
 

@@ -17,7 +17,7 @@ from flowattn.attention import (
 )
 from flowattn.attention.dot_product import merge_heads, split_heads
 from flowattn.attention.projections import PROJECTION_LAYOUTS, PROJECTION_ROLES
-from flowattn.errors import NonFiniteError
+from flowattn.errors import InputError, NonFiniteError
 from flowattn.flows import InvertibleResidual, LogDetOptions
 from flowattn.lipschitz import jacobian_norm, lipschitz_lower_bound
 from flowattn.validation import check_finite
@@ -1060,3 +1060,31 @@ def test_lipsformer_bound_is_theorem_1_as_printed():
                                                                                  rel=1e-12)
     assert module.lipschitz_bound(n, 2, "lipsformer").item() == pytest.approx(expected_two,
                                                                              rel=1e-12)
+
+
+def test_contractive_l2_with_squarings_divides_by_a_bound_at_least_the_exact_one():
+    # spectral_norms="squarings": each norm of the certificate an upper bound from matrix
+    # products, at most r^(1/2048) above (r <= 8 here). Orthogonal weights give flat spectra,
+    # the bound's worst case, so the two certificates differ measurably: the output is the
+    # eigensolver's scaled by a factor in [8^(-1/2048), 1), and a shared batch keeps the two
+    # kinds of module apart (they are different functions of their weights)
+    settings = dict(dim=8, heads=2, norm="2,inf", self_offset=4.0, position_bias=4.0)
+    torch.manual_seed(0)
+    exact = ContractiveL2MHA(**settings).double()
+    with torch.no_grad():
+        for w in (exact.attention.w_q, exact.attention.w_v, exact.attention.w_o):
+            w.copy_(torch.linalg.qr(torch.randn(8, 8, dtype=torch.float64)).Q)
+    squarings = ContractiveL2MHA(**settings, spectral_norms="squarings").double()
+    squarings.load_state_dict(exact.state_dict())
+    x = torch.randn(3, 6, 8, dtype=torch.float64)
+    y_exact, y_squarings = exact(x, causal=True), squarings(x, causal=True)
+    ratio = y_squarings / y_exact
+    assert bool((ratio < 1).all()) and bool((ratio >= 8 ** (-1 / 2048)).all())
+    layers = [exact, squarings, ContractiveL2MHA(**settings).double()]
+    alone = [m(x, causal=True) for m in layers]
+    with shared_certificates(layers, length=6, causal=True):
+        shared = [m(x, causal=True) for m in layers]
+    for a, b in zip(alone, shared, strict=True):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
+    with pytest.raises(InputError, match="spectral_norms must be one of"):
+        ContractiveL2MHA(**settings, spectral_norms="svd")

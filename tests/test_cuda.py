@@ -485,6 +485,34 @@ def test_matrix_norms_and_power_iteration_match_cpu():
     torch.testing.assert_close(actual["power"][0], actual["spectral"][0], rtol=1e-10, atol=0)
 
 
+def test_spectral_norm_bound_and_squarings_certificates_match_cpu():
+    """The squarings' upper bound on the device: values and derivatives as on the CPU, the
+    certificates that take it as well, and in float32 never below the exact norm (the device's
+    products round differently: the float64 squarings and the final lift must cover that)."""
+    w = randn(3, 5, 4, seed=4)
+
+    def results(w: Tensor) -> Results:
+        w = w.detach().clone().requires_grad_(True)
+        value = lip.spectral_norm_bound(w)
+        (grad,) = torch.autograd.grad(value.sum(), w)
+        wq, wv, wo = l2_weights(w.device)
+        out: Results = {"bound": value.detach(), "grad": grad}
+        for norm in ("inf", 2, "2,inf"):
+            out[f"squarings/{norm}"] = lip.l2_attention_bound(
+                range(1, N + 1), wq, wv, wo, norm, spectral_norms="squarings")
+        return out
+
+    assert_matches_cpu(results(w.to(DEV)), results(w), "squarings", rtol=1e-9, atol=1e-12)
+    g = torch.Generator().manual_seed(9)
+    big = torch.randn(6, 20, 128, 128, generator=g, dtype=torch.float64)
+    big[:, :10] = big[:, :10] @ torch.diag(torch.logspace(0, -6, 128, dtype=torch.float64))
+    big32 = (big * torch.logspace(-3, 3, 6, dtype=torch.float64)[:, None, None, None]).float()
+    exact = torch.linalg.matrix_norm(big32.double(), ord=2)
+    bound = lip.spectral_norm_bound(big32.to(DEV))
+    assert bound.dtype == torch.float32 and is_on_device(bound)
+    assert bool((bound.cpu().double() >= exact).all())
+
+
 def l2_weights(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
     """Per-head W^Q, W^V (H, D, d) and W^O (D, D) of a 2-head, width-4 attention."""
     return (randn(HEADS, DIM, DIM // HEADS, seed=5).to(device),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flowattn import lipschitz
+from flowattn.errors import InputError
 from flowattn.lipschitz import (
     PowerIteration,
     centernorm_lipschitz_bound,
@@ -21,6 +22,7 @@ from flowattn.lipschitz import (
     mixed_operator_norm,
     phi_inverse,
     power_iteration,
+    spectral_norm_bound,
     spectral_norm_exact,
 )
 
@@ -161,6 +163,87 @@ def test_spectral_norm_falls_back_to_the_svd_when_the_eigensolver_fails(monkeypa
     monkeypatch.setattr(torch.linalg, "eigh", fails)
     assert torch.equal(spectral_norm_exact(w), torch.linalg.matrix_norm(w, ord=2))
     assert torch.allclose(spectral_norm_exact(w), expected, rtol=1e-13, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(7, 5), (5, 7), (6, 6), (3, 8, 4), (2, 3, 4, 9)])
+def test_spectral_norm_bound_is_above_and_within_rounding_of_the_norm_with_its_gradient(shape):
+    # matrices with a gap at the top: the bound tr(G^k)^(1/2k) equals sigma_max to float64
+    # rounding (never below it) and its derivative is sigma_max's, u v^T
+    g = torch.Generator().manual_seed(sum(shape))
+    w = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    value = spectral_norm_bound(w)
+    (grad,) = torch.autograd.grad(value.sum(), w)
+    u, s, vh = torch.linalg.svd(w.detach())
+    assert bool((value >= s[..., 0]).all())
+    assert torch.allclose(value, s[..., 0], rtol=1e-12, atol=0)
+    assert torch.allclose(grad, u[..., :, :1] @ vh[..., :1, :], rtol=0, atol=1e-10)
+
+
+def test_spectral_norm_bound_of_a_flat_spectrum_is_the_trace_bound():
+    # r equal singular values: tr(G^k) = r sigma^2k, so the bound is r^(1/2k) sigma exactly
+    # (its worst case), for k = 2^squarings; W = 0 gives 0 with a finite derivative
+    q = torch.linalg.qr(torch.randn(6, 6, generator=torch.Generator().manual_seed(2),
+                                    dtype=torch.float64)).Q
+    for squarings in (1, 3, 10):
+        value = spectral_norm_bound(2.5 * q[:, :4], squarings=squarings)
+        expected = 2.5 * 4 ** (1 / 2 ** (squarings + 1))
+        assert math.isclose(value.item(), expected, rel_tol=1e-13), squarings
+    zero = torch.zeros(4, 3, dtype=torch.float64, requires_grad=True)
+    value = spectral_norm_bound(zero)
+    value.backward()
+    assert 0.0 <= value.item() < 1e-150 and torch.isfinite(zero.grad).all()
+    with pytest.raises(InputError, match="squarings must be >= 1"):
+        spectral_norm_bound(q, squarings=0)
+
+
+def test_spectral_norm_bound_in_float32_is_never_below_the_norm():
+    # float32 weights: the products run in float64 and the result is lifted past the cast,
+    # so the value is an upper bound (the eigensolver's float32 value may fall on either side)
+    g = torch.Generator().manual_seed(8)
+    scales = torch.logspace(-3, 3, 7, dtype=torch.float64)
+    w = torch.randn(7, 40, 64, 64, generator=g, dtype=torch.float64) * scales[:, None, None, None]
+    w[:, :20] = w[:, :20] @ torch.diag(torch.logspace(0, -6, 64, dtype=torch.float64))
+    w32 = w.float()
+    exact = torch.linalg.matrix_norm(w32.double(), ord=2)
+    bound = spectral_norm_bound(w32)
+    assert bound.dtype == torch.float32
+    ratio = bound.double() / exact
+    assert bool((ratio >= 1).all())
+    # at most the flat spectrum's r^(1/2k) above; typically within float32 rounding
+    assert float(ratio.max()) <= 64 ** (1 / 2048) * (1 + 1e-6)
+    assert float(ratio.median()) < 1 + 1e-6
+
+
+@pytest.mark.parametrize("norm", ["inf", 2, "2,inf"])
+def test_certificates_from_squarings_are_above_and_within_1e6_of_the_exact_ones(norm,
+                                                                                 monkeypatch):
+    # the tight certificate (and Theorem 3.2 in the inf- and 2-norms) with every spectral norm
+    # from the squarings: at least the eigensolver's value (each norm is an upper bound, and
+    # every certificate is increasing in its norms) and within 1e-6 of it
+    used = {"eigh": 0, "squarings": 0}
+    for name, function in (("eigh", spectral_norm_exact), ("squarings", spectral_norm_bound)):
+        def counted(w, _name=name, _function=function):
+            used[_name] += 1
+            return _function(w)
+
+        monkeypatch.setattr(lipschitz, function.__name__, counted)
+    g = torch.Generator().manual_seed(11)
+    w_q, w_v = (torch.randn(3, 12, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    w_o = torch.randn(12, 12, generator=g, dtype=torch.float64)
+    margin = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    calls = [dict(), dict(margin=margin)] + ([dict(method="thm3.2")] if norm != "2,inf" else [])
+    for kwargs in calls:
+        exact = l2_attention_bound(range(1, 9), w_q, w_v, w_o, norm, **kwargs)
+        norms = used["eigh"]
+        bound = l2_attention_bound(range(1, 9), w_q, w_v, w_o, norm, spectral_norms="squarings",
+                                   **kwargs)
+        # every norm the exact certificate took from the eigensolver, this one from squarings
+        assert used == {"eigh": norms, "squarings": norms}, kwargs
+        used.update(eigh=0, squarings=0)
+        assert bool((bound >= exact * (1 - 1e-15)).all()), kwargs
+        assert torch.allclose(bound, exact, rtol=1e-6, atol=0), kwargs
+    with pytest.raises(InputError, match="spectral_norms must be one of"):
+        l2_attention_bound(4, w_q, w_v, w_o, norm, spectral_norms="svd")
 
 
 def test_power_iteration_converges_to_the_largest_singular_value_from_below():

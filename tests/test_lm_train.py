@@ -375,3 +375,23 @@ def test_the_shared_checks_see_the_resolved_learning_rate_and_warm_up(corpus):
     with pytest.raises(ConfigError, match="the noam schedule needs warmup >= 1"):
         tiny(corpus, schedule="noam", warmup=0)
     assert tiny(corpus, schedule="noam").training().warmup == 100
+
+
+def test_resume_may_change_how_the_certificate_takes_its_spectral_norms(corpus, tmp_path):
+    # a run trained with the squarings (as on a GPU) resumes with the eigensolver (as on the
+    # CPU): the same model to about 1e-6, so the change is allowed; a structural change is not
+    out = tmp_path / "run"
+    run(tiny(corpus, attention="contractive-l2", spectral_norms="squarings", steps=2,
+             eval_every=2, checkpoint_every=2), out)
+    model, _, _ = load_checkpoint(out)
+    assert {m.spectral_norms for m in model.modules() if hasattr(m, "spectral_norms")} == {
+        "squarings"}
+    with pytest.raises(ConfigError, match=r"layers \(1 in the run, 2 now\)"):
+        train(out=out, resume=True, flags={"steps": 4, "layers": 2, "spectral_norms": "eigh"})
+    summary = train(out=out, resume=True, flags={"steps": 4, "spectral_norms": "eigh"},
+                    progress=False, tensorboard=False)
+    assert summary["step"] == 4
+    model, record, _ = load_checkpoint(out)
+    assert record["task"]["model_config"]["spectral_norms"] == "eigh"
+    assert {m.spectral_norms for m in model.modules() if hasattr(m, "spectral_norms")} == {
+        "eigh"}

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from ..errors import InputError
-from ..lipschitz import CERTIFICATES, l2_attention_bound
+from ..lipschitz import CERTIFICATES, SPECTRAL_NORMS, l2_attention_bound
 from ..validation import check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -221,6 +221,10 @@ class L2MHA(nn.Module):
             the weighted count of keys (:meth:`LogitOffsets.weighted_counts`); ``"margin"``:
             from the margin B_h alone, the looser form that language models stored with
             ``defaults_version`` < 3 were trained with.
+        spectral_norms: how the certificate takes its spectral norms: ``"eigh"`` (default),
+            exact from a symmetric eigensolver; ``"squarings"``, a certified upper bound from
+            matrix products alone (:func:`~flowattn.lipschitz.spectral_norm_bound`, about
+            10^-6 above), which needs no host synchronisation and is much the faster on a GPU.
 
     Attributes:
         similarity: ``"l2"``, the kind of logits (shared by every attention module).
@@ -251,8 +255,13 @@ class L2MHA(nn.Module):
         position_bias: float = 0.0,
         max_distance: int = 64,
         offset_certificate: str = "weighted",
+        spectral_norms: str = "eigh",
     ):
         super().__init__()
+        if spectral_norms not in SPECTRAL_NORMS:
+            raise InputError(f"spectral_norms must be one of {SPECTRAL_NORMS}, got "
+                             f"{spectral_norms!r}")
+        self.spectral_norms = spectral_norms
         if offset_certificate not in OFFSET_CERTIFICATES:
             raise InputError(f"offset_certificate must be one of {OFFSET_CERTIFICATES}, got "
                              f"{offset_certificate!r}")
@@ -564,12 +573,14 @@ class L2MHA(nn.Module):
         method = method or self.certificate
         if self.offsets is None or method != "tight":
             margin = None if self.offsets is None else self.offsets.margin()  # thm3.2 refuses it
-            return l2_attention_bound(n, wq, wv, self.w_o, norm, method, margin)
+            return l2_attention_bound(n, wq, wv, self.w_o, norm, method, margin,
+                                      spectral_norms=self.spectral_norms)
         counts = None
         if self.offset_certificate == "weighted":
             counts = self.offsets.weighted_counts(n, causal)
         return l2_attention_bound(
-            n, wq, wv, self.w_o, norm, method, self.offsets.margin(), weighted_counts=counts
+            n, wq, wv, self.w_o, norm, method, self.offsets.margin(), weighted_counts=counts,
+            spectral_norms=self.spectral_norms,
         )
 
 
@@ -614,6 +625,8 @@ class ContractiveL2MHA(ContractiveAttention):
         max_distance: relative offsets beyond this share one bias.
         offset_certificate: ``"weighted"`` or ``"margin"``, how the offsets enter F's
             certificate (see :class:`L2MHA`).
+        spectral_norms: ``"eigh"`` (default) or ``"squarings"``, how F's certificate takes
+            its spectral norms (see :class:`L2MHA`; ``"squarings"`` for speed on a GPU).
 
     Attributes:
         attention: the tied :class:`L2MHA` F.
@@ -642,6 +655,7 @@ class ContractiveL2MHA(ContractiveAttention):
         position_bias: float = 0.0,
         max_distance: int = 64,
         offset_certificate: str = "weighted",
+        spectral_norms: str = "eigh",
     ):
         super().__init__()
         if dropout != 0.0:
@@ -664,6 +678,7 @@ class ContractiveL2MHA(ContractiveAttention):
             position_bias=position_bias,
             max_distance=max_distance,
             offset_certificate=offset_certificate,
+            spectral_norms=spectral_norms,
         )
         self.dim, self.heads = dim, heads
 

@@ -202,7 +202,8 @@ def _attention(config: LMConfig) -> nn.Module:
     count = "weighted" if config.defaults_version >= 3 else "margin"
     return ContractiveL2MHA(
         d, h, coeff=config.contractive_coeff, norm=config.contractive_norm,
-        output_dropout=p if config.invertible else 0.0, offset_certificate=count, **offsets,
+        output_dropout=p if config.invertible else 0.0, offset_certificate=count,
+        spectral_norms=config.spectral_norms, **offsets,
     )
 
 

@@ -269,10 +269,13 @@ def train(
 
 def _check_same_model(config: LMConfig, checkpoint: dict) -> None:
     """Refuse to resume if the run's settings no longer build the checkpoint's model (a
-    stored config whose ``"auto"`` settings would resolve otherwise today)."""
+    stored config whose ``"auto"`` settings would resolve otherwise today). Settings a resumed
+    run may change (``LMRunConfig.RESUMABLE``, e.g. how certificates take their spectral
+    norms) are not compared."""
     stored = LMConfig.from_dict(checkpoint["task"]["model_config"]).to_dict()
     now = config.to_dict()
-    changed = {k: (v, now[k]) for k, v in stored.items() if now[k] != v}
+    changed = {k: (v, now[k]) for k, v in stored.items()
+               if now[k] != v and k not in LMRunConfig.RESUMABLE}
     if changed:
         listed = "; ".join(f"{k} ({a!r} in the checkpoint, {b!r} now)"
                            for k, (a, b) in changed.items())
