@@ -204,7 +204,7 @@ def spectral_norm_bound(w: Tensor, squarings: int = 10) -> Tensor:
     eigenvector v (G^k / tr G^k -> v v^T); the derivative is that of ||W v|| with v held
     constant, u v^T, which is sigma_max's, as for :func:`spectral_norm_exact`.
 
-    It needs no eigensolver and no host synchronisation: ``2 squarings + 2`` batched products.
+    It needs no eigensolver and no host synchronisation: ``squarings`` + 2 batched products.
     On the CPU the float64 products cost more than the eigensolver; on a GPU, where cuSOLVER's
     small eigensolvers launch many kernels and read their convergence back at every sweep, the
     contractive language model trains 1.12x faster with it at D = 128 and 4.9x faster at
