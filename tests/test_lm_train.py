@@ -395,3 +395,23 @@ def test_resume_may_change_how_the_certificate_takes_its_spectral_norms(corpus, 
     assert record["task"]["model_config"]["spectral_norms"] == "eigh"
     assert {m.spectral_norms for m in model.modules() if hasattr(m, "spectral_norms")} == {
         "eigh"}
+
+
+def test_a_run_on_a_gpu_is_told_of_the_squarings_where_its_certificates_use_the_eigensolver():
+    # only contractive attention's certificate is evaluated in training: tied L2 attention
+    # (no certificate in its forward) and dot product get no hint, nor does any run on the CPU
+    from flowattn.lm.model import build_model
+    from flowattn.lm.train import spectral_norms_hint
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    models = {kind: build_model(LMConfig(vocab_size=5, layers=1, dim=8, **kw))
+              for kind, kw in {"contractive": dict(attention="contractive-l2"),
+                               "squarings": dict(attention="contractive-l2",
+                                                 spectral_norms="squarings"),
+                               "invertible": dict(invertible=True),
+                               "tied": dict(attention="l2-tied"),
+                               "dp": dict(attention="dp")}.items()}
+    hinted = {kind for kind, model in models.items() if spectral_norms_hint(model, cuda)}
+    assert hinted == {"contractive", "invertible"}
+    assert all(spectral_norms_hint(model, cpu) is None for model in models.values())
+    assert "--spectral-norms squarings" in spectral_norms_hint(models["contractive"], cuda)

@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..attention import frozen_certificates
+from ..attention import L2MHA, frozen_certificates
+from ..attention.contractive import ContractiveAttention
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..training.checkpoint import read_model
 from ..training.device import check_compilable
@@ -66,8 +67,10 @@ class LMTask:
     def describe(self) -> list[str]:
         net = self.model_config
         kind = f"{net.model} {net.attention}" if net.model == "transformer" else net.model
-        return [f"data: {self.corpus.describe()}",
-                f"model: {self.model.num_parameters():,} parameters, {kind}"]
+        lines = [f"data: {self.corpus.describe()}",
+                 f"model: {self.model.num_parameters():,} parameters, {kind}"]
+        hint = spectral_norms_hint(self.model, self.dist.device)
+        return lines if hint is None else [*lines, hint]
 
     def initialise(self) -> None:
         pass
@@ -265,6 +268,29 @@ def train(
         raise
     summary["val_bpc"] = summary["val_loss"] / math.log(2)
     return summary
+
+
+def spectral_norms_hint(model: nn.Module, device: torch.device) -> str | None:
+    """A line for the run's log where the certificates of ``model`` take their spectral norms
+    from the eigensolver on a GPU (slow there: cuSOLVER synchronises with the host at every
+    sweep) and ``--spectral-norms squarings`` would be faster; None otherwise.
+
+    Examples:
+        >>> from flowattn.lm.config import LMConfig
+        >>> model = build_model(LMConfig(vocab_size=5, attention="contractive-l2", layers=1))
+        >>> spectral_norms_hint(model, torch.device("cpu")) is None
+        True
+        >>> spectral_norms_hint(model, torch.device("cuda")).startswith("note:")
+        True
+    """
+    if device.type != "cuda":
+        return None
+    if not any(isinstance(m, ContractiveAttention) and m.attention.spectral_norms == "eigh"
+               for m in model.modules() if isinstance(getattr(m, "attention", None), L2MHA)):
+        return None
+    return ("note: contractive attention's certificate takes its spectral norms from the "
+            "eigensolver, which is slow on a GPU; --spectral-norms squarings (a certified "
+            "bound from matrix products) trains up to 4.9x faster (docs/lm.md)")
 
 
 def _check_same_model(config: LMConfig, checkpoint: dict) -> None:
