@@ -13,7 +13,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from ..errors import InputError
-from ..lipschitz import CERTIFICATES, SPECTRAL_NORMS, l2_attention_bound
+from ..lipschitz import CERTIFICATES, _spectral_norm, l2_attention_bound
 from ..validation import check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -258,9 +258,7 @@ class L2MHA(nn.Module):
         spectral_norms: str = "eigh",
     ):
         super().__init__()
-        if spectral_norms not in SPECTRAL_NORMS:
-            raise InputError(f"spectral_norms must be one of {SPECTRAL_NORMS}, got "
-                             f"{spectral_norms!r}")
+        _spectral_norm(spectral_norms)  # refuses an unknown name, as the certificate would
         self.spectral_norms = spectral_norms
         if offset_certificate not in OFFSET_CERTIFICATES:
             raise InputError(f"offset_certificate must be one of {OFFSET_CERTIFICATES}, got "

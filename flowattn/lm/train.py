@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..attention import L2MHA, frozen_certificates
-from ..attention.contractive import ContractiveAttention
+from ..attention import ContractiveL2MHA, frozen_certificates
 from ..errors import CheckpointError, ConfigError, NonFiniteError
 from ..training.checkpoint import read_model
 from ..training.device import check_compilable
@@ -285,8 +284,8 @@ def spectral_norms_hint(model: nn.Module, device: torch.device) -> str | None:
     """
     if device.type != "cuda":
         return None
-    if not any(isinstance(m, ContractiveAttention) and m.attention.spectral_norms == "eigh"
-               for m in model.modules() if isinstance(getattr(m, "attention", None), L2MHA)):
+    if not any(isinstance(m, ContractiveL2MHA) and m.attention.spectral_norms == "eigh"
+               for m in model.modules()):
         return None
     return ("note: contractive attention's certificate takes its spectral norms from the "
             "eigensolver, which is slow on a GPU; --spectral-norms squarings (a certified "
