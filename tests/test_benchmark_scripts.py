@@ -75,19 +75,30 @@ def test_enf_budget_is_the_epochs_of_enf_sweep_in_steps():
         enf.budget("dw4", 5000)
 
 
+@pytest.fixture
+def lm(monkeypatch):
+    """benchmarks/lm.py as a module (it imports its neighbour machine.py)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    return _script("lm")
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """A small text for the language-model benchmarks."""
+    path = tmp_path / "corpus.txt"
+    path.write_text("First Citizen: before we proceed any further, hear me speak.\n" * 40)
+    return path
+
+
 @pytest.mark.parametrize("device", [
     "cpu",
     pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
                                                   reason="no CUDA device")),
 ])
-def test_lm_throughput_trains_every_model_on_the_device_it_is_given(tmp_path, monkeypatch,
+def test_lm_throughput_trains_every_model_on_the_device_it_is_given(lm, corpus, monkeypatch,
                                                                      device):
     # the rates of `lm.py throughput --device cuda` are those of the GPU only if the models,
     # their optimisers and the batches are all there
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the script imports its neighbour machine.py
-    lm = _script("lm")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("First Citizen: before we proceed any further, hear me speak.\n" * 40)
     seen: dict[str, set] = {"parameters": set(), "inputs": set()}
     build = lm._optimizer
 
@@ -105,15 +116,11 @@ def test_lm_throughput_trains_every_model_on_the_device_it_is_given(tmp_path, mo
     assert seen == {"parameters": {device}, "inputs": {device}}
 
 
-def test_lm_throughput_constant_certificates_evaluate_each_certificate_once(tmp_path,
+def test_lm_throughput_constant_certificates_evaluate_each_certificate_once(lm, corpus,
                                                                           monkeypatch):
     # the "constant certificates" rows time the model as if its certificate were free: each
     # layer's certificate is evaluated at the row's first call and never again, while the
     # eager row of the same model evaluates it at every step
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
-    lm = _script("lm")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text("First Citizen: before we proceed any further, hear me speak.\n" * 40)
     calls = []
     certificate = ContractiveL2MHA._certificate
 
