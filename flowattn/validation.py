@@ -38,8 +38,9 @@ class _Trust(threading.local):
     """Per thread: whether the running call is inside :func:`trusted_inputs`. A thread-local
     attribute, not a ContextVar, so that ``torch.compile`` traces it without a graph break."""
 
-    trusted = False
-    deferred = False  # a layer inside the context skipped its overflow check
+    def __init__(self) -> None:  # instance attributes: dynamo guards them without a fault
+        self.trusted = False
+        self.deferred = False  # a layer inside the context skipped its overflow check
 
 
 _TRUST = _Trust()
@@ -104,25 +105,33 @@ def check_output(
 
     Inside :func:`trusted_inputs` (a layer of a flow whose entry point checked the data) the
     check is deferred: nothing is read back here, and the entry point checks its results with
-    :func:`check_deferred` once, after all its layers ran (under ``torch.compile`` the check
-    runs here, as outside the context).
+    :func:`check_deferred` once, after all its layers ran. Under ``torch.compile`` the layer
+    cannot even note that it deferred (a flag set in compiled code does not survive), so there
+    the entry point checks its results whatever the layers did.
     """
-    if _TRUST.trusted and not torch.compiler.is_compiling():
-        _TRUST.deferred = True
+    if _TRUST.trusted:
+        if not torch.compiler.is_compiling():
+            _TRUST.deferred = True
         return y
     if _all_finite(y) if intermediate is None else _all_finite(y, intermediate):
         return y
     raise _overflow_error(name, "output", x, cause)
 
 
-def check_deferred(x: Tensor, name: str, *results: Tensor) -> None:
+def check_deferred(x: Tensor, name: str, *results: Tensor, compiled: bool = False) -> None:
     """At an entry point, after its layers ran inside :func:`trusted_inputs`: if one of them
     deferred its overflow check (:func:`check_output`), check the entry's ``results`` computed
     from the finite input ``x`` once, and raise :class:`~flowattn.errors.NonFiniteError` naming
     ``name`` if they hold NaN or Inf. Nested entry points (still inside the context) leave the
     check to the outermost one; without a deferred check nothing is read back.
+
+    Layers that ran under ``torch.compile`` cannot note that they deferred, so the check runs
+    whenever the entry point itself is being compiled, or when it says that its layers were
+    (``compiled``).
     """
-    if _TRUST.trusted or not _TRUST.deferred:
+    if _TRUST.trusted:
+        return
+    if not (_TRUST.deferred or compiled or torch.compiler.is_compiling()):
         return
     _TRUST.deferred = False
     if not _all_finite(*results):

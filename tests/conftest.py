@@ -1,5 +1,8 @@
 """Fixtures shared by the test modules."""
 
+import collections
+import traceback
+
 import pytest
 import torch
 
@@ -30,5 +33,36 @@ def certificate_calls(monkeypatch):
 
                 monkeypatch.setattr(module, "_certificate", counted)
         return calls
+
+    return count
+
+
+@pytest.fixture
+def host_reads():
+    """``host_reads(fn)``: the calls that read a tensor's value back to Python while ``fn``
+    runs (``item``, ``bool``, ``float``, ``int``, ``tolist``), counted by call site
+    ("file.py:line")."""
+    names = ("item", "__bool__", "__float__", "__int__", "tolist")
+
+    def count(fn):
+        originals = {name: getattr(torch.Tensor, name) for name in names}
+        reads = collections.Counter()
+
+        def wrap(name):
+            def read(self, *args, **kwargs):
+                frame = traceback.extract_stack(limit=2)[0]
+                reads[f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
+                return originals[name](self, *args, **kwargs)
+
+            return read
+
+        try:
+            for name in names:
+                setattr(torch.Tensor, name, wrap(name))
+            fn()
+        finally:
+            for name, original in originals.items():
+                setattr(torch.Tensor, name, original)
+        return reads
 
     return count

@@ -28,7 +28,8 @@ class _Frozen(threading.local):
     """Per thread: the certificates kept inside :func:`frozen_certificates`, or None outside
     (a thread-local attribute, as ``frozen_power_iteration`` keeps its flag)."""
 
-    kept: dict | None = None
+    def __init__(self) -> None:  # instance attributes: dynamo guards them without a fault
+        self.kept: dict | None = None
 
 
 _FROZEN = _Frozen()
@@ -70,7 +71,8 @@ class _Shared(threading.local):
     """Per thread: the certificates evaluated together inside :func:`shared_certificates`,
     keyed as :meth:`ContractiveAttention._bound` asks for them, or None outside."""
 
-    tables: dict | None = None
+    def __init__(self) -> None:  # instance attributes: dynamo guards them without a fault
+        self.tables: dict | None = None
 
 
 _SHARED = _Shared()

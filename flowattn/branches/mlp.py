@@ -25,7 +25,8 @@ class _PowerIteration(threading.local):
     """Per thread: whether power iterations are frozen (a thread-local attribute, not a
     ContextVar, so that ``torch.compile`` traces it without a graph break)."""
 
-    frozen = False
+    def __init__(self) -> None:  # instance attributes: dynamo guards them without a fault
+        self.frozen = False
 
 
 _POWER_ITERATION = _PowerIteration()
