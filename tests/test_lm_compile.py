@@ -77,6 +77,19 @@ def test_compiled_lm_gives_the_eager_logits_and_gradients_in_float64(variant):
 
 
 
+@pytest.mark.parametrize("variant", ["dp", "l2-tied", "l2-tied-offsets", "scaled-cosine"])
+def test_a_compiled_lm_breaks_its_graph_only_to_check_its_result(variant):
+    """Nothing inside the stack reads a value back (no input checks, no choice of attention
+    kernel): the one graph break is the stack's overflow check at its end. (Contractive
+    attention also leaves the graph for its certificate, evaluated eagerly.)"""
+    settings = VARIANTS.get(variant, {"attention": variant})
+    model = _tiny(**settings)
+    x = torch.randint(11, (3, 8), generator=torch.Generator().manual_seed(1))
+    explanation = torch._dynamo.explain(model)(x, x)
+    frames = [[frame.name for frame in r.user_stack] for r in explanation.break_reasons]
+    assert frames and all(stack[-1] == "_all_finite" for stack in frames), frames
+
+
 @pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("offsets", [{}, {"self_offset": 2.0}], ids=["fused", "written-out"])

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import flowattn.validation as validation
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
-from flowattn.errors import InverseNotConverged
+from flowattn.errors import InverseNotConverged, NonFiniteError
 from flowattn.lm.config import ATTENTIONS, INITS, LMConfig, LMRunConfig
 from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
@@ -154,6 +155,37 @@ class _Wrapped(torch.nn.Module):
 
     def projections(self):
         return self.inner.projections()
+
+
+@pytest.mark.parametrize("kw", [dict(attention=a) for a in ATTENTIONS] + [dict(invertible=True)],
+                         ids=lambda kw: "-".join(map(str, kw.values())))
+def test_a_training_step_checks_the_stack_once_not_in_every_layer(kw, host_reads):
+    """The blocks trust the stack's own states: no layer checks its input or output (each a
+    host synchronisation on a GPU); the stack's result is checked once."""
+    torch.manual_seed(0)
+    model = build_model(tiny(layers=3, **kw))
+    idx = torch.randint(V, (2, T))
+    reads = host_reads(lambda: model(idx, idx)[1]["loss"].backward())
+    checks = {site: n for site, n in reads.items() if site.startswith("validation.py")}
+    assert sum(checks.values()) <= 1, reads  # (none where no layer had a check to defer)
+
+
+def test_an_overflow_inside_the_stack_is_caught_at_its_end(monkeypatch):
+    """A layer inside the stack defers its overflow check, but the stack's result is checked:
+    NaN never leaves the model silently."""
+    torch.manual_seed(0)
+    model = build_model(tiny(attention="dp"))
+    forward = DotProductMHA.forward
+
+    def overflowing(self, x, *args, **kwargs):  # an output that overflowed, checked as usual
+        return validation.check_output(forward(self, x, *args, **kwargs) * float("inf"), x,
+                                       "DotProductMHA")
+
+    monkeypatch.setattr(DotProductMHA, "forward", overflowing)
+    idx = torch.randint(V, (2, T))
+    with pytest.raises(NonFiniteError, match="TransformerLM overflowed"):
+        model(idx, idx)
+    assert not validation.inputs_trusted()
 
 
 @pytest.mark.parametrize("attention", ATTENTIONS)

@@ -123,8 +123,9 @@ class LogitOffsets(nn.Module):
         """
         counts = torch.tensor(list(n)) if isinstance(n, range) else torch.as_tensor(n)
         ref = self.offset_logit if self.offset_logit is not None else self.position_logit
-        counts = counts.to(ref.device)
+        # the length is read from the counts before they move: no read back from the device
         length = int(counts.max()) if counts.numel() else 1
+        counts = counts.to(ref.device)
         k = torch.arange(1, max(length, 1), device=ref.device)
         if not causal:
             k = torch.cat([k, -k])

@@ -17,6 +17,7 @@ from ..attention import (
     shared_certificates,
 )
 from ..errors import InputError
+from ..validation import check_deferred, trusted_inputs
 from .config import INITS, LMConfig
 
 __all__ = [
@@ -566,13 +567,18 @@ class TransformerLM(_CharLM):
         """Run the residual stack on embeddings ``h``; also return the summed affinity penalty
         ||A^T A - I||_F^2 of every block when ``affinity`` is set. The certificates of the
         blocks' contractive attention are evaluated together, batched over the layers
-        (:func:`~flowattn.attention.shared_certificates`)."""
-        total = None
-        with shared_certificates(self.blocks.modules(), h.shape[1], causal=True):
+        (:func:`~flowattn.attention.shared_certificates`). The blocks trust their inputs (the
+        stack's own states, :func:`~flowattn.validation.trusted_inputs`): nothing is read back
+        from the device inside the stack, and its result is checked for overflow once, at
+        the end."""
+        total, h0 = None, h
+        with trusted_inputs(), shared_certificates(self.blocks.modules(), h.shape[1],
+                                                   causal=True):
             for block in self.blocks:
                 h, penalty = block(h, affinity=affinity)
                 if penalty is not None:
                     total = penalty if total is None else total + penalty
+        check_deferred(h0, "TransformerLM", h)
         return h, total
 
     def logits(self, h: Tensor) -> Tensor:
