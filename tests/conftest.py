@@ -39,19 +39,21 @@ def certificate_calls(monkeypatch):
 
 @pytest.fixture
 def host_reads():
-    """``host_reads(fn)``: the calls that read a tensor's value back to Python while ``fn``
-    runs (``item``, ``bool``, ``float``, ``int``, ``tolist``), counted by call site
-    ("file.py:line")."""
+    """``host_reads(fn, device_only=False)``: the calls that read a tensor's value back to
+    Python while ``fn`` runs (``item``, ``bool``, ``float``, ``int``, ``tolist``), counted by
+    call site ("file.py:line"); with ``device_only``, only reads of tensors off the CPU (host
+    synchronisations)."""
     names = ("item", "__bool__", "__float__", "__int__", "tolist")
 
-    def count(fn):
+    def count(fn, device_only=False):
         originals = {name: getattr(torch.Tensor, name) for name in names}
         reads = collections.Counter()
 
         def wrap(name):
             def read(self, *args, **kwargs):
-                frame = traceback.extract_stack(limit=2)[0]
-                reads[f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
+                if not device_only or self.device.type != "cpu":
+                    frame = traceback.extract_stack(limit=2)[0]
+                    reads[f"{frame.filename.rsplit('/', 1)[-1]}:{frame.lineno}"] += 1
                 return originals[name](self, *args, **kwargs)
 
             return read

@@ -1167,6 +1167,20 @@ def test_language_model_logits_losses_and_gradients_match_cpu(case: str):
                            cast=True)
 
 
+@pytest.mark.skipif(DEVICE == "cpu", reason="counts host synchronisations: reads of tensors "
+                    "off the CPU, of which a CPU dry run has none")
+@pytest.mark.parametrize("case", ["l2-tied", "contractive-l2"])
+def test_a_language_model_training_step_synchronises_once_on_the_device(case: str, host_reads):
+    """Tied and contractive L2 attention read nothing back on the device (no input checks in
+    the stack, no size test, the certificate's counts on the host): one host synchronisation
+    per step, the stack's overflow check."""
+    model = on_device(make_lm(case)).train()
+    idx, targets = to_device(lm_tokens())
+    model(idx, targets)  # one-time work first
+    reads = host_reads(lambda: model(idx, targets)[1]["loss"].backward(), device_only=True)
+    assert sum(reads.values()) == 1 and all(k.startswith("validation.py") for k in reads), reads
+
+
 def test_position_bias_certificate_gradient_at_initialisation_matches_cpu():
     """At initialisation every relative-position bias is 0: the weighted key count of the
     offsets' certificate sorts equal values, and its gradient (which biases count as the n - 1
