@@ -40,7 +40,10 @@ class _Trust(threading.local):
 
     def __init__(self) -> None:  # instance attributes: dynamo guards them without a fault
         self.trusted = False
-        self.deferred = False  # a layer inside the context skipped its overflow check
+        # [whether a layer inside the context skipped its overflow check]: a list, because
+        # dynamo replays the mutation of a list made in compiled code, not the rebinding of
+        # an attribute (which it drops)
+        self.deferred = [False]
 
 
 _TRUST = _Trust()
@@ -64,7 +67,7 @@ def trusted_inputs() -> Iterator[None]:
     previous = _TRUST.trusted
     _TRUST.trusted = True
     if not previous:
-        _TRUST.deferred = False
+        _TRUST.deferred[0] = False
     try:
         yield
     finally:
@@ -105,35 +108,27 @@ def check_output(
 
     Inside :func:`trusted_inputs` (a layer of a flow whose entry point checked the data) the
     check is deferred: nothing is read back here, and the entry point checks its results with
-    :func:`check_deferred` once, after all its layers ran. Under ``torch.compile`` the layer
-    cannot even note that it deferred (a flag set in compiled code does not survive), so there
-    the entry point checks its results whatever the layers did.
+    :func:`check_deferred` once, after all its layers ran (also from compiled code: no
+    graph break here).
     """
     if _TRUST.trusted:
-        if not torch.compiler.is_compiling():
-            _TRUST.deferred = True
+        _TRUST.deferred[0] = True
         return y
     if _all_finite(y) if intermediate is None else _all_finite(y, intermediate):
         return y
     raise _overflow_error(name, "output", x, cause)
 
 
-def check_deferred(x: Tensor, name: str, *results: Tensor, compiled: bool = False) -> None:
+def check_deferred(x: Tensor, name: str, *results: Tensor) -> None:
     """At an entry point, after its layers ran inside :func:`trusted_inputs`: if one of them
     deferred its overflow check (:func:`check_output`), check the entry's ``results`` computed
     from the finite input ``x`` once, and raise :class:`~flowattn.errors.NonFiniteError` naming
     ``name`` if they hold NaN or Inf. Nested entry points (still inside the context) leave the
     check to the outermost one; without a deferred check nothing is read back.
-
-    Layers that ran under ``torch.compile`` cannot note that they deferred, so the check runs
-    whenever the entry point itself is being compiled, or when it says that its layers were
-    (``compiled``).
     """
-    if _TRUST.trusted:
+    if _TRUST.trusted or not _TRUST.deferred[0]:
         return
-    if not (_TRUST.deferred or compiled or torch.compiler.is_compiling()):
-        return
-    _TRUST.deferred = False
+    _TRUST.deferred[0] = False
     if not _all_finite(*results):
         raise _overflow_error(name, "result", x, "an attention layer's x W is the likely place")
 

@@ -160,9 +160,9 @@ def test_an_overflow_inside_a_flow_is_caught_at_its_entry_point(monkeypatch):
 
 
 def test_an_overflow_inside_compiled_layers_is_caught_at_the_flow_entry_point(monkeypatch):
-    """Compiled layers cannot note that they deferred their overflow check (a flag set in
-    compiled code does not survive), so the entry point of ``compiled_log_prob`` checks its
-    results always: NaN never leaves a compiled flow either."""
+    """Compiled layers defer their overflow check too, and the note that they did survives
+    the compiled code (a list's mutation, replayed; the rebinding of an attribute would be
+    dropped): the entry point checks its results, and NaN never leaves a compiled flow."""
     torch.manual_seed(0)
     flow = set_flow(dim=3, blocks=1, heads=1, logdet=SERIES)
     x = torch.randn(4, 5, 3)
