@@ -338,24 +338,18 @@ def nanogpt_model(module, base: dict, vocab_size: int) -> torch.nn.Module:
         return module.GPT(config)
 
 
-def _settle(rows: list[Timed], step: Callable[[Timed], float], passes: int = 4) -> None:
-    """Warm the rows up again until a whole pass compiles nothing new.
-
-    The compiled models share their classes' code, and dynamo keeps one cache per code object:
-    running one model after another fails the guards that the other's graphs were compiled
-    under (the type of a block's attention, say) and recompiles. The first pass after the
-    warm-up still does, so without this the first timed round held compilations (on a GPU it
-    turned a compiled model's median of two rounds into 0.07x its eager rate)."""
+def _settle(row: Timed, step: Callable[[Timed], float], passes: int = 4) -> None:
+    """Warm a compiled row up again until a whole batch of steps compiles nothing new, so that
+    no timed round holds a compilation (a first GPU run, before this, timed recompilations:
+    compiled dot product at 0.07x its eager rate)."""
     from torch._dynamo.utils import counters
 
     for _ in range(passes):
         before = counters["stats"]["unique_graphs"]
-        for row in rows:
-            if row.mode == "compiled":
-                row.compile_s += step(row)
+        row.compile_s += step(row)
         if counters["stats"]["unique_graphs"] == before:
             return
-    raise RuntimeError(f"the compiled models still recompiled after {passes} warm-up passes")
+    raise RuntimeError(f"{row.name} (compiled) still recompiled after {passes} warm-up passes")
 
 
 def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int,
@@ -365,7 +359,9 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
     """Median training tokens/s of each variant over ``rounds`` interleaved rounds of ``steps``
     optimiser steps (forward, backward, clipping and AdamW update) on Tiny Shakespeare batches.
 
-    With ``compile``, every model is timed twice, eagerly and through ``torch.compile(model)``;
+    With ``compile``, every model is timed twice, eagerly and through ``torch.compile(model)``:
+    each compiled model alone in dynamo's caches (compiled after a reset), in rounds of its own
+    that interleave it with every uncompiled row (those rows are timed in all such rounds);
     with ``nanogpt`` (a nanoGPT checkout), nanoGPT's ``GPT`` in the same configuration joins
     the rounds; with ``own_certificates`` every model but dot product's is timed again with
     each layer evaluating its own certificate, as before ``shared_certificates``; with
@@ -386,13 +382,9 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
         models["nanoGPT"] = nanogpt_model(load_nanogpt(nanogpt), base, vocab)
     models = {name: model.to(device).train() for name, model in models.items()}
     rows = [Timed(n, "eager", m, m, _optimizer(m, base)) for n, m in models.items()]
-    if compile:
-        # one cache entry per model and code object, not the default limit of 8 (past it a
-        # frame would run eagerly and be timed as compiled)
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit,
-                                                   4 * len(models))
-        rows += [Timed(n, "compiled", m, torch.compile(m), _optimizer(m, base))
-                 for n, m in models.items()]
+    # compiled when its turn comes (below), each model alone in dynamo's caches
+    compiled = [Timed(n, "compiled", m, m, _optimizer(m, base))
+                for n, m in models.items()] if compile else []
     for mode, wanted in (("own certificates", own_certificates),
                          ("constant certificates", constant_certificates)):
         if wanted:
@@ -420,21 +412,38 @@ def interleaved_throughput(base: dict, names: list[str], rounds: int, steps: int
         _sync(device)
         return time.perf_counter() - start
 
-    for row in rows:  # warm-up (and compilation)
+    def warm(row: Timed) -> None:
         print(f"warming up {row.name} ({row.mode}) ...", file=sys.stderr, flush=True)
         row.compile_s = step(row)
-    if compile:
-        _settle(rows, step)
-    times: dict[int, list[float]] = {i: [] for i in range(len(rows))}
-    for r in range(rounds):
-        print(f"round {r + 1}/{rounds}", file=sys.stderr, flush=True)
-        for i, row in enumerate(rows):
-            times[i].append(step(row))
+
+    for row in rows:  # warm-up
+        warm(row)
+    times: dict[int, list[float]] = {id(row): [] for row in rows + compiled}
+
+    def timed_rounds(timed: list[Timed], label: str) -> None:
+        for r in range(rounds):
+            print(f"round {r + 1}/{rounds}{label}", file=sys.stderr, flush=True)
+            for row in timed:
+                times[id(row)].append(step(row))
+
+    if not compiled:
+        timed_rounds(rows, "")
+    for row in compiled:
+        # Compiled models of one class share their code, and dynamo keeps its graphs per code
+        # object: beside each other they ran as many small graphs (dot product: 14 compiled
+        # functions a step instead of 3, docs/benchmarks.md). So each is compiled after a
+        # reset and timed alone among the compiled models, interleaved with the eager rows.
+        torch._dynamo.reset()
+        row.forward = torch.compile(row.model)
+        warm(row)  # compilation
+        _settle(row, step)
+        timed_rounds(rows + [row], f" ({row.name} compiled)")
     tokens = steps * base["batch_size"] * base["block_size"]
+    ordered = rows[:len(models)] + compiled + rows[len(models):]
     return [{"name": row.name, "mode": row.mode,
-             "tokens_per_s": tokens / statistics.median(times[i]),
+             "tokens_per_s": tokens / statistics.median(times[id(row)]),
              "params": sum(p.numel() for p in row.model.parameters()),
-             "compile_s": row.compile_s, "seconds": times[i]} for i, row in enumerate(rows)]
+             "compile_s": row.compile_s, "seconds": times[id(row)]} for row in ordered]
 
 
 def _own_certificates():

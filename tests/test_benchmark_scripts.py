@@ -116,34 +116,54 @@ def test_lm_throughput_trains_every_model_on_the_device_it_is_given(lm, corpus, 
     assert seen == {"parameters": {device}, "inputs": {device}}
 
 
-@pytest.mark.parametrize("settle", [True, False], ids=["settled", "unsettled"])
-def test_lm_throughput_times_compiled_models_only_once_they_stop_recompiling(lm, corpus,
-                                                                            monkeypatch, settle):
-    # compiled models of one class share dynamo's caches: after the warm-up, running one model
-    # after another still recompiles once, so the first timed round held compilations
+def test_lm_throughput_times_each_compiled_model_alone_and_compiles_nothing_in_its_rounds(
+        lm, corpus, monkeypatch):
+    # compiled models of one class share dynamo's caches: beside each other they run as many
+    # small graphs, and a pass after the warm-up may still recompile. So each compiled model
+    # is compiled after a reset of the caches, and its timed rounds compile nothing.
     from torch._dynamo.utils import counters
 
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda m: compile_(m, backend="eager"))
-    graphs = {}
-    settled = lm._settle
+    compile_, reset, settle = torch.compile, torch._dynamo.reset, lm._settle
+    compiled_since_reset: list = []
+    compiles: list = []
+    checked: list = []
+    settled: list[int] = []  # the number of graphs when a compiled row's rounds begin
 
-    def recording(rows, step):
-        if settle:
-            settled(rows, step)
-        graphs["settled"] = counters["stats"]["unique_graphs"]
+    def rounds_compiled_nothing() -> None:
+        if settled:
+            assert counters["stats"]["unique_graphs"] == settled.pop()
+            checked.append(True)
 
-    monkeypatch.setattr(lm, "_settle", recording)
-    torch._dynamo.reset()
+    def compiling(model):
+        assert not compiled_since_reset, "two models compiled into the same caches"
+        compiled_since_reset.append(model)
+        compiles.append(model)
+        return compile_(model, backend="eager")
+
+    def resetting():
+        rounds_compiled_nothing()
+        compiled_since_reset.clear()
+        reset()
+
+    def settling(row, step):
+        settle(row, step)
+        settled.append(counters["stats"]["unique_graphs"])
+
+    monkeypatch.setattr(torch, "compile", compiling)
+    monkeypatch.setattr(torch._dynamo, "reset", resetting)
+    monkeypatch.setattr(lm, "_settle", settling)
     base = {**lm.NANOGPT, "data": str(corpus), "device": "cpu", "seed": 0, "layers": 1,
             "dim": 16, "heads": 2}
-    lm.interleaved_throughput(base, ["dp", "contractive-l2"], rounds=2, steps=1, compile=True)
-    recompiled = counters["stats"]["unique_graphs"] - graphs["settled"]
-    torch._dynamo.reset()
-    if settle:
-        assert recompiled == 0
-    else:  # the premise: without the settling passes the timed rounds do compile
-        assert recompiled > 0
+    rows = lm.interleaved_throughput(base, ["dp", "contractive-l2"], rounds=2, steps=1,
+                                     compile=True)
+    rounds_compiled_nothing()
+    reset()
+    assert [(r["name"], r["mode"]) for r in rows] == [
+        ("dp", "eager"), ("contractive-l2", "eager"), ("dp", "compiled"),
+        ("contractive-l2", "compiled")]
+    # the eager rows are timed in the rounds of each compiled one
+    assert [len(r["seconds"]) for r in rows] == [4, 4, 2, 2]
+    assert len(compiles) == 2 and len(checked) == 2  # the rounds of both compiled rows
 
 
 def test_lm_throughput_constant_certificates_evaluate_each_certificate_once(lm, corpus,
