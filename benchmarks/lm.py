@@ -14,7 +14,8 @@ Three studies, each writing a JSON file and printing a Markdown table:
   to dot-product attention.
 * ``ngram``: only the n-gram rows.
 * ``throughput``: only the interleaved timing of training steps, for ``--variants``;
-  ``--compile`` times each model also through ``torch.compile``, ``--own-certificates``
+  ``--compile`` times each model also through ``torch.compile`` (each compiled alone in
+  dynamo's caches, in rounds of its own beside the eager rows), ``--own-certificates``
   each Lipschitz model also with every layer evaluating its own certificate (no
   ``shared_certificates`` batch over the layers), ``--constant-certificates`` also with its
   contractive layers dividing by a constant (what the model would cost if its certificate
