@@ -33,8 +33,9 @@ Three studies, each writing a JSON file and printing a Markdown table:
   block's certified branch constants against the largest Jacobian norms measured at the
   branches' inputs on the first validation window (float64; about 5 minutes of one core and
   6 GiB): how much of its Lipschitz budget each contractive branch spends on real text.
-* ``depth``: constant learning rate, no warm-up, 2 to 12 layers of post-norm Transformers
-  with dot-product, tied-L2 and contractive-L2 attention (Kim et al. 2021, §5.4, Table 1):
+* ``depth``: constant learning rate, no warm-up (``--depth-warmup`` adds a linear one), 2 to
+  12 layers of post-norm Transformers with dot-product, tied-L2 and contractive-L2 attention
+  (Kim et al. 2021, §5.4, Table 1):
   divergences and the best validation loss per depth, with a plot. Its default rows are the
   tied models with their former defaults (``--depth-variants``).
 
@@ -733,8 +734,8 @@ def _sync(device: torch.device) -> None:
 
 
 def depth(args, base: dict) -> dict:
-    base = {**base, "schedule": "constant", "warmup": 0, "min_lr": 0.0, "lr": args.depth_lr,
-            "norm_position": args.depth_norm_position}
+    base = {**base, "schedule": "constant", "warmup": args.depth_warmup, "min_lr": 0.0,
+            "lr": args.depth_lr, "norm_position": args.depth_norm_position}
     results = {}
     for name in args.depth_variants:
         for layers in args.depths:
@@ -757,7 +758,8 @@ def depth(args, base: dict) -> dict:
     print(table(rows, ["model"] + [f"{d} layers" for d in args.depths]))
     plot_depth(results, args.depth_variants, args.depths, args.out / "depth.png", base)
     return {"study": "depth", "machine": machine(), "lr": args.depth_lr,
-            "norm_position": args.depth_norm_position, "results": results}
+            "warmup": args.depth_warmup, "norm_position": args.depth_norm_position,
+            "results": results}
 
 
 def plot_depth(results: dict, names, depths, path: Path, base: dict) -> None:
@@ -779,7 +781,8 @@ def plot_depth(results: dict, names, depths, path: Path, base: dict) -> None:
     ax.set_xticks(list(depths))
     ax.set_xlabel("layers")
     ax.set_ylabel("best validation loss (nats/char)")
-    ax.set_title(f"constant lr {base['lr']:g}, no warm-up, {base['norm_position']}-norm, "
+    warmup = f"{base['warmup']} warm-up steps" if base["warmup"] else "no warm-up"
+    ax.set_title(f"constant lr {base['lr']:g}, {warmup}, {base['norm_position']}-norm, "
                  f"{base['steps']} steps\n(x: diverged)", fontsize=9)
     ax.legend()
     fig.tight_layout()
@@ -806,6 +809,9 @@ def main(argv=None) -> int:
     parser.add_argument("--depth-variants", nargs="+", default=list(DEPTH_VARIANTS),
                         choices=list(VARIANTS), help="models of the depth study")
     parser.add_argument("--depth-lr", type=float, default=1e-3)
+    parser.add_argument("--depth-warmup", type=int, default=0,
+                        help="depth study: linear warm-up steps before the constant rate "
+                        "(default 0, Kim et al.'s protocol)")
     parser.add_argument("--depth-norm-position", choices=("pre", "post"), default="post")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds")
     parser.add_argument("--timing-steps", type=int, default=20)

@@ -188,3 +188,27 @@ def test_lm_throughput_constant_certificates_evaluate_each_certificate_once(lm, 
     # eager: (1 warm-up + 2 rounds) x 3 steps, each one evaluation batched over the two layers;
     # constant: one evaluation of each layer's own, in all
     assert len(calls) == 9 + 2
+
+
+def test_lm_depth_study_trains_at_a_constant_rate_after_the_warm_up_it_is_given(
+        lm, corpus, tmp_path, monkeypatch):
+    # --depth-warmup reaches every run of the study (and its record); without it the runs keep
+    # Kim et al.'s protocol, a constant rate from the first step
+    seen = []
+
+    def recorded(name, cfg, out, reuse):
+        seen.append(lm.LMRunConfig.build(cfg).train)
+        return {"best_val_loss": 3.0, "val_loss": 3.0, "diverged": False, "divergence": None,
+                "tokens_per_s": 1.0}
+
+    monkeypatch.setattr(lm, "run_one", recorded)
+    base = {**lm.NANOGPT, "data": str(corpus), "device": "cpu", "seed": 0, "steps": 5}
+    for warmup in (0, 3):
+        args = lm.argparse.Namespace(depth_variants=["dp"], depths=[1, 2], depth_lr=5e-4,
+                                     depth_warmup=warmup, depth_norm_position="post",
+                                     out=tmp_path, reuse=False)
+        record = lm.depth(args, base)
+        assert record["warmup"] == warmup and record["lr"] == 5e-4
+        assert (tmp_path / "depth.png").exists()
+    assert [(t.schedule, t.warmup, t.lr) for t in seen] == (
+        [("constant", 0, 5e-4)] * 2 + [("constant", 3, 5e-4)] * 2)
