@@ -35,9 +35,9 @@ Three studies, each writing a JSON file and printing a Markdown table:
   6 GiB): how much of its Lipschitz budget each contractive branch spends on real text.
 * ``depth``: constant learning rate, no warm-up (``--depth-warmup`` adds a linear one), 2 to
   12 layers of post-norm Transformers with dot-product, tied-L2 and contractive-L2 attention
-  (Kim et al. 2021, §5.4, Table 1):
-  divergences and the best validation loss per depth, with a plot. Its default rows are the
-  tied models with their former defaults (``--depth-variants``).
+  (Kim et al. 2021, §5.4, Table 1): divergences and the best validation loss per depth, with
+  a plot. Its default rows are the tied models with their former defaults
+  (``--depth-variants``).
 
 Variants are named settings (``VARIANTS``): ``l2-tied``, ``contractive-l2`` and
 ``invertible`` are today's defaults of those models; every variant measured before tied L2
@@ -757,9 +757,8 @@ def depth(args, base: dict) -> dict:
         rows.append(row)
     print(table(rows, ["model"] + [f"{d} layers" for d in args.depths]))
     plot_depth(results, args.depth_variants, args.depths, args.out / "depth.png", base)
-    return {"study": "depth", "machine": machine(), "lr": args.depth_lr,
-            "warmup": args.depth_warmup, "norm_position": args.depth_norm_position,
-            "results": results}
+    return {"study": "depth", "machine": machine(), "lr": base["lr"], "warmup": base["warmup"],
+            "norm_position": base["norm_position"], "results": results}
 
 
 def plot_depth(results: dict, names, depths, path: Path, base: dict) -> None:
