@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from flowattn.attention import L2MHA, ContractiveL2MHA
+from flowattn.attention import L2MHA, ContractiveL2MHA, l2
 from flowattn.errors import InputError
 
 DT = torch.float64
@@ -55,6 +55,10 @@ def test_contractive_linearise_gives_forward_and_the_autograd_vjp(kwargs, heads,
     auto = _autograd_vjps(ref, x, w)
     assert torch.allclose(vjp(w), auto, rtol=1e-11, atol=1e-13)
     assert torch.allclose(vjp(w[0]), auto[0], rtol=1e-11, atol=1e-13)  # no leading dimension
+    assert torch.allclose(vjp(w[:1]), auto[:1], rtol=1e-11, atol=1e-13)  # a stack of one
+    grid = torch.randn(2, 3, *x.shape, dtype=DT)  # two leading dimensions
+    auto = _autograd_vjps(ref, x, grid.flatten(0, 1)).unflatten(0, (2, 3))
+    assert torch.allclose(vjp(grid), auto, rtol=1e-11, atol=1e-13)
 
 
 @pytest.mark.parametrize("masked, causal", [(False, False), (True, True)])
@@ -107,6 +111,49 @@ def test_linearise_product_is_differentiable_like_a_double_backward(masked, caus
         a = torch.zeros_like(t) if a is None else a
         b = torch.zeros_like(t) if b is None else b
         assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("masked, causal", [(False, False), (True, True)])
+def test_a_stack_of_products_is_differentiable_like_each_product(masked, causal):
+    """The exact log-det differentiates its whole stack of N D products at once: the
+    derivative of sum_s u_s^T J v_s equals the sum of each product's double backward."""
+    torch.manual_seed(9)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, self_offset=1.0).double()
+    x, mask = _inputs(10, masked)
+    u, v = torch.randn(2, 5, *x.shape, dtype=DT)
+    wrt = [x, *f.parameters()]
+    _, vjp = f.linearise(x, mask, causal)
+    stacked = torch.autograd.grad((vjp(u) * v).sum(), wrt, allow_unused=True)
+    each = [torch.zeros_like(t) for t in wrt]
+    for us, vs in zip(u, v, strict=True):
+        (first,) = torch.autograd.grad(f(x, mask, causal), x, us, create_graph=True)
+        grads = torch.autograd.grad((first * vs).sum(), wrt, allow_unused=True)
+        each = [e if g is None else e + g for e, g in zip(each, grads, strict=True)]
+    for a, b, t in zip(stacked, each, wrt, strict=True):
+        a = torch.zeros_like(t) if a is None else a
+        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("stack", [(), (1,), (5,), (2, 3)])
+def test_stacked_products_are_each_matrix_of_the_stack_times_the_shared_one(stack):
+    """``_each_times`` (w_s @ a) and ``_times_each`` (a @ w_s), a stack w_s against a matrix
+    shared by all of it, moved into one product's rows or columns, equal matmul's
+    broadcasting: values and derivatives, wide and narrow shapes."""
+    gen = torch.Generator().manual_seed(len(stack))
+    batch = (2, 3)
+    for m, k, n in ((4, 3, 5), (6, 1, 2), (2, 6, 6), (7, 2, 1)):
+        for helper, w_shape, a_shape in ((l2._each_times, (m, k), (k, n)),
+                                         (l2._times_each, (k, n), (m, k))):
+            w = torch.randn(*stack, *batch, *w_shape, dtype=DT, generator=gen).requires_grad_()
+            a = torch.randn(*batch, *a_shape, dtype=DT, generator=gen).requires_grad_()
+            out = helper(w, a) if helper is l2._each_times else helper(a, w)
+            ref = w @ a if helper is l2._each_times else a @ w
+            assert out.shape == ref.shape
+            assert torch.allclose(out, ref, rtol=1e-13, atol=1e-14)
+            g = torch.randn(ref.shape, dtype=DT, generator=gen)
+            for mine, auto in zip(torch.autograd.grad(out, (w, a), g),
+                                  torch.autograd.grad(ref, (w, a), g), strict=True):
+                assert torch.allclose(mine, auto, rtol=1e-13, atol=1e-14)
 
 
 def test_linearise_on_down_scaled_huge_inputs_matches_autograd_in_float32():

@@ -212,3 +212,23 @@ def test_lm_depth_study_trains_at_a_constant_rate_after_the_warm_up_it_is_given(
         assert (tmp_path / "depth.png").exists()
     assert [(t.schedule, t.warmup, t.lr) for t in seen] == (
         [("constant", 0, 5e-4)] * 2 + [("constant", 3, 5e-4)] * 2)
+
+
+def test_linearise_benchmark_times_the_stacked_products_against_per_matrix_ones(monkeypatch):
+    # benchmarks/linearise.py: its baseline must replace the stacked helpers (two different
+    # code paths are timed) and give the same values; the flow step must start from one state
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    linearise = _script("linearise")
+    from flowattn.attention import l2
+
+    stacked = (l2._each_times, l2._times_each)
+    with linearise.per_matrix():
+        assert all(f is not g for f, g in zip((l2._each_times, l2._times_each), stacked,
+                                              strict=True))
+    assert (l2._each_times, l2._times_each) == stacked  # restored
+    for run in (linearise.product(3, 5, 4, 2, 6, "cpu"), linearise.flow_step(2, "cpu")):
+        first = run()
+        with linearise.per_matrix():
+            before = run()
+        assert torch.allclose(first, before, rtol=1e-4, atol=1e-6)
+        assert torch.equal(run(), first)  # each call from the same state
