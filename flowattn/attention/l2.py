@@ -479,8 +479,9 @@ class L2MHA(nn.Module):
         def vjp(w: Tensor) -> Tensor:
             g = w if present is None else w * present
             dy = split_heads_batched(g @ w_o_t, heads)  # (..., B, H, N, d)
-            # dL = P * (dP - rowsum(dP * P)), dP = dY V^T; rowsum(dP * P)_i = dY_i . (P V)_i
-            dl = p * (_each_times(dy, v_t) - (dy * attended).sum(-1, keepdim=True))
+            # dL = P * (dP - rowsum(dP * P)), dP = dY V^T
+            dp = _each_times(dy, v_t)
+            dl = p * (dp - (p * dp).sum(-1, keepdim=True))
             # sum_j S_ij (q_i - q_j) with S = dL + dL^T, from [q', 1]^T dL^T and [q', 1]^T dL
             both = (_times_each(centred_t, dl.transpose(-1, -2))
                     + _times_each(centred_t, dl)).transpose(-1, -2)
