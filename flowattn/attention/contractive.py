@@ -165,8 +165,16 @@ def _batched_bounds(group: list[ContractiveAttention], length: int, every_count:
     states = [dict((*m.named_parameters(), *m.named_buffers())) for m in group]
     stacked = {f"module.{n}": torch.stack([state[n] for state in states]) for n in names}
     counts = range(1, length + 1) if every_count else length
-    return torch.func.vmap(
-        lambda state: torch.func.functional_call(wrapper, state, (counts, causal)))(stacked)
+    with _weights_precision(group[0]):
+        return torch.func.vmap(
+            lambda state: torch.func.functional_call(wrapper, state, (counts, causal)))(stacked)
+
+
+def _weights_precision(module: nn.Module) -> torch.autocast:
+    """A context with ``torch.autocast`` off on the module's device: a certificate is evaluated
+    in its weights' precision also when the attention itself runs in a lower one (products
+    rounded to bfloat16 could bring the bound below the Lipschitz constant it certifies)."""
+    return torch.autocast(next(module.parameters()).device.type, enabled=False)
 
 
 class ContractiveAttention(nn.Module):
@@ -235,9 +243,11 @@ class ContractiveAttention(nn.Module):
             return shared[key]
         kept = _FROZEN.kept
         if kept is None or torch.is_grad_enabled():
-            return self._certificate(counts, causal)
+            with _weights_precision(self):
+                return self._certificate(counts, causal)
         if key not in kept:
-            kept[key] = self._certificate(counts, causal)
+            with _weights_precision(self):
+                kept[key] = self._certificate(counts, causal)
         return kept[key]
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
