@@ -1,5 +1,6 @@
 """Tests for ActNorm and the set / sequence flow builders: masks, exchangeability, zero COM."""
 
+import contextlib
 import math
 
 import pytest
@@ -377,3 +378,33 @@ def test_state_dict_keys_of_a_flow_with_set_location():
     assert sorted(_layer(0, location) + _layer(1, ACTNORM)
                   + _layer(2, [f"{m}.{p}" for m in ("deviation", "mean") for p in LU])
                   + _layer(3, [f"branch.{p}" for p in MLP]) + STANDARDISATION) == keys
+
+
+def test_set_flow_evaluates_its_blocks_certificates_once_with_each_blocks_values(
+        certificate_calls, monkeypatch):
+    # a deep flow's alike attention blocks share one batched certificate evaluation
+    # (shared_certificates) for sets without padding: same log-densities and derivatives as
+    # each block evaluating its own; with padding each block takes its own table of counts
+    torch.manual_seed(0)
+    flow = set_flow(dim=2, blocks=3, heads=2, logdet=EXACT).double().eval()
+    x = torch.randn(4, 5, 2, dtype=DT, requires_grad=True)
+    wrt = [x, *flow.parameters()]
+    calls = certificate_calls(flow)
+    shared = flow.log_prob(x)
+    shared_grads = torch.autograd.grad(shared.sum(), wrt, allow_unused=True)
+    assert calls[0] == 1
+    monkeypatch.setattr(SetFlow, "_shared_certificates",
+                        lambda self, x, mask: contextlib.nullcontext())
+    own = flow.log_prob(x)
+    own_grads = torch.autograd.grad(own.sum(), wrt, allow_unused=True)
+    assert calls[0] == 1 + 3
+    assert torch.allclose(shared, own, rtol=1e-12, atol=1e-12)
+    for a, b in zip(shared_grads, own_grads, strict=True):
+        assert (a is None) == (b is None)
+        assert a is None or torch.allclose(a, b, rtol=1e-10, atol=1e-12)
+    monkeypatch.undo()
+    calls = certificate_calls(flow)
+    mask = torch.ones(4, 5, dtype=torch.bool)
+    mask[0, 3:] = False
+    flow.log_prob(x.detach(), mask)
+    assert calls[0] == 3
