@@ -389,6 +389,25 @@ def test_shared_certificates_join_the_frozen_ones_in_an_evaluation(certificate_c
     assert count[0] == 1
 
 
+@pytest.mark.parametrize("kwargs", [{}, {"norm": "2,inf", "self_offset": 2.0}])
+def test_certificates_under_autocast_are_those_of_the_weights_precision(kwargs):
+    # under bfloat16 autocast the attention computes in bfloat16, its certificate in the
+    # weights' float32: the same value, alone and batched over alike layers
+    layers = torch.nn.ModuleList([make(ContractiveL2MHA, seed=s, coeff=0.9, **kwargs).float()
+                                  for s in (9, 10)])
+    expected = [layer._bound(5, every_count=False) for layer in layers]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        alone = [layer._bound(5, every_count=False) for layer in layers]
+        with shared_certificates(layers.modules(), 5):
+            batched = [layer._bound(5, every_count=False) for layer in layers]
+        y = layers[0].attention(torch.randn(2, 5, DIM))
+    assert y.dtype == torch.bfloat16  # the attention itself runs in the low precision
+    for value, a, b in zip(expected, alone, batched, strict=True):
+        assert value.dtype == a.dtype == b.dtype == torch.float32
+        assert torch.equal(a, value)
+        torch.testing.assert_close(b, value, rtol=1e-6, atol=0)
+
+
 def test_the_inverse_reuses_certificates_and_repeats_a_fresh_solve_bit_for_bit(
     monkeypatch, certificate_calls
 ):
