@@ -214,21 +214,30 @@ def test_lm_depth_study_trains_at_a_constant_rate_after_the_warm_up_it_is_given(
         [("constant", 0, 5e-4)] * 2 + [("constant", 3, 5e-4)] * 2)
 
 
-def test_linearise_benchmark_times_the_stacked_products_against_per_matrix_ones(monkeypatch):
-    # benchmarks/linearise.py: its baseline must replace the stacked helpers (two different
-    # code paths are timed) and give the same values; the flow step must start from one state
+def test_set_step_benchmark_times_each_speed_up_against_the_code_before_it(monkeypatch,
+                                                                           certificate_calls):
+    # benchmarks/set_step.py: each baseline must undo its change (different code is timed),
+    # give today's values, and restore; the flow step must start from one state every call
     monkeypatch.syspath_prepend(str(BENCHMARKS))
-    linearise = _script("linearise")
+    set_step = _script("set_step")
     from flowattn.attention import l2
 
     stacked = (l2._each_times, l2._times_each)
-    with linearise.per_matrix():
+    with set_step.per_matrix():
         assert all(f is not g for f, g in zip((l2._each_times, l2._times_each), stacked,
                                               strict=True))
     assert (l2._each_times, l2._times_each) == stacked  # restored
-    for run in (linearise.product(3, 5, 4, 2, 6, "cpu"), linearise.flow_step(2, "cpu")):
-        first = run()
-        with linearise.per_matrix():
-            before = run()
-        assert torch.allclose(first, before, rtol=1e-4, atol=1e-6)
-        assert torch.equal(run(), first)  # each call from the same state
+    run = set_step.product(3, 5, 4, 2, 6, "cpu")
+    medians, same = set_step.timed(run, set_step.PRODUCT_MODES, 1, 1, "cpu")
+    assert same and set(medians) == {"today", "per-matrix products"}
+    step = set_step.flow_step(2, "cpu")
+    calls = certificate_calls(step.flow)
+    first = step()
+    assert calls[0] == 1  # today: one batched evaluation for the two blocks
+    with set_step.own_certificates():
+        before = step()
+    assert calls[0] == 1 + 2  # before: each block its own
+    assert torch.allclose(first, before, rtol=1e-4, atol=1e-6)
+    medians, same = set_step.timed(step, set_step.FLOW_MODES, 1, 1, "cpu")
+    assert same and len(medians) == 4
+    assert torch.equal(step(), first)  # each call from the same state

@@ -744,7 +744,7 @@ def _each_times(w: Tensor, a: Tensor) -> Tensor:
     matrices, not a batch S times larger of m x k ones, whose per-matrix overhead dominates at
     small sizes: for 16 vectors and 8 x 8 attention matrices on the CPU (one thread) a
     branch's whole product and its backward run about 1.5 times faster
-    (``benchmarks/linearise.py``). Without a stack (or a stack of one) it is ``w @ a``."""
+    (``benchmarks/set_step.py``). Without a stack (or a stack of one) it is ``w @ a``."""
     lead = w.dim() - a.dim()
     if lead <= 0 or math.prod(w.shape[:lead]) == 1:
         return w @ a
