@@ -145,12 +145,17 @@ class SetFlow(nn.Module):
                              mask: Tensor | None) -> contextlib.AbstractContextManager:
         """For sets without padding, the certificates of the flow's contractive attention
         blocks from one evaluation batched over the blocks built alike
-        (:func:`~flowattn.attention.shared_certificates`): a deep flow's blocks otherwise
-        evaluate theirs one by one, each a hundred small operations. With a mask each block
-        evaluates its own table of counts, as before."""
-        if mask is not None:
-            return contextlib.nullcontext()
-        return shared_certificates(self.modules(), x.shape[1])
+        (:func:`~flowattn.attention.shared_certificates`), for the kind of call its residual
+        blocks make (causal or not): a deep flow's blocks otherwise evaluate theirs one by one,
+        each a hundred small operations. With a mask each block evaluates its own table of
+        counts, as before."""
+        stack = contextlib.ExitStack()
+        if mask is None:
+            kinds = {block.causal for block in self.modules()
+                     if isinstance(block, InvertibleResidual)}
+            for causal in sorted(kinds):
+                stack.enter_context(shared_certificates(self.modules(), x.shape[1], causal))
+        return stack
 
     def _prepare(self, x: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor | None]:
         mask = check_sets(x, mask, dim=self.dim)

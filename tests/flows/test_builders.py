@@ -380,13 +380,15 @@ def test_state_dict_keys_of_a_flow_with_set_location():
                   + _layer(3, [f"branch.{p}" for p in MLP]) + STANDARDISATION) == keys
 
 
+@pytest.mark.parametrize("build", [set_flow, sequence_flow])
 def test_set_flow_evaluates_its_blocks_certificates_once_with_each_blocks_values(
-        certificate_calls, monkeypatch):
+        build, certificate_calls, monkeypatch):
     # a deep flow's alike attention blocks share one batched certificate evaluation
-    # (shared_certificates) for sets without padding: same log-densities and derivatives as
-    # each block evaluating its own; with padding each block takes its own table of counts
+    # (shared_certificates, for the causal calls of a sequence flow too) for sets without
+    # padding: same log-densities and derivatives as each block evaluating its own; with
+    # padding each block takes its own table of counts
     torch.manual_seed(0)
-    flow = set_flow(dim=2, blocks=3, heads=2, logdet=EXACT).double().eval()
+    flow = build(dim=2, blocks=3, heads=2, logdet=EXACT).double().eval()
     x = torch.randn(4, 5, 2, dtype=DT, requires_grad=True)
     wrt = [x, *flow.parameters()]
     calls = certificate_calls(flow)
