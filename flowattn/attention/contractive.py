@@ -242,11 +242,10 @@ class ContractiveAttention(nn.Module):
         if shared is not None and key in shared:
             return shared[key]
         kept = _FROZEN.kept
-        if kept is None or torch.is_grad_enabled():
-            with _weights_precision(self):
+        with _weights_precision(self):
+            if kept is None or torch.is_grad_enabled():
                 return self._certificate(counts, causal)
-        if key not in kept:
-            with _weights_precision(self):
+            if key not in kept:
                 kept[key] = self._certificate(counts, causal)
         return kept[key]
 

@@ -757,15 +757,13 @@ def _each_times(w: Tensor, a: Tensor) -> Tensor:
 def _times_each(a: Tensor, w: Tensor) -> Tensor:
     """a @ w_s for every matrix w_s of a stack w (..., *batch, k, n), with a (*batch, m, k)
     shared by all of them: (..., *batch, m, n). The stack is moved into the columns (one
-    product of m x (S n) matrices), as :func:`_each_times` moves it into the rows. Without a
-    stack it is ``a @ w``, through :func:`_times_narrow` for a narrow w (n < m)."""
+    product of m x (S n) matrices): :func:`_each_times` of the transposes. Without a stack it
+    is ``a @ w``, through :func:`_times_narrow` for a narrow w (n < m)."""
     lead = w.dim() - a.dim()
     if lead <= 0 or math.prod(w.shape[:lead]) == 1:
         return _times_narrow(a, w) if w.shape[-1] < a.shape[-2] else a @ w
-    stack, (*batch, k, n) = w.shape[:lead], w.shape[lead:]
-    columns = w.reshape(-1, *batch, k, n).movedim(0, -2).reshape(*batch, k, -1)  # (*batch, k, S n)
-    out = (a @ columns).unflatten(-1, (-1, n)).movedim(-2, 0)  # (S, *batch, m, n)
-    return out.reshape(*stack, *out.shape[1:])
+    # a w_s = (w_s^T a^T)^T: the stack of w_s^T in the rows is a's product with [w_1, ..., w_S]
+    return _each_times(w.transpose(-1, -2), a.transpose(-1, -2)).transpose(-1, -2)
 
 
 def split_heads_batched(x: Tensor, heads: int) -> Tensor:
