@@ -1,6 +1,7 @@
 """``flowattn sets``: fit, resume, eval, sample, bad input, and torchrun/DDP."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -95,9 +96,13 @@ def _fit_command(out: Path, config: Path, steps: int, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), ("--augment", "rotations")], ids=["plain", "augmented"])
+@pytest.mark.parametrize("extra", [(), ("--augment", "rotations"),
+                                   ("--flow", "cnf", "--objective", "matching", "--no-location",
+                                    "--field-hidden", "8")],
+                         ids=["plain", "augmented", "matching"])
 def test_a_killed_run_resumed_matches_an_uninterrupted_run(tmp_path, extra):
-    # augmented: the rotations come from the batch generator, whose state the checkpoint keeps
+    # augmented: the rotations come from the batch generator, whose state the checkpoint keeps;
+    # matching: so do the base draws and times
     config = tiny_config(tmp_path, checkpoint_every=3, eval_every=100)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     straight = tmp_path / "straight"
@@ -599,6 +604,50 @@ def test_rnode_weights_are_refused_outside_continuous_flows():
         SetsRunConfig.build({"kinetic_weight": 0.1})
     with pytest.raises(ConfigError, match="jacobian_weight"):
         SetsRunConfig.build({"flow": "coupling", "jacobian_weight": 0.1})
+
+
+def test_flow_matching_trains_on_the_batchs_own_draws_and_reports_the_odes_nll():
+    from flowattn.sets.train import SetsTask
+    from flowattn.training.distributed import Distributed
+
+    config = SetsRunConfig.build({"data": "gaussian-sets", "num_train": 32, "val_sets": 8,
+                                  "flow": "cnf", "objective": "matching", "field_hidden": 8,
+                                  "location": False, "batch_size": 6})
+    one = Distributed(rank=0, world=1, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    task = SetsTask(config, one, plots=False)
+    batch = task.batch(torch.Generator().manual_seed(3), one)
+    x, mask, noise, times = batch
+    assert noise.shape == x.shape and times.shape == (6,) and mask is None
+    assert 0 <= float(times.min()) and float(times.max()) <= config.flow.t1
+    objective, reported, count = task.loss(task.forward_module, batch)
+    expected = task.flow.matching_loss(x, mask, noise=noise, times=times).mean() / 16
+    torch.testing.assert_close(objective, expected)
+    assert reported is objective and count == 6
+    objective.backward()
+    assert all(p.grad is not None for p in task.flow.parameters() if p.requires_grad)
+    again = task.batch(torch.Generator().manual_seed(3), one)  # the draws follow the generator
+    for first, second in zip(batch[2:], again[2:], strict=True):
+        torch.testing.assert_close(first, second, rtol=0, atol=0)
+    result = task.evaluate(one)  # validation: the ODE's exact NLL, and its solver's evaluations
+    assert math.isfinite(result["loss"]) and result["nfe"] > 0
+    assert "nfe_forward" not in task.train_stats()  # no solve in a matching step
+
+
+def test_flow_matching_is_refused_where_it_cannot_train_the_flow(tmp_path, capsys):
+    with pytest.raises(ConfigError, match="objective=matching trains continuous flows"):
+        SetsRunConfig.build({"objective": "matching"})
+    with pytest.raises(ConfigError, match="solves nothing"):
+        SetsRunConfig.build({"flow": "cnf", "objective": "matching", "kinetic_weight": 0.1})
+    # a centroid flow before the CNF (non-particle data with location) and compile: one line
+    refusals = [((), "give location false"),
+                (("--no-location", "--compile"), "compile is a setting of")]
+    for extra, message in refusals:
+        out = tmp_path / f"run{len(extra)}"
+        assert run_cli("fit", *TINY, "--flow", "cnf", "--objective", "matching", *extra,
+                       "--steps", "1", "--out", str(out)) != 0
+        assert message in capsys.readouterr().err
+        assert not (out / "checkpoint.pt").exists()
 
 
 def test_splines_put_a_spline_coupling_in_every_block_or_fail_clearly(tmp_path, capsys):

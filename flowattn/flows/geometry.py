@@ -9,6 +9,7 @@ of the restricted map. This module holds the pieces they share:
 
 * :func:`mask_from_context` -- the mask, carried by nflows' ``context`` argument;
 * :func:`subtract_mean` and :func:`project` -- the centring and the projection P;
+* :func:`set_times` -- the time of a vector field's call, one for all sets or one per set;
 * :func:`sample_probes` -- Hutchinson probes P u with E[u u^T] = I (log-det series, CNF
   divergences);
 * :func:`vjp` -- vector-Jacobian products w^T J, one vector or a batch of them.
@@ -29,6 +30,7 @@ __all__ = [
     "mask_from_context",
     "subtract_mean",
     "project",
+    "set_times",
     "sample_probes",
     "vjp",
     "full_precision",
@@ -89,6 +91,27 @@ def project(v: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Te
     if mask is None:
         return v
     return v * mask.unsqueeze(-1).to(v.dtype)
+
+
+def set_times(t: Tensor | float, z: Tensor) -> Tensor:
+    """The time of a vector field's call on sets ``z`` (B, N, D), as a (1, 1) or (B, 1) tensor.
+
+    ``t`` is a number or a one-element tensor (one time for every set, as an ODE solver calls)
+    or a (B,) tensor of one time per set (as flow matching trains); the result has ``z``'s
+    dtype and device and broadcasts against per-set features.
+
+    Examples:
+        >>> z = torch.zeros(3, 4, 2)
+        >>> set_times(0.5, z).shape, set_times(torch.rand(3), z).shape
+        (torch.Size([1, 1]), torch.Size([3, 1]))
+    """
+    t = torch.as_tensor(t, dtype=z.dtype, device=z.device)
+    if t.numel() == 1:
+        return t.reshape(1, 1)
+    if t.shape != z.shape[:1]:
+        raise InputError(f"t must be one time or one per set, shape ({z.shape[0]},); got shape "
+                         f"{tuple(t.shape)}")
+    return t.reshape(-1, 1)
 
 
 def full_precision(x: Tensor) -> torch.autocast:

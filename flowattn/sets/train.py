@@ -54,6 +54,18 @@ class _LogProb(nn.Module):
             return log_prob, self.flow.from_noise(z)
 
 
+class _Matching(nn.Module):
+    """The flow-matching loss of each set as a module's forward (what DistributedDataParallel
+    wraps for ``objective: matching``), from the batch's own base draws and times."""
+
+    def __init__(self, flow: SetFlow):
+        super().__init__()
+        self.flow = flow
+
+    def forward(self, x: Tensor, mask: Tensor | None, noise: Tensor, times: Tensor) -> Tensor:
+        return self.flow.matching_loss(x, mask, noise=noise, times=times)
+
+
 def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]:
     mask = None if data.mask is None else data.mask[index].to(device)
     return data.x[index].to(device), mask
@@ -221,9 +233,17 @@ class SetsTask:
         self.model = self.flow
         if config.train.compile:
             check_compilable(dist.device)
+        self.matching = config.flow.objective == "matching"
+        if self.matching and not hasattr(self.flow.transform, "matching_loss"):
+            raise ConfigError("objective=matching trains a continuous flow alone: these data "
+                              "get a centroid flow before it; give location false")
+        if self.matching and config.train.compile:
+            raise ConfigError("compile is a setting of likelihood training: a flow-matching "
+                              "step is one field evaluation (give compile false)")
         # what DistributedDataParallel wraps; with compile, the training step's log-density is
         # compiled (evaluation and sampling stay eager)
-        self.forward_module = _LogProb(self.flow, compile=config.train.compile)
+        self.forward_module = _Matching(self.flow) if self.matching else \
+            _LogProb(self.flow, compile=config.train.compile)
         self._energy_stats: dict[str, Tensor] = {}
 
     def initialise(self) -> None:
@@ -248,6 +268,12 @@ class SetsTask:
         if self.config.data.augment == "rotations":  # drawn for the whole batch: every process
             q = random_orthogonal(size, x.shape[-1], generator)  # keeps its share of it
             x = rotate_sets(x, mask, q[dist.rank :: dist.world])
+        if self.matching:  # the base draws and times, for the whole batch
+            shape = (size, self.train_data.set_size, self.train_data.dim)
+            noise = torch.randn(shape, generator=generator, dtype=x.dtype)
+            times = self.config.flow.t1 * torch.rand(size, generator=generator, dtype=x.dtype)
+            share = slice(dist.rank, None, dist.world)
+            return x, mask, noise[share].to(dist.device), times[share].to(dist.device)
         if self.energy is None:
             return x, mask
         # base draws for training by energy, from the same generator (so a resumed run draws
@@ -261,13 +287,18 @@ class SetsTask:
         penalties, and for training by energy the reverse KL up to log Z,
         E_q[E_reg(x) + log q(x)] over configurations x = f⁻¹(z) of the batch's base draws z
         (:func:`~flowattn.sets.boltzmann.regularised_energy`). The value logged as the
-        training loss is the NLL alone."""
+        training loss is the NLL alone. With ``objective: matching`` the objective and the
+        logged loss are the flow-matching loss per dimension
+        (:meth:`~flowattn.flows.SetFlow.matching_loss`)."""
         x, mask, *draws = batch
+        dims = set_dims(x, mask, self.train_data.zero_com).mean()
+        if self.matching:  # the matching loss per dimension: objective and reported loss
+            loss = module(x, mask, *draws).mean() / dims
+            return loss, loss, x.shape[0]
         if draws:
             log_prob, (samples, log_q) = module(x, mask, draws[0])
         else:
             log_prob = module(x, mask)
-        dims = set_dims(x, mask, self.train_data.zero_com).mean()
         nll = -log_prob.mean() / dims
         flow = self.config.flow
         objective = nll
@@ -285,20 +316,25 @@ class SetsTask:
         return objective, nll, x.shape[0]
 
     def train_stats(self) -> dict[str, float]:
-        """Field evaluations of the latest forward and backward solve (continuous flows);
+        """Field evaluations of the latest forward and backward solve (continuous flows trained
+        by likelihood);
         training by energy: the latest E_q[E_reg + log q] (``reverse_kl``, nats per
         configuration: KL(q ‖ p) - log Z) and mean E_reg of the samples."""
         stats: dict[str, float] = {name: float(value)
                                    for name, value in self._energy_stats.items()}
         solvers = [m for m in self.flow.modules() if hasattr(m, "nfe_forward")]
-        if solvers:
+        if solvers and not self.matching:  # flow matching trains without solves
             stats.update(nfe_forward=sum(int(m.nfe_forward) for m in solvers),
                          nfe_backward=sum(int(m.nfe_backward) for m in solvers))
         return stats
 
     def evaluate(self, dist: Distributed) -> dict[str, float]:
         result = evaluate(self.flow, self.val_data, limit=self.config.data.val_sets)
-        return {"loss": result["nll_per_dim"], "nll": result["nll"]}
+        metrics = {"loss": result["nll_per_dim"], "nll": result["nll"]}
+        solvers = [m for m in self.flow.modules() if hasattr(m, "nfe_forward")]
+        if solvers:  # how hard the flow is to integrate: evaluations of the last batch's solve
+            metrics["nfe"] = sum(int(m.nfe_forward) for m in solvers)
+        return metrics
 
     def finish(self, out: Path) -> dict[str, Any]:
         test = self.test_data

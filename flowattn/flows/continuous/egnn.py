@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ...errors import InputError
 from ...validation import check_sets, present_weights
-from ..geometry import project
+from ..geometry import project, set_times
 
 __all__ = ["EGNNField"]
 
@@ -129,12 +129,15 @@ class EGNNField(nn.Module):
             _EquivariantLayer(hidden, step, attention, eps) for _ in range(layers))
 
     def forward(self, t: Tensor | float, z: Tensor, mask: Tensor | None = None) -> Tensor:
-        """dz/dt at time ``t`` for positions ``z`` (B, N, D); ``mask`` (B, N): present ones."""
+        """dz/dt at time ``t`` for positions ``z`` (B, N, D); ``mask`` (B, N): present ones.
+
+        ``t`` is one time for every set, or a (B,) tensor of one time per set (flow matching).
+        """
         mask = check_sets(z, mask, self.dim, name="z")
         present = present_weights(z, mask)
         off_diagonal = 1.0 - torch.eye(z.shape[1], dtype=z.dtype, device=z.device)
         pairs = (present[:, :, None] * present[:, None, :] * off_diagonal)[..., None]
-        t = torch.as_tensor(t, dtype=z.dtype, device=z.device).reshape(1, 1, 1)
+        t = set_times(t, z).unsqueeze(-1)  # (1 or B, 1, 1)
         h = self.embed_time(t).expand(z.shape[0], z.shape[1], -1)
         start_sq = (z[:, :, None] - z[:, None, :]).pow(2).sum(-1, keepdim=True)
         x = z

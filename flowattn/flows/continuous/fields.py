@@ -11,7 +11,7 @@ from ...attention import L2MHA, DotProductMHA
 from ...errors import InputError
 from ...lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
 from ...validation import check_sets
-from ..geometry import project
+from ..geometry import project, set_times
 
 __all__ = ["AttentionField", "DotProductField"]
 
@@ -61,12 +61,17 @@ class _StackedAttentionField(nn.Module):
         return torch.tanh(raw[0]), raw[1]
 
     def forward(self, t: Tensor | float, z: Tensor, mask: Tensor | None = None) -> Tensor:
-        """dz/dt at time ``t`` for sets ``z`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        """dz/dt at time ``t`` for sets ``z`` (B, N, D); ``mask`` (B, N) marks present elements.
+
+        ``t`` is one time for every set, or a (B,) tensor of one time per set (flow matching).
+        """
         mask = check_sets(z, mask, self.dim, name="z")
-        gains, shifts = self.gains_and_shifts(t, z)
+        t = set_times(t, z)
+        raw = self.time_net(t).reshape(-1, 2, self.layers, 1, self.hidden)
+        gains, shifts = torch.tanh(raw[:, 0]), raw[:, 1]  # (1 or B, layers, 1, hidden)
         h = self.lift(z)
         for i, attend in enumerate(self.attention):
-            h = attend(h, mask=mask, causal=self.causal) * gains[i] + shifts[i]
+            h = attend(h, mask=mask, causal=self.causal) * gains[:, i] + shifts[:, i]
             if i < self.layers - 1:
                 h = torch.tanh(h)
         # padded elements get zero velocity; zero_com removes the centre of mass
