@@ -10,7 +10,11 @@ rule (``keep_best``) and prints one table:
   blocks), with E-NF's batch size, number of steps and validation cadence in place of its own;
 * ``cnf``: E-NF's model in flowattn, a CNF whose field is an ``EGNNField`` (3 layers of width
   32 with attention gates), Hutchinson's trace while training and the exact trace for every
-  reported NLL, Adam 5e-4 with a cosine decay to 5e-5, dopri5 at tolerance 1e-4.
+  reported NLL, Adam 5e-4 with a cosine decay to 5e-5, dopri5 at tolerance 1e-4;
+* ``matching``: the same CNF trained by flow matching (``objective: matching``: one field
+  evaluation per configuration and step, no solve), Adam 1e-3 with a cosine decay to 1e-4;
+  its NLLs are the ODE's, as the others'. ``--matching-steps`` gives it its own number of
+  steps (a budget of time rather than of epochs: a matching step costs a few milliseconds).
 
 Every run is an ordinary ``flowattn sets fit`` run folder under ``--out`` (checkpoints every
 ``--checkpoint-every`` steps): running the command again resumes unfinished runs exactly and
@@ -20,6 +24,7 @@ be continued alone with ``flowattn sets fit --out DIR --resume``.
     python benchmarks/enf.py --data dw4 --num-train 1000             # 3000 steps each
     python benchmarks/enf.py --data dw4 --num-train 1000 --models resflow
     python benchmarks/enf.py --data dw4 --num-train 100 --quick      # a smoke run
+    python benchmarks/enf.py --data dw4 --num-train 100000 --models matching  # E-NF budget
 """
 
 from __future__ import annotations
@@ -42,7 +47,9 @@ BUDGETS = {
 }
 CNF = {"flow": "cnf", "divergence": "hutchinson", "lr": 5e-4, "min_lr": 5e-5, "warmup": 100,
        "ode_tol": 1e-4}
-MODELS = {"resflow": {}, "cnf": CNF}
+MATCHING = {"flow": "cnf", "objective": "matching", "lr": 1e-3, "min_lr": 1e-4, "warmup": 100,
+            "ode_tol": 1e-4}
+MODELS = {"resflow": {}, "cnf": CNF, "matching": MATCHING}
 
 
 def budget(data: str, num_train: int) -> dict:
@@ -69,10 +76,14 @@ def best_validation(out: Path) -> tuple[float, int]:
 
 
 def nfe(out: Path) -> str:
-    """Mean field evaluations per forward solve over the last 10 % of training (CNF only)."""
-    records = [r for r in read_metrics(out / "metrics.jsonl") if "nfe_forward" in r]
+    """Mean field evaluations per forward solve over the last 10 % of training (CNF trained by
+    likelihood), or of the last validation's solve (trained by matching, which solves only
+    there)."""
+    records = read_metrics(out / "metrics.jsonl")
+    validations = [r for r in records if r["split"] == "val" and "nfe" in r]
+    records = [r for r in records if "nfe_forward" in r]
     if not records:
-        return "—"
+        return f"{validations[-1]['nfe']} (validation)" if validations else "—"
     tail = records[-max(1, len(records) // 10):]
     return f"{sum(r['nfe_forward'] for r in tail) / len(tail):.0f}"
 
@@ -82,6 +93,8 @@ def main() -> None:
     parser.add_argument("--data", choices=sorted(BUDGETS), default="dw4")
     parser.add_argument("--num-train", type=int, default=1000)
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
+    parser.add_argument("--matching-steps", type=int, default=None,
+                        help="steps of the matching model (default: E-NF's budget, as the others)")
     parser.add_argument("--val-sets", type=int, default=1000, help="E-NF: 1000")
     parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--threads", type=int, default=1)
@@ -98,9 +111,15 @@ def main() -> None:
               "threads": args.threads, **steps}
     rows = []
     for name in args.models:
+        flags = {**common, **MODELS[name]}
         out = args.out / f"{args.data}-{args.num_train}-{name}"
-        summary = run(name, {**common, **MODELS[name]}, out)
+        if name == "matching" and args.matching_steps is not None and not args.quick:
+            flags["steps"] = args.matching_steps
+            out = out.with_name(f"{out.name}-s{args.matching_steps}")
+        summary = run(name, flags, out)
         rows.append((name, out, summary))
+    if "matching" in args.models and args.matching_steps is not None and not args.quick:
+        print(f"\nmatching: {args.matching_steps} steps", end="")
     print(f"\n{args.data}, {args.num_train} training configurations: {steps['steps']} steps of "
           f"batch {steps['batch_size']}, validation every {steps['eval_every']} steps on "
           f"{args.val_sets} configurations, test NLL of the best validation state (± its "
