@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -73,6 +74,23 @@ def test_enf_budget_is_the_epochs_of_enf_sweep_in_steps():
     assert enf.budget("lj13", 10) == {"steps": 500, "batch_size": 10, "eval_every": 10}
     with pytest.raises(SystemExit, match="no dw4 run with 5000 .* 100000"):
         enf.budget("dw4", 5000)
+
+
+def test_enf_reports_solver_evaluations_of_training_or_of_the_last_validation(tmp_path):
+    enf = _script("enf")
+    likelihood, matching = tmp_path / "likelihood", tmp_path / "matching"
+    for out, records in (
+        (likelihood, [{"step": s, "split": "train", "loss": 1.0, "nfe_forward": s}
+                      for s in range(10, 110, 10)] + [{"step": 100, "split": "val", "loss": 1.0,
+                                                       "nfe": 7}]),
+        (matching, [{"step": 10, "split": "train", "loss": 1.0},
+                    {"step": 10, "split": "val", "loss": 1.0, "nfe": 40},
+                    {"step": 20, "split": "val", "loss": 1.0, "nfe": 98}]),
+    ):
+        out.mkdir()
+        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert enf.nfe(likelihood) == "100"  # the last tenth of training's solves
+    assert enf.nfe(matching) == "98 (validation)"  # trained without solves
 
 
 @pytest.fixture
