@@ -259,7 +259,8 @@ class SetsTask:
             self.flow.initialise_location(*_batch(self.train_data, torch.arange(count),
                                                   self.dist.device))
         x, mask = _batch(self.train_data, torch.arange(size), self.dist.device)
-        self.flow.log_prob(x, mask)
+        with torch.no_grad():  # values only: a continuous flow would keep its solve's graph
+            self.flow.log_prob(x, mask)
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         size = self.config.train.batch_size
