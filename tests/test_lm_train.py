@@ -73,6 +73,24 @@ def test_checkpoint_is_written_atomically_and_rebuilds_the_trained_model(corpus,
     assert not list(out.glob(".*.tmp"))  # no temporary file left behind
 
 
+def test_an_averaged_run_validates_and_saves_the_average_of_a_certified_model(corpus, tmp_path):
+    out = tmp_path / "run"
+    summary = run(tiny(corpus, attention="contractive-l2", ema=0.9), out)
+    model, ckpt, vocab = load_checkpoint(out)
+    assert any(not torch.equal(ckpt["model"][k], ckpt["training_model"][k])
+               for k in ckpt["model"])
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, ckpt["model"][name]), name
+    corpus_ids = vocab.encode(TEXT)
+    val = corpus_ids[int(0.9 * len(corpus_ids)):]
+    loss = lm_train.evaluate(model, val, 16, 4, torch.device("cpu"))
+    assert loss == pytest.approx(summary["val_loss"], rel=1e-6)
+    trained, *_ = load_checkpoint(out)
+    trained.load_state_dict(ckpt["training_model"])
+    assert lm_train.evaluate(trained, val, 16, 4, torch.device("cpu")) != pytest.approx(
+        loss, rel=1e-6)
+
+
 def test_metrics_record_training_and_validation_at_their_intervals(corpus, tmp_path):
     run(tiny(corpus), tmp_path / "run")
     recs = records(tmp_path / "run")

@@ -90,6 +90,8 @@ def records(out: Path) -> list[dict]:
         ({"lr": float("nan")}, r"train: lr: "),
         ({"min_lr": 1.0}, r"train: min_lr \(1.0\) must not exceed lr"),
         ({"device": "gpu"}, r"train: device: String should match pattern"),
+        ({"ema": 1.0}, r"train: ema: Input should be less than 1 \(got 1.0\)"),
+        ({"ema": 0}, r"train: ema: Input should be greater than 0 \(got 0\)"),
         ({"nope": 1}, r"unknown setting 'nope'"),
         ({"train": {"stepz": 1}}, r"train: stepz: unknown setting"),
     ],
@@ -433,6 +435,159 @@ def test_keep_best_ends_with_the_state_of_the_lowest_validation_loss(tmp_path, m
     # resumed, the run keeps its best and replaces it only by a lower validation loss
     summary = fit(out=out, resume=True, flags={"steps": 10}, progress=False, plots=False)
     assert summary["best_step"] == 10 and read_checkpoint(out / "best.pt", "sets")["step"] == 10
+
+
+# ----------------------------------------------------------------------------- parameter average
+
+
+def test_the_parameter_average_follows_its_recursion_in_float64():
+    from flowattn.training.average import ParameterAverage
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).double()
+    average = ParameterAverage(model, decay=0.95)
+    expected = [p.detach().clone() for p in model.parameters()]
+    for step in range(1, 80):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p))
+        average.update(step)
+        beta = min(0.95, (1 + step) / (10 + step))  # the ramp, then the decay (from step 9)
+        expected = [beta * e + (1 - beta) * p.detach()
+                    for e, p in zip(expected, model.parameters(), strict=True)]
+        for name, e in zip(average.names, expected, strict=True):
+            torch.testing.assert_close(average.state()[name], e, rtol=1e-12, atol=1e-12)
+    # swapped in and back: exactly the trained values again, the average untouched
+    trained = {k: v.clone() for k, v in model.state_dict().items()}
+    with average.swapped():
+        for name, value in average.state().items():
+            assert torch.equal(model.state_dict()[name], value)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, trained[name])
+    with pytest.raises(ValueError, match="decay must lie in"):
+        ParameterAverage(model, decay=1.0)
+
+
+def _captured_average(monkeypatch):
+    """Patch the loop's average to remember its instance, and the set task's validation to
+    record the parameters it scores."""
+    from flowattn.sets.train import SetsTask
+    from flowattn.training import average as average_module
+
+    seen = {"instances": [], "scored": []}
+    original_init = average_module.ParameterAverage.__init__
+
+    def init(self, model, decay):
+        original_init(self, model, decay)
+        seen["instances"].append(self)
+
+    scored = SetsTask.evaluate
+
+    def evaluate(self, dist):
+        seen["scored"].append({k: v.clone() for k, v in self.model.state_dict().items()})
+        return scored(self, dist)
+
+    monkeypatch.setattr(average_module.ParameterAverage, "__init__", init)
+    monkeypatch.setattr(SetsTask, "evaluate", evaluate)
+    return seen
+
+
+def test_an_averaged_run_trains_as_without_and_reports_scores_and_saves_the_average(
+        tmp_path, monkeypatch):
+    from flowattn.data import load_dataset
+    from flowattn.sets.train import evaluate, load_flow
+
+    plain = fit_tiny(tmp_path / "plain")
+    seen = _captured_average(monkeypatch)
+    trajectory = []  # the parameters before the first optimiser step and after each
+
+    def record_parameters(optimizer, args, kwargs):
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        trajectory.append([p.detach().clone() for p in params])
+
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+    first = register_optimizer_step_pre_hook(
+        lambda optimizer, args, kwargs: None if trajectory else
+        record_parameters(optimizer, args, kwargs))
+    after = register_optimizer_step_post_hook(record_parameters)
+    try:
+        summary = fit_tiny(tmp_path / "ema", ema=0.9)
+    finally:
+        first.remove()
+        after.remove()
+    record = read_checkpoint(tmp_path / "ema" / "checkpoint.pt", "sets")
+    without = read_checkpoint(tmp_path / "plain" / "checkpoint.pt", "sets")
+    # the average never touches training: the trained parameters are bit for bit those of a
+    # run without it (every validation swapped the average in and the trained values back)
+    for name, value in without["model"].items():
+        assert torch.equal(record["training_model"][name], value), name
+    assert "training_model" not in without
+    # the checkpoint's model is the average, buffers included from the trained model
+    (average,) = seen["instances"]
+    state = average.state()
+    assert set(record["model"]) == set(without["model"])
+    for name, value in record["model"].items():
+        expected = state.get(name, record["training_model"][name])
+        assert torch.equal(value, expected), name
+    assert any(not torch.equal(record["model"][k], record["training_model"][k]) for k in state)
+    # ... and it is the recursion over the trained parameters of every step
+    assert len(trajectory) == 1 + 4
+    expected = trajectory[0]
+    for step, params in enumerate(trajectory[1:], start=1):
+        beta = min(0.9, (1 + step) / (10 + step))
+        expected = [beta * e + (1 - beta) * p for e, p in zip(expected, params, strict=True)]
+    from flowattn.training.loop import parameter_groups
+
+    flow, _ = load_flow(tmp_path / "ema")  # the optimiser's order: its parameter groups
+    names = {id(p): n for n, p in flow.named_parameters()}
+    order = [names[id(p)] for group in parameter_groups(flow, 0.0) for p in group["params"]]
+    assert sorted(order) == sorted(state)
+    for name, value in zip(order, expected, strict=True):
+        torch.testing.assert_close(state[name], value, rtol=1e-5, atol=1e-6)
+    # validations scored the average of their step: the last one the final average
+    assert len(seen["scored"]) == 2
+    for name, value in state.items():
+        assert torch.equal(seen["scored"][-1][name], value), name
+    # the run folder's model and the final report are the average's
+    flow, _ = load_flow(tmp_path / "ema")
+    test = load_dataset("gaussian-sets", {"train": 64}, seed=0)["test"]
+    assert evaluate(flow, test)["nll"] == pytest.approx(summary["test_nll"], rel=1e-6)
+    assert summary["test_nll"] != pytest.approx(plain["test_nll"], rel=1e-9)
+
+
+def test_an_averaged_run_resumed_matches_an_uninterrupted_one_bit_for_bit(tmp_path):
+    fit_tiny(tmp_path / "whole", ema=0.9)
+    fit_tiny(tmp_path / "split", ema=0.9, steps=2)
+    fit(out=tmp_path / "split", resume=True, flags={"steps": 4}, progress=False, plots=False)
+    whole = read_checkpoint(tmp_path / "whole" / "checkpoint.pt", "sets")
+    split = read_checkpoint(tmp_path / "split" / "checkpoint.pt", "sets")
+    for key in ("model", "training_model"):
+        for name, value in whole[key].items():
+            assert torch.equal(value, split[key][name]), (key, name)
+    with pytest.raises(ConfigError, match=r"ema \(0.9 in the run, 0.99 now\)"):
+        fit(out=tmp_path / "split", resume=True, flags={"ema": 0.99})
+
+
+def test_keep_best_with_an_average_keeps_the_average_of_the_best_step(tmp_path, monkeypatch):
+    from flowattn.sets.train import SetsTask, load_flow
+
+    seen = _captured_average(monkeypatch)
+    losses = iter([1.0, 2.0])  # validations at steps 2 and 4: step 2 is the best
+    scored = SetsTask.evaluate
+    monkeypatch.setattr(SetsTask, "evaluate",
+                        lambda self, dist: {**scored(self, dist), "loss": next(losses)})
+    fit_tiny(tmp_path / "run", ema=0.9, keep_best=True)
+    best = read_checkpoint(tmp_path / "run" / "best.pt", "sets")
+    assert best["step"] == 2 and "training_model" not in best
+    for name in seen["instances"][0].state():  # the average at step 2
+        assert torch.equal(best["model"][name], seen["scored"][0][name]), name
+    flow, record = load_flow(tmp_path / "run")
+    assert record["step"] == 2
+    for name, value in flow.state_dict().items():
+        assert torch.equal(value, best["model"][name]), name
 
 
 def test_without_keep_best_a_run_ends_with_its_last_state(tmp_path):

@@ -413,6 +413,10 @@ class TrainSettings(Section):
         None, gt=1, description="stop when the smoothed training loss exceeds this multiple of "
         "its best (for non-negative losses); none: stop only on non-finite values")
     eval_every: int = Field(250, ge=1, description="steps between validations")
+    ema: float | None = Field(None, gt=0, lt=1, description="decay of an exponential moving "
+                              "average of the parameters (e.g. 0.999); validations, best.pt, "
+                              "the final report and the run folder's model use the average; "
+                              "none: the parameters as trained")
     keep_best: bool = Field(False, description="end with the parameters of the lowest "
                             "validation loss (kept in best.pt), not the last: the final report "
                             "and later evaluations and samples of the run folder use them")

@@ -3,7 +3,8 @@
 A command supplies a :class:`Task` — its model, its batches, its loss, its validation and its
 final report — and :func:`train` does the rest the same way for all: random state, the
 optimiser (AdamW; matrices decay, vectors do not), the learning-rate schedule, gradient
-clipping, DistributedDataParallel under ``torchrun``, divergence detection, atomic checkpoints,
+clipping, an optional moving average of the parameters, DistributedDataParallel under
+``torchrun``, divergence detection, atomic checkpoints,
 metrics, TensorBoard, the progress bar, exact resume and the summary.
 
 Divergence has one behaviour: a non-finite loss, activation (:class:`~flowattn.errors.
@@ -15,6 +16,7 @@ in metrics.jsonl and diverged.json, the checkpoint keeps the last good state, th
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import math
@@ -29,6 +31,7 @@ from torch import Tensor, nn
 from ..errors import NonFiniteError
 from ..files import atomic_write_text
 from ..progress import Progress
+from .average import ParameterAverage
 from .checkpoint import BEST, CHECKPOINT, read_checkpoint, save_checkpoint
 from .distributed import Distributed
 from .metrics import MetricsLog
@@ -127,6 +130,11 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
 
     The run continues bit-exactly from ``plan.checkpoint`` when there is one: model,
     optimiser, step, every random state and the loop's running statistics are restored.
+
+    With ``ema`` set, a :class:`~flowattn.training.average.ParameterAverage` follows the
+    parameters; validations score it, and a checkpoint's ``model`` is the average (what
+    evaluation and sampling of the run folder load) while ``training_model`` keeps the
+    parameters as trained, from which a resumed run continues.
     """
     cfg = plan.config.training()
     out, main = plan.out, dist.is_main
@@ -141,7 +149,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     step = plan.start_step
     if plan.checkpoint is not None:
         record = plan.checkpoint
-        model.load_state_dict(record["model"])
+        model.load_state_dict(record.get("training_model", record["model"]))
         optimizer.load_state_dict(record["optimizer"])
         loop.update(record["loop"])
         states = record["rng"]
@@ -153,6 +161,18 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     else:
         task.initialise()
         torch.manual_seed(cfg.seed + dist.rank)  # dropout and probes differ per process
+    average = None if cfg.ema is None else ParameterAverage(model, cfg.ema)
+    if average is not None and plan.checkpoint is not None:
+        average.load(plan.checkpoint["model"])
+
+    def result_state() -> dict:
+        """The model a checkpoint offers for evaluation: the average when there is one."""
+        state = model.state_dict()  # in place: its metadata carries the modules' versions
+        state.update(average.state() if average is not None else {})
+        return state
+
+    def scored():
+        return average.swapped() if average is not None else contextlib.nullcontext()
     if cfg.compile:
         # inductor's lowering warns about a deprecation inside torch itself at every graph
         warnings.filterwarnings("ignore", message=r"`torch\._prims_common\.check` is deprecated",
@@ -170,10 +190,12 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     def save() -> None:
         states = dist.gather(_rng_state(generator, dist.device))
         if main:
+            trained = {} if average is None else {"training_model": model.state_dict()}
             save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
                              "data_fingerprint": plan.data, "step": step,
-                             "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                             "rng": states, "loop": dict(loop), "task": task.state(),
+                             "model": result_state(), **trained,
+                             "optimizer": optimizer.state_dict(), "rng": states,
+                             "loop": dict(loop), "task": task.state(),
                              "world_size": dist.world}, out / CHECKPOINT)
 
     # ------------------------------------------------------------------ the loop
@@ -209,6 +231,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             break
         optimizer.step()
         step += 1
+        if average is not None:
+            average.update(step)
         seconds = time.perf_counter() - t0
         items *= dist.world
         loop["seconds"] += seconds
@@ -232,14 +256,15 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                         **getattr(task, "train_stats", dict)())
             window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
         if step % cfg.eval_every == 0 or step == cfg.steps:
-            result = task.evaluate(dist)
+            with scored():
+                result = task.evaluate(dist)
             loop["val_loss"] = result["loss"]
             if result["loss"] < loop["best_val_loss"]:
                 loop["best_val_loss"], loop["best_step"] = result["loss"], step
                 if cfg.keep_best and main:  # no collective: the model alone is what it keeps
                     save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
                                      "data_fingerprint": plan.data, "step": step,
-                                     "model": model.state_dict(), "loop": dict(loop),
+                                     "model": result_state(), "loop": dict(loop),
                                      "task": task.state(), "world_size": dist.world}, out / BEST)
             metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
             if main:
@@ -279,6 +304,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             model.load_state_dict(read_checkpoint(out / BEST, plan.kind, dist.device)["model"])
             log(f"keep_best: the parameters of step {loop['best_step']} (validation loss "
                 f"{loop['best_val_loss']:.4f}) are the run's result")
+        elif average is not None:  # the final report is the average's
+            model.load_state_dict(result_state())
         report = task.finish(out)
         summary.update(report)
         if "test" in report:
