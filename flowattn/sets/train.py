@@ -231,6 +231,8 @@ class SetsTask:
         flow.standardise(self.train_data.x, self.train_data.mask)
         self.flow = flow.to(dist.device)
         self.model = self.flow
+        # the ODE solvers of a continuous flow, whose evaluation counts the metrics report
+        self.solvers = [m for m in self.flow.modules() if hasattr(m, "nfe_forward")]
         if config.train.compile:
             check_compilable(dist.device)
         self.matching = config.flow.objective == "matching"
@@ -323,18 +325,16 @@ class SetsTask:
         configuration: KL(q ‖ p) - log Z) and mean E_reg of the samples."""
         stats: dict[str, float] = {name: float(value)
                                    for name, value in self._energy_stats.items()}
-        solvers = [m for m in self.flow.modules() if hasattr(m, "nfe_forward")]
-        if solvers and not self.matching:  # flow matching trains without solves
-            stats.update(nfe_forward=sum(int(m.nfe_forward) for m in solvers),
-                         nfe_backward=sum(int(m.nfe_backward) for m in solvers))
+        if self.solvers and not self.matching:  # flow matching trains without solves
+            stats.update(nfe_forward=sum(int(m.nfe_forward) for m in self.solvers),
+                         nfe_backward=sum(int(m.nfe_backward) for m in self.solvers))
         return stats
 
     def evaluate(self, dist: Distributed) -> dict[str, float]:
         result = evaluate(self.flow, self.val_data, limit=self.config.data.val_sets)
         metrics = {"loss": result["nll_per_dim"], "nll": result["nll"]}
-        solvers = [m for m in self.flow.modules() if hasattr(m, "nfe_forward")]
-        if solvers:  # how hard the flow is to integrate: evaluations of the last batch's solve
-            metrics["nfe"] = sum(int(m.nfe_forward) for m in solvers)
+        if self.solvers:  # how hard the flow is to integrate: the last batch's solve
+            metrics["nfe"] = sum(int(m.nfe_forward) for m in self.solvers)
         return metrics
 
     def finish(self, out: Path) -> dict[str, Any]:
