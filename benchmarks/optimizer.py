@@ -6,7 +6,9 @@ tensors. This script times both side by side in one process, on the same models 
 for each model two copies with the same initial weights, one per optimiser, stepped in turn
 (forward, backward, gradient clipping at 1, optimiser step), so that a changing machine load
 hits both alike. It prints the median time of the optimiser step alone and of the whole training
-step, per implementation, and the ratio fused / per-tensor.
+step, per implementation, and the ratio fused / per-tensor; and the median time of the update of
+a moving average of the parameters (``--ema``, :mod:`flowattn.training.average`) after the fused
+step, with its share of that step.
 
 Models: set flows on ``shape-sets`` (the default residual flow, the ``large`` preset's coupling
 flow), the DW4 default (radial residual flow) and the character LMs of ``benchmarks/lm.py``
@@ -32,6 +34,7 @@ from flowattn.lm.config import LMConfig, LMRunConfig
 from flowattn.lm.model import build_model
 from flowattn.sets.config import SetsRunConfig
 from flowattn.sets.train import SetsTask
+from flowattn.training.average import ParameterAverage
 from flowattn.training.distributed import Distributed
 from flowattn.training.loop import parameter_groups
 
@@ -73,8 +76,10 @@ def lm_model(name: str) -> tuple[torch.nn.Module, Callable]:
     return model, loss
 
 
-def step(model, optimizer, loss, i: int) -> tuple[float, float]:
-    """(whole step, optimiser step) in seconds."""
+def step(model, optimizer, loss, i: int, average: ParameterAverage | None = None
+         ) -> tuple[float, float, float]:
+    """(whole step, optimiser step, update of the average) in seconds; the whole step does not
+    count the average's update."""
     start = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss(model, i).backward()
@@ -82,7 +87,9 @@ def step(model, optimizer, loss, i: int) -> tuple[float, float]:
     middle = time.perf_counter()
     optimizer.step()
     end = time.perf_counter()
-    return end - start, end - middle
+    if average is not None:
+        average.update(i + 1)
+    return end - start, end - middle, time.perf_counter() - end
 
 
 def main(argv=None) -> int:
@@ -92,6 +99,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds of steps per model")
     parser.add_argument("--steps", type=int, default=4, help="steps per round and optimiser")
     parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--ema", type=float, default=0.999,
+                        help="decay of the moving average timed after the fused step")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -104,30 +113,33 @@ def main(argv=None) -> int:
         runs = {}
         for label, net, fused in (("per-tensor", model, False), ("fused", twin, True)):
             optimizer = torch.optim.AdamW(parameter_groups(net, 0.0), lr=1e-4, fused=fused)
-            runs[label] = (net, optimizer, [], [])
-        for net, optimizer, _, _ in runs.values():  # warm-up
-            step(net, optimizer, loss, 0)
+            average = ParameterAverage(net, args.ema) if fused else None
+            runs[label] = (net, optimizer, average, [], [], [])
+        for net, optimizer, average, *_ in runs.values():  # warm-up
+            step(net, optimizer, loss, 0, average)
         for r in range(args.rounds):
-            for net, optimizer, whole, alone in runs.values():
+            for net, optimizer, average, whole, alone, averaging in runs.values():
                 for s in range(args.steps):
-                    total, opt = step(net, optimizer, loss, r * args.steps + s)
+                    total, opt, avg = step(net, optimizer, loss, r * args.steps + s, average)
                     whole.append(total)
                     alone.append(opt)
+                    averaging.append(avg)
         tensors = sum(1 for p in model.parameters() if p.requires_grad)
-        med = {label: (1e3 * statistics.median(w), 1e3 * statistics.median(a))
-               for label, (_, _, w, a) in runs.items()}
+        med = {label: tuple(1e3 * statistics.median(v) for v in values)
+               for label, (_, _, _, *values) in runs.items()}
         rows.append((name, tensors, med))
         print(f"{name}: {tensors} tensors; optimiser {med['per-tensor'][1]:.2f} -> "
               f"{med['fused'][1]:.2f} ms; step {med['per-tensor'][0]:.1f} -> "
-              f"{med['fused'][0]:.1f} ms", flush=True)
+              f"{med['fused'][0]:.1f} ms; average {med['fused'][2]:.2f} ms", flush=True)
     print()
     print("| model | tensors | optimiser, per-tensor (ms) | fused (ms) | fused / per-tensor "
-          "| step, per-tensor (ms) | fused (ms) | fused / per-tensor |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+          "| step, per-tensor (ms) | fused (ms) | fused / per-tensor | average's update (ms) "
+          "| update / fused step |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, tensors, med in rows:
-        (wl, ol), (wf, of) = med["per-tensor"], med["fused"]
+        (wl, ol, _), (wf, of, af) = med["per-tensor"], med["fused"]
         print(f"| {name} | {tensors} | {ol:.2f} | {of:.2f} | {of / ol:.2f} | {wl:.1f} | "
-              f"{wf:.1f} | {wf / wl:.2f} |")
+              f"{wf:.1f} | {wf / wl:.2f} | {af:.2f} | {af / wf:.3f} |")
     return 0
 
 
