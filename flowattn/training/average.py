@@ -23,7 +23,7 @@ Examples:
     >>> with torch.no_grad():
     ...     _ = model.weight.add_(1.0)
     >>> average.update(step=1000)  # beta_t = 0.9: the average moves a tenth of the way
-    >>> round(float((average.state()["weight"] - model.weight).abs().max()), 6)
+    >>> round(float((average.state()["weight"] - model.weight.detach()).abs().max()), 6)
     0.9
 """
 
@@ -65,8 +65,7 @@ class ParameterAverage:
     @torch.no_grad()
     def update(self, step: int) -> None:
         """Fold the parameters after optimiser step ``step`` (1, 2, ...) into the average."""
-        weight = 1.0 - average_decay(self.decay, step)
-        torch._foreach_lerp_(self.averages, [p.detach() for p in self.params], weight)
+        torch._foreach_lerp_(self.averages, self.params, 1.0 - average_decay(self.decay, step))
 
     def state(self) -> dict[str, Tensor]:
         """``parameter name -> averaged value`` (a partial state dict of the model)."""
@@ -75,9 +74,6 @@ class ParameterAverage:
     @torch.no_grad()
     def load(self, state: dict[str, Tensor]) -> None:
         """Restore the average from :meth:`state` (or from a whole state dict holding it)."""
-        missing = [name for name in self.names if name not in state]
-        if missing:
-            raise KeyError(f"the stored average has no value for {missing[0]}")
         for name, average in zip(self.names, self.averages, strict=True):
             average.copy_(state[name])
 
