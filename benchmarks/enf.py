@@ -14,7 +14,9 @@ rule (``keep_best``) and prints one table:
 * ``matching``: the same CNF trained by flow matching (``objective: matching``: one field
   evaluation per configuration and step, no solve), Adam 1e-3 with a cosine decay to 1e-4;
   its NLLs are the ODE's, as the others'. ``--matching-steps`` gives it its own number of
-  steps (a budget of time rather than of epochs: a matching step costs a few milliseconds).
+  steps (a budget of time rather than of epochs: a matching step costs a few milliseconds);
+  ``--alignment euclidean`` pairs each configuration with a base draw permuted and turned
+  towards it (equivariant flow matching).
 
 Every run is an ordinary ``flowattn sets fit`` run folder under ``--out`` (checkpoints every
 ``--checkpoint-every`` steps): running the command again resumes unfinished runs exactly and
@@ -25,6 +27,7 @@ be continued alone with ``flowattn sets fit --out DIR --resume``.
     python benchmarks/enf.py --data dw4 --num-train 1000 --models resflow
     python benchmarks/enf.py --data dw4 --num-train 100 --quick      # a smoke run
     python benchmarks/enf.py --data dw4 --num-train 100000 --models matching  # E-NF budget
+    python benchmarks/enf.py --data dw4 --num-train 100000 --models matching --alignment euclidean
 """
 
 from __future__ import annotations
@@ -95,6 +98,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--matching-steps", type=int, default=None,
                         help="steps of the matching model (default: E-NF's budget, as the others)")
+    parser.add_argument("--alignment", choices=("none", "permutation", "euclidean"),
+                        default="none", help="the matching model's base draws moved towards "
+                        "their configurations (euclidean: permuted and turned)")
     parser.add_argument("--val-sets", type=int, default=1000, help="E-NF: 1000")
     parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--threads", type=int, default=1)
@@ -116,6 +122,9 @@ def main() -> None:
         if name == "matching" and args.matching_steps is not None and not args.quick:
             flags["steps"] = args.matching_steps
             out = out.with_name(f"{out.name}-s{args.matching_steps}")
+        if name == "matching" and args.alignment != "none":
+            flags["alignment"] = args.alignment
+            out = out.with_name(f"{out.name}-{args.alignment}")
         summary = run(name, flags, out)
         rows.append((name, out, summary))
     if "matching" in args.models and args.matching_steps is not None and not args.quick:

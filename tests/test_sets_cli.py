@@ -634,6 +634,36 @@ def test_flow_matching_trains_on_the_batchs_own_draws_and_reports_the_odes_nll()
     assert "nfe_forward" not in task.train_stats()  # no solve in a matching step
 
 
+def test_aligned_flow_matching_moves_the_batchs_draws_towards_their_particles(tmp_path, capsys):
+    from flowattn.flows.continuous.alignment import align
+    from flowattn.sets.train import SetsTask
+    from flowattn.training.distributed import Distributed
+
+    config = SetsRunConfig.build({"data": "dw4", "num_train": 32, "val_sets": 8, "flow": "cnf",
+                                  "objective": "matching", "alignment": "euclidean",
+                                  "field_hidden": 8, "batch_size": 6})
+    one = Distributed(rank=0, world=1, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    task = SetsTask(config, one, plots=False)
+    scale = task.flow.standardisation.log_scale  # one scale for both directions
+    assert torch.equal(scale, scale[:1].expand_as(scale))
+    x, mask, noise, times = batch = task.batch(torch.Generator().manual_seed(3), one)
+    objective, _, _ = task.loss(task.forward_module, batch)
+    u = x * scale.exp()  # the standardised sets, x / s
+    u = u - u.mean(dim=1, keepdim=True)
+    draws = noise - noise.mean(dim=1, keepdim=True)
+    expected = task.flow.transform.matching_loss(u, noise=align(draws, u, rotations=True),
+                                                 times=times).mean() / 6
+    torch.testing.assert_close(objective, expected)
+    with pytest.raises(ConfigError, match="alignment='permutation' is a setting of flow"):
+        SetsRunConfig.build({"flow": "cnf", "alignment": "permutation"})
+    out = tmp_path / "run"  # rotations of sets whose law is not invariant under them: refused
+    assert run_cli("fit", *TINY, "--flow", "cnf", "--objective", "matching", "--no-location",
+                   "--alignment", "euclidean", "--steps", "1", "--out", str(out)) != 0
+    assert "alignment=euclidean turns base draws" in capsys.readouterr().err
+    assert not (out / "checkpoint.pt").exists()
+
+
 def test_the_initialising_pass_keeps_no_graph(monkeypatch):
     # a continuous flow's solve with its graph (LJ13, exact trace, batch 100) held 20 GB
     from flowattn.sets.train import SetsTask

@@ -76,12 +76,15 @@ class SetFlow(nn.Module):
         self.zero_com = bool(zero_com)
         self.standardisation = _fixed_actnorm(dim, self.zero_com)
 
-    def standardise(self, x: Tensor, mask: Tensor | None = None) -> None:
+    def standardise(self, x: Tensor, mask: Tensor | None = None, isotropic: bool = False) -> None:
         """Set the standardisation from the present elements of training sets ``x`` (M, N, D).
 
         m is their mean and s their standard deviation per feature (float64,
         :func:`~flowattn.flows.layers.feature_moments`: a constant feature keeps s = 1); in
-        zero-centre-of-mass mode m = 0 and s is the root mean square of the centred sets.
+        zero-centre-of-mass mode m = 0 and s is the root mean square of the centred sets. With
+        ``isotropic`` one s for every feature, the root mean square of the per-feature ones, so
+        that the standardisation commutes with rotations (what ``alignment="euclidean"`` of
+        :meth:`matching_loss` needs).
 
         Examples:
             >>> flow = set_flow(2, blocks=1, heads=1, logdet=LogDetOptions("exact")).double()
@@ -95,6 +98,9 @@ class SetFlow(nn.Module):
         """
         x, mask = self._prepare(x, mask)
         self.standardisation.initialise(x, mask)
+        if isotropic:
+            scale = self.standardisation.log_scale
+            scale.fill_(-0.5 * torch.log(torch.exp(-2 * scale.double()).mean()).item())
 
     def initialise_location(self, x: Tensor, mask: Tensor | None = None) -> None:
         """Initialise a leading :class:`SetLocation`'s ActNorm from the training sets ``x``.
@@ -181,11 +187,11 @@ class SetFlow(nn.Module):
         return standard_normal_log_prob(z, mask, self.zero_com) + logdet
 
     def matching_loss(self, x: Tensor, mask: Tensor | None = None, noise: Tensor | None = None,
-                      times: Tensor | None = None,
-                      generator: torch.Generator | None = None) -> Tensor:
+                      times: Tensor | None = None, generator: torch.Generator | None = None,
+                      alignment: str = "none") -> Tensor:
         r"""The flow-matching loss of each set, shape (B,), for a flow that is one continuous
         flow (:meth:`CNF.matching_loss <flowattn.flows.CNF.matching_loss>` on the
-        standardised sets u = (x - m) / s; ``noise`` and ``times`` as there).
+        standardised sets u = (x - m) / s; ``noise``, ``times`` and ``alignment`` as there).
 
         A fixed standardisation changes the likelihood by a constant log-determinant, so
         matching in u trains the same density of x. Flows with other layers (a leading
@@ -201,10 +207,18 @@ class SetFlow(nn.Module):
         if matching is None:
             raise InputError("flow matching trains a flow that is one continuous flow (a CNF); "
                              f"this flow's transform is a {type(self.transform).__name__}")
+        if alignment == "euclidean" and not inputs_trusted():
+            scale = self.standardisation.log_scale
+            if not bool((scale == scale[0]).all()):
+                raise InputError("alignment='euclidean' turns base draws by orthogonal maps, "
+                                 "which keeps the standardised data's law only if every "
+                                 "direction is scaled alike: standardise with "
+                                 "isotropic=True")
         x, mask = self._prepare(x, mask)
         with trusted_inputs():
             u, _ = self.standardisation(x, context=mask)
-            return matching(u, mask, noise=noise, times=times, generator=generator)
+            return matching(u, mask, noise=noise, times=times, generator=generator,
+                            alignment=alignment)
 
     def compiled_log_prob(self, **options: Any) -> Callable[..., Tensor]:
         """:meth:`log_prob` with each layer of the flow compiled on its own

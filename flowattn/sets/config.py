@@ -170,6 +170,11 @@ class SetsFlow(Section):
         "ODE solves; matching: conditional flow matching, one field evaluation per set and no "
         "solve, for a continuous flow alone, location false on non-particle data); the "
         "reported validation and test NLLs are the ODE's either way")
+    alignment: Literal["none", "permutation", "euclidean"] = Field(
+        "none", description="matching: each base draw moved towards the set it is paired "
+        "with before the path is drawn (permutation: its elements reordered; euclidean: "
+        "also turned by an orthogonal map, for particle systems; the draws stay standard "
+        "normal when the data's law is invariant under these maps)")
     kinetic_weight: float = Field(0.0, ge=0, description="cnf: weight of RNODE's kinetic "
                                   "energy int ||f||^2 dt in the training loss (per dimension, "
                                   "as the NLL; 0: not integrated)")
@@ -224,6 +229,9 @@ class SetsFlow(Section):
             if self.kinetic_weight > 0 or self.jacobian_weight > 0:
                 raise ValueError("kinetic_weight and jacobian_weight penalise the solves of "
                                  "likelihood training; objective=matching solves nothing")
+        elif self.alignment != "none":
+            raise ValueError(f"alignment={self.alignment!r} is a setting of flow matching: use "
+                             "it with objective=matching")
         if self.flow != "cnf" and self.field != "auto":
             raise ValueError(f"field={self.field!r} is a setting of continuous flows: use it "
                              "with flow=cnf")

@@ -58,12 +58,14 @@ class _Matching(nn.Module):
     """The flow-matching loss of each set as a module's forward (what DistributedDataParallel
     wraps for ``objective: matching``), from the batch's own base draws and times."""
 
-    def __init__(self, flow: SetFlow):
+    def __init__(self, flow: SetFlow, alignment: str = "none"):
         super().__init__()
         self.flow = flow
+        self.alignment = alignment
 
     def forward(self, x: Tensor, mask: Tensor | None, noise: Tensor, times: Tensor) -> Tensor:
-        return self.flow.matching_loss(x, mask, noise=noise, times=times)
+        return self.flow.matching_loss(x, mask, noise=noise, times=times,
+                                       alignment=self.alignment)
 
 
 def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]:
@@ -228,7 +230,9 @@ class SetsTask:
                           self.train_data.zero_com)
         # The data's offset and scale, from the training split (saved with the flow's state):
         # the layers see standardised sets, the likelihood stays that of the raw data.
-        flow.standardise(self.train_data.x, self.train_data.mask)
+        # (one scale for every direction where base draws are turned towards the data)
+        flow.standardise(self.train_data.x, self.train_data.mask,
+                         isotropic=config.flow.alignment == "euclidean")
         self.flow = flow.to(dist.device)
         self.model = self.flow
         # the ODE solvers of a continuous flow, whose evaluation counts the metrics report
@@ -239,12 +243,17 @@ class SetsTask:
         if self.matching and not hasattr(self.flow.transform, "matching_loss"):
             raise ConfigError("objective=matching trains a continuous flow alone: these data "
                               "get a centroid flow before it; give location false")
+        if config.flow.alignment == "euclidean" and not self.train_data.zero_com:
+            raise ConfigError("alignment=euclidean turns base draws by rotations and "
+                              "reflections about the centre of mass: it is for particle "
+                              "systems (zero-centre-of-mass data), whose law is invariant "
+                              "under them; use alignment=permutation for other sets")
         if self.matching and config.train.compile:
             raise ConfigError("compile is a setting of likelihood training: a flow-matching "
                               "step is one field evaluation (give compile false)")
         # what DistributedDataParallel wraps; with compile, the training step's log-density is
         # compiled (evaluation and sampling stay eager)
-        self.forward_module = _Matching(self.flow) if self.matching else \
+        self.forward_module = _Matching(self.flow, config.flow.alignment) if self.matching else \
             _LogProb(self.flow, compile=config.train.compile)
         self._energy_stats: dict[str, Tensor] = {}
 
