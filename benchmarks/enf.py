@@ -27,7 +27,8 @@ be continued alone with ``flowattn sets fit --out DIR --resume``.
     python benchmarks/enf.py --data dw4 --num-train 1000 --models resflow
     python benchmarks/enf.py --data dw4 --num-train 100 --quick      # a smoke run
     python benchmarks/enf.py --data dw4 --num-train 100000 --models matching  # E-NF budget
-    python benchmarks/enf.py --data dw4 --num-train 100000 --models matching --alignment euclidean
+    python benchmarks/enf.py --data dw4 --num-train 100000 --models matching \
+        --alignment euclidean --matching-lr 0.002   # aligned draws, a higher rate
 """
 
 from __future__ import annotations
@@ -98,6 +99,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=list(MODELS))
     parser.add_argument("--matching-steps", type=int, default=None,
                         help="steps of the matching model (default: E-NF's budget, as the others)")
+    parser.add_argument("--matching-lr", type=float, default=None,
+                        help="the matching model's learning rate, decayed to a tenth (default: "
+                        "1e-3)")
     parser.add_argument("--alignment", choices=("none", "permutation", "euclidean"),
                         default="none", help="the matching model's base draws moved towards "
                         "their configurations (euclidean: permuted and turned)")
@@ -122,11 +126,16 @@ def main() -> None:
         if name == "matching" and args.matching_steps is not None and not args.quick:
             flags["steps"] = args.matching_steps
             out = out.with_name(f"{out.name}-s{args.matching_steps}")
+        if name == "matching" and args.matching_lr is not None:
+            flags.update(lr=args.matching_lr, min_lr=args.matching_lr / 10)
+            out = out.with_name(f"{out.name}-lr{args.matching_lr:g}")
         if name == "matching" and args.alignment != "none":
             flags["alignment"] = args.alignment
             out = out.with_name(f"{out.name}-{args.alignment}")
-        summary = run(name, flags, out)
-        rows.append((name, out, summary))
+        label = name if out.name.endswith(name) else \
+            f"{name} ({out.name.split(name + '-', 1)[1]})"  # e.g. matching (lr0.002-euclidean)
+        summary = run(label, flags, out)
+        rows.append((label, out, summary))
     if "matching" in args.models and args.matching_steps is not None and not args.quick:
         print(f"\nmatching: {args.matching_steps} steps", end="")
     print(f"\n{args.data}, {args.num_train} training configurations: {steps['steps']} steps of "
