@@ -31,6 +31,7 @@ class Progress:
         enabled: False shows nothing (:meth:`write` still prints).
         file: the stream (default: standard error); a terminal or a notebook gets a tqdm bar.
         interval: seconds between two lines when the stream is not a terminal.
+        unit: what is counted (``"step"``; an evaluation counts ``"set"``s).
 
     Examples:
         >>> import io
@@ -44,14 +45,15 @@ class Progress:
     """
 
     def __init__(self, total: int, initial: int = 0, desc: str = "", enabled: bool = True,
-                 file: TextIO | None = None, interval: float = 60.0) -> None:
+                 file: TextIO | None = None, interval: float = 60.0, unit: str = "step") -> None:
         self.file = sys.stderr if file is None else file
+        self.unit = unit
         self.total, self.step, self.desc, self.enabled = total, initial, desc, enabled
         self.interval, self.postfix = interval, {}
         self.bar = None
         if enabled and _interactive(self.file):
             self.bar = tqdm(total=total, initial=initial, dynamic_ncols=True, desc=desc,
-                            file=self.file)
+                            file=self.file, unit=unit)
         self.start_step, self.start = initial, time.monotonic()
         self.last, self.reported = self.start, initial
 
@@ -85,12 +87,13 @@ class Progress:
         now = time.monotonic()
         self.last, self.reported = now, self.step
         done = self.step - self.start_step
-        parts = [f"step {self.step}/{self.total} ({100 * self.step // max(self.total, 1)}%)"]
+        parts = [f"{self.unit} {self.step}/{self.total} "
+                 f"({100 * self.step // max(self.total, 1)}%)"]
         parts += [f"{name} {value}" for name, value in self.postfix.items()]
         if done > 0:
             per_step = (now - self.start) / done
             left = datetime.timedelta(seconds=round(per_step * (self.total - self.step)))
-            parts += [f"{per_step:.3g} s/step", f"{left} left"]
+            parts += [f"{per_step:.3g} s/{self.unit}", f"{left} left"]
         print(f"{self.desc}: " + ", ".join(parts), file=self.file, flush=True)
 
 

@@ -90,6 +90,32 @@ def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(tmp
     assert results[1]["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
 
 
+def test_eval_reports_the_sets_scored_and_takes_a_thread_count(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
+            "--config", str(tiny_config(tmp_path)))
+    capsys.readouterr()
+    threads = torch.get_num_threads()
+    try:
+        assert run_cli("eval", "--checkpoint", str(out), "--data", "gaussian-sets",
+                       "--batch-size", "64", "--threads", "1") == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    captured = capsys.readouterr()
+    # a log (captured stderr is not a terminal): one line at the end, counting sets
+    lines = [line for line in captured.err.splitlines() if line.startswith("evaluating")]
+    assert len(lines) == 1 and "set 2000/2000 (100%)" in lines[0] and "s/set," in lines[0]
+    assert "NLL:" in captured.out
+    assert run_cli("eval", "--checkpoint", str(out), "--data", "gaussian-sets",
+                   "--no-progress") == 0
+    assert "evaluating" not in capsys.readouterr().err
+    for command in (["eval", "--data", "gaussian-sets"], ["sample", "--num", "2", "--out",
+                                                          str(tmp_path / "s.npz")]):
+        assert main(["sets", *command, "--checkpoint", str(out), "--threads", "0"]) != 0
+        assert "--threads must be >= 1, got 0" in capsys.readouterr().err
+
+
 def _fit_command(out: Path, config: Path, steps: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "flowattn", "sets", "fit", *TINY, "--steps", str(steps),
             "--out", str(out), "--config", str(config), *extra]

@@ -80,12 +80,23 @@ def _load(args: argparse.Namespace):
     return (*load_flow(args.checkpoint, device), device)
 
 
+def _threads(args: argparse.Namespace) -> None:
+    """Apply ``--threads`` (torch's intra-op threads) if given."""
+    import torch
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InputError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+
+
 def _eval(args: argparse.Namespace) -> int:
     from ..data import load_dataset, load_npz
     from .train import evaluate
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    _threads(args)
     flow, record, device = _load(args)
     if args.data.endswith(".npz") or Path(args.data).exists():
         data = load_npz(args.data)
@@ -101,7 +112,8 @@ def _eval(args: argparse.Namespace) -> int:
     if data.zero_com and data.set_size < 2:
         raise DataError(f"{args.data}: sets of one element have no degrees of freedom in the "
                         "zero-centre-of-mass space the model was fitted in")
-    result = evaluate(flow, data, batch_size=args.batch_size, device=device)
+    result = evaluate(flow, data, batch_size=args.batch_size, device=device,
+                      progress=not args.no_progress)
     result["convention"] = "E-NF (zero centre of mass)" if spec["zero_com"] else "full space"
     print(f"NLL: {result['nll']:.4f} nats/set, {result['nll_per_dim']:.4f} nats/dim "
           f"over {result['num_sets']} sets ({result['convention']}; "
@@ -130,6 +142,7 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--out must name a .npz file, got {out}")
     if not out.parent.is_dir():
         raise InputError(f"cannot write {out}: folder {out.parent} does not exist")
+    _threads(args)
     flow, record, device = _load(args)
     if args.energy:
         return _sample_weighted(args, flow, record, device, out)
@@ -244,6 +257,9 @@ def add_sets_subparsers(subparsers) -> None:
                     "%(default)s)")
     ev.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
                     "%(default)s)")
+    ev.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    ev.add_argument("--no-progress", action="store_true", help="no report of the sets scored "
+                    "(a bar on a terminal, a line a minute in a log)")
     ev.add_argument("--json", action="store_true", help="end with a JSON line of the results")
     ev.set_defaults(handler=_eval)
 
@@ -262,6 +278,8 @@ def add_sets_subparsers(subparsers) -> None:
                         "report the ESS and reweighted estimates")
     sample.add_argument("--json", action="store_true", help="with --energy: end with a JSON "
                         "line of the estimates")
+    sample.add_argument("--threads", type=int, help="torch intra-op threads (default: "
+                        "torch's)")
     sample.set_defaults(handler=_sample)
 
     floor = commands.add_parser(

@@ -23,6 +23,7 @@ from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
 from ..flows.residual import InvertibleResidual
+from ..progress import Progress
 from ..training.checkpoint import read_model
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
@@ -74,10 +75,13 @@ def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]
 
 
 def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | None = None,
-             device=None) -> dict:
+             device=None, progress: bool = False) -> dict:
     """Deterministic NLL of ``data`` under ``flow`` (evaluation mode: exact log-det if feasible).
 
-    Sets are scored ``batch_size`` at a time, fewer for large sets (:func:`eval_batch_size`).
+    Sets are scored ``batch_size`` at a time, fewer for large sets (:func:`eval_batch_size`);
+    ``progress`` reports the sets scored so far (:class:`~flowattn.progress.Progress`: a bar
+    on a terminal, a line a minute in a log), for long evaluations such as a continuous flow's
+    exact trace.
 
     Returns NLL in nats per set (``nll``), per degree of freedom (``nll_per_dim``; (n - 1) D per
     set in zero-centre-of-mass mode, the E-NF convention), their standard errors from the
@@ -117,6 +121,7 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     # variances: read back once for the whole split
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     estimated = False
+    bar = Progress(count, desc=f"evaluating {data.name}", enabled=progress, unit="set")
     with frozen_certificates():  # fixed weights: each attention bound once per set size
         for start in range(0, count, batch_size):
             index = torch.arange(start, min(start + batch_size, count))
@@ -131,6 +136,8 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
                 if block.logdet_variance is not None:
                     estimated = True
                     sums[5] += block.logdet_variance.double().sum()
+            bar.update(len(index))
+    bar.close()
     flow.train(was_training)
     nll, dims, *moments, variance = sums.tolist()
     if not math.isfinite(nll):
@@ -208,6 +215,7 @@ class SetsTask:
     def __init__(self, config: SetsRunConfig, dist: Distributed, progress: bool = False,
                  plots: bool = True):
         self.config, self.dist, self.plots = config, dist, plots
+        self.progress = progress and dist.is_main  # of the final test pass (and data loading)
         data = config.data
         # training by energy: E of the built-in particle system, and the base draws per step
         self.energy = PARTICLE_SYSTEMS[data.data].energy if config.flow.energy_weight > 0 \
@@ -349,7 +357,7 @@ class SetsTask:
     def finish(self, out: Path) -> dict[str, Any]:
         test = self.test_data
         split = test.name.rsplit("/", 1)[-1] if "/" in test.name else "val"
-        result = evaluate(self.flow, test)
+        result = evaluate(self.flow, test, progress=self.progress)
         report = {"test": result, "test_split": split, "test_nll": result["nll"],
                   "test_nll_per_dim": result["nll_per_dim"], "test_sets": result["num_sets"],
                   "test_nll_se": result["nll_se"], "test_nll_per_dim_se": result["nll_per_dim_se"],
