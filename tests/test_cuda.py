@@ -1058,6 +1058,28 @@ def test_cnf_fixed_step_solve_and_gradients_match_cpu(field: str, divergence: st
                        f"CNF({field}, {divergence})")
 
 
+@pytest.mark.parametrize("n", [4, 9])  # every order tried; greedy and exchanges
+def test_aligned_draws_and_the_aligned_matching_loss_match_cpu(n: int):
+    from flowattn.flows.continuous.alignment import align
+
+    mask = torch.ones(FB, n, dtype=torch.bool)
+    mask[0, -2:] = False
+    x = subtract_mean(randn(FB, n, FD, seed=21), mask)
+    z = subtract_mean(randn(FB, n, FD, seed=22), mask)
+    t = torch.rand(FB, generator=cpu_generator(23), dtype=torch.float64)
+    expected = align(z, x, mask, rotations=True)
+    actual = align(*to_device((z, x, mask)), rotations=True)
+    assert_matches_cpu(actual, expected, "align", rtol=1e-7, atol=1e-9)
+    cpu, dev = both(make_cnf("egnn"))
+
+    def results(cnf: CNF, x: Tensor, mask: Tensor, z: Tensor, t: Tensor) -> Results:
+        loss = cnf.matching_loss(x, mask, noise=z, times=t, alignment="euclidean")
+        return {"loss": loss.detach(), **gradients(loss.sum(), trainable(cnf))}
+
+    assert_matches_cpu(results(dev, *to_device((x, mask, z, t))), results(cpu, x, mask, z, t),
+                       "aligned matching", rtol=1e-7, atol=1e-9)
+
+
 @pytest.mark.parametrize("field", ["attention", "egnn"])
 def test_cnf_adjoint_gradients_match_cpu(field: str):
     cpu, dev = both(make_cnf(field, adjoint=True))
