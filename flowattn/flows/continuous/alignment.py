@@ -123,7 +123,7 @@ def align(
         data: the sets x they are paired with, (B, N, D).
         mask: (B, N) padding mask shared by both, True = present.
         rotations: also align by orthogonal maps (particle systems).
-        iterations: rounds of permutation and orthogonal map.
+        iterations: rounds of permutation and orthogonal map (one without ``rotations``).
 
     Examples:
         >>> x = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]])
@@ -145,7 +145,7 @@ def align(
             padded = ~mask.unsqueeze(2) & ~mask.unsqueeze(1)
             x = torch.where(mask.unsqueeze(-1), x, 0.0)
             z = torch.where(mask.unsqueeze(-1), z, 0.0)
-        for _ in range(iterations):
+        for _ in range(iterations if rotations else 1):  # nothing moves between two orders
             cost = torch.cdist(x, z).square()
             if mask is not None:
                 apart = 1.0 + 4.0 * cost.amax(dim=(1, 2), keepdim=True)
