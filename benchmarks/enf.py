@@ -122,18 +122,18 @@ def main() -> None:
     rows = []
     for name in args.models:
         flags = {**common, **MODELS[name]}
-        out = args.out / f"{args.data}-{args.num_train}-{name}"
+        variant = []  # the matching model's own settings, in its folder name and its label
         if name == "matching" and args.matching_steps is not None and not args.quick:
             flags["steps"] = args.matching_steps
-            out = out.with_name(f"{out.name}-s{args.matching_steps}")
+            variant.append(f"s{args.matching_steps}")
         if name == "matching" and args.matching_lr is not None:
             flags.update(lr=args.matching_lr, min_lr=args.matching_lr / 10)
-            out = out.with_name(f"{out.name}-lr{args.matching_lr:g}")
+            variant.append(f"lr{args.matching_lr:g}")
         if name == "matching" and args.alignment != "none":
             flags["alignment"] = args.alignment
-            out = out.with_name(f"{out.name}-{args.alignment}")
-        label = name if out.name.endswith(name) else \
-            f"{name} ({out.name.split(name + '-', 1)[1]})"  # e.g. matching (lr0.002-euclidean)
+            variant.append(args.alignment)
+        out = args.out / "-".join([f"{args.data}-{args.num_train}-{name}", *variant])
+        label = f"{name} ({'-'.join(variant)})" if variant else name
         summary = run(label, flags, out)
         rows.append((label, out, summary))
     if "matching" in args.models and args.matching_steps is not None and not args.quick:

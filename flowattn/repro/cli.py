@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..errors import InputError
 from . import REPRODUCTIONS, run_reproduction
 
 __all__ = ["add_repro_subparsers", "describe"]
@@ -52,12 +51,9 @@ def add_repro_subparsers(subparsers) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    import torch
+    from ..training.device import set_threads
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InputError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
+    set_threads(args.threads)
     names = list(REPRODUCTIONS) if args.repro_command == "all" else [args.repro_command]
     for name in names:
         result = run_reproduction(name, grid=args.grid, out=args.out, seed=args.seed)

@@ -80,23 +80,14 @@ def _load(args: argparse.Namespace):
     return (*load_flow(args.checkpoint, device), device)
 
 
-def _threads(args: argparse.Namespace) -> None:
-    """Apply ``--threads`` (torch's intra-op threads) if given."""
-    import torch
-
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InputError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-
-
 def _eval(args: argparse.Namespace) -> int:
     from ..data import load_dataset, load_npz
+    from ..training.device import set_threads
     from .train import evaluate
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    _threads(args)
+    set_threads(args.threads)
     flow, record, device = _load(args)
     if args.data.endswith(".npz") or Path(args.data).exists():
         data = load_npz(args.data)
@@ -129,6 +120,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     from ..data import save_npz
     from ..errors import NonFiniteError
+    from ..training.device import set_threads
 
     if args.num < 1:
         raise InputError(f"--num must be positive, got {args.num}")
@@ -142,7 +134,7 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--out must name a .npz file, got {out}")
     if not out.parent.is_dir():
         raise InputError(f"cannot write {out}: folder {out.parent} does not exist")
-    _threads(args)
+    set_threads(args.threads)
     flow, record, device = _load(args)
     if args.energy:
         return _sample_weighted(args, flow, record, device, out)

@@ -9,12 +9,25 @@ import shutil
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 
-__all__ = ["resolve_device", "cpp_compiler", "check_compilable", "NO_COMPILER"]
+__all__ = ["resolve_device", "set_threads", "cpp_compiler", "check_compilable", "NO_COMPILER"]
 
 NO_COMPILER = ("torch.compile on CPU (inductor) builds C++ kernels: no C++ compiler (g++, "
                "clang++ or $CXX) was found")
+
+
+def set_threads(count: int | None) -> None:
+    """Use ``count`` intra-op threads in torch (a ``--threads`` flag); None keeps torch's.
+
+    Examples:
+        >>> set_threads(None)  # nothing changes
+    """
+    if count is None:
+        return
+    if count < 1:
+        raise InputError(f"--threads must be >= 1, got {count}")
+    torch.set_num_threads(count)
 
 
 def resolve_device(name: str, local_rank: int = 0) -> torch.device:

@@ -34,12 +34,14 @@ of mass at the origin, in coordinates scaled alike in every direction).
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import torch
 from torch import Tensor
 
 from ...errors import InputError
+from ..geometry import project
 
 __all__ = ["ALIGNMENTS", "align", "assignment"]
 
@@ -76,7 +78,7 @@ def assignment(cost: Tensor, sweeps: int | None = None) -> Tensor:
         raise InputError(f"cost must have shape (B, N, N), got {tuple(cost.shape)}")
     size, n = cost.shape[0], cost.shape[1]
     if n <= EXACT_UP_TO:
-        perms = torch.tensor(list(itertools.permutations(range(n))), device=cost.device)
+        perms = _permutations(n).to(cost.device)
         totals = cost[:, torch.arange(n, device=cost.device), perms].sum(dim=-1)  # (B, n!)
         return perms[totals.argmin(dim=1)]
     sweeps = 2 * n if sweeps is None else sweeps
@@ -101,6 +103,12 @@ def assignment(cost: Tensor, sweeps: int | None = None) -> Tensor:
         perm[rows, i] = torch.where(swap, at_j, at_i)
         perm[rows, j] = torch.where(swap, at_i, at_j)
     return perm
+
+
+@functools.cache
+def _permutations(n: int) -> Tensor:
+    """Every order of n elements, (n!, n), built once per n."""
+    return torch.tensor(list(itertools.permutations(range(n))))
 
 
 def align(
@@ -140,11 +148,10 @@ def align(
     with torch.no_grad():
         z, x = noise.detach(), data.detach()
         size, n, _ = z.shape
+        x, z = project(x, mask), project(z, mask)  # padded elements: zero
         if mask is not None:  # padded elements pair with padded ones only, and cost nothing
             present = mask.unsqueeze(2) & mask.unsqueeze(1)
             padded = ~mask.unsqueeze(2) & ~mask.unsqueeze(1)
-            x = torch.where(mask.unsqueeze(-1), x, 0.0)
-            z = torch.where(mask.unsqueeze(-1), z, 0.0)
         for _ in range(iterations if rotations else 1):  # nothing moves between two orders
             cost = torch.cdist(x, z).square()
             if mask is not None:
