@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from scipy.optimize import linear_sum_assignment  # the exact optimum (scipy is in [test])
 
 from flowattn.errors import InputError
 from flowattn.flows import CNF, EGNNField, SetFlow
@@ -50,8 +51,7 @@ def test_larger_assignments_are_permutations_no_exchange_improves(n):
         swapped[:, [i, j]] = perm[:, [j, i]]
         assert bool((total(cost, swapped) >= now - 1e-9).all())
     # and close to the optimum of the linear assignment problem (measured: 0.7-4.6 % above)
-    optimize = pytest.importorskip("scipy.optimize")
-    best = torch.tensor([float(c[optimize.linear_sum_assignment(c.numpy())].sum())
+    best = torch.tensor([float(c[linear_sum_assignment(c.numpy())].sum())
                          for c in cost], dtype=torch.float64)
     assert bool((now >= best - 1e-9).all())
     assert float((now / best - 1).mean()) < 0.06
