@@ -92,6 +92,15 @@ def nfe(out: Path) -> str:
     return f"{sum(r['nfe_forward'] for r in tail) / len(tail):.0f}"
 
 
+def record(path: Path, summaries: dict) -> None:
+    """Write ``summaries`` (model label -> run summary) into the split's JSON file, keeping the
+    entries of models run by earlier invocations: a run of one model does not drop the rest."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    kept.update(summaries)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(kept, indent=2, default=str) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--data", choices=sorted(BUDGETS), default="dw4")
@@ -152,8 +161,7 @@ def main() -> None:
         print(f"| {name} | {val:.3f} ({step}) | **{s['test_nll']:.3f}**{error} | "
               f"{s['test_sets']} | "
               f"{s['train_seconds'] / 60:.0f} min | {nfe(out)} | {s['params']:,} |")
-    (args.out / f"{args.data}-{args.num_train}.json").write_text(
-        json.dumps({name: s for name, _, s in rows}, indent=2, default=str) + "\n")
+    record(args.out / f"{args.data}-{args.num_train}.json", {name: s for name, _, s in rows})
 
 
 if __name__ == "__main__":

@@ -93,6 +93,16 @@ def test_enf_reports_solver_evaluations_of_training_or_of_the_last_validation(tm
     assert enf.nfe(matching) == "98 (validation)"  # trained without solves
 
 
+def test_enf_summary_file_keeps_the_models_of_earlier_invocations(tmp_path):
+    enf = _script("enf")
+    path = tmp_path / "dw4-1000.json"
+    enf.record(path, {"resflow": {"test_nll": 7.9}, "cnf": {"test_nll": 7.7}})
+    enf.record(path, {"matching (euclidean)": {"test_nll": 7.6}, "cnf": {"test_nll": 7.65}})
+    assert json.loads(path.read_text()) == {
+        "resflow": {"test_nll": 7.9}, "cnf": {"test_nll": 7.65},
+        "matching (euclidean)": {"test_nll": 7.6}}
+
+
 @pytest.fixture
 def lm(monkeypatch):
     """benchmarks/lm.py as a module (it imports its neighbour machine.py)."""
