@@ -135,8 +135,12 @@ def test_sample_energy_writes_weights_beside_the_samples_and_reports_the_ess(
     capsys.readouterr()
     out = tmp_path / "samples.npz"
     assert main(["sets", "sample", "--checkpoint", str(run), "--num", "50", "--energy",
-                 "--out", str(out), "--json"]) == 0
-    printed = capsys.readouterr().out
+                 "--batch-size", "16", "--out", str(out), "--json"]) == 0
+    captured = capsys.readouterr()
+    printed = captured.out
+    # drawn and scored 16 at a time (four batches), reported as it goes (a log: one last line)
+    progress = [line for line in captured.err.splitlines() if line.startswith("sampling")]
+    assert len(progress) == 1 and "configuration 50/50 (100%)" in progress[0]
     assert "Kish ESS" in printed and "reweighted" in printed and "closer than 0.85" in printed
     result = json.loads(printed.strip().splitlines()[-1])
     assert f"at least {result['close_pairs_kl']:.3f} nats above the entropy floor" in printed

@@ -74,6 +74,30 @@ def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys):
         assert archive["x"].shape == (7, 5, 2) and np.isfinite(archive["x"]).all()
 
 
+def test_sample_draws_in_batches_and_reports_its_progress(tmp_path, capsys):
+    out = tmp_path / "run"
+    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
+            "--config", str(tiny_config(tmp_path)))
+    capsys.readouterr()
+    samples = tmp_path / "samples.npz"
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "7", "--batch-size", "3",
+                   "--out", str(samples)) == 0
+    # a log (captured stderr is not a terminal): one line at the end, counting sets
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("sampling")]
+    assert len(lines) == 1 and "set 7/7 (100%)" in lines[0]
+    with np.load(samples) as archive:
+        x = archive["x"]
+    # three batches (3 + 3 + 1), each drawn on from the one generator: no batch repeats another
+    assert x.shape == (7, 8, 2) and np.isfinite(x).all()
+    assert not np.allclose(x[:3], x[3:6]) and not np.allclose(x[0], x[6])
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "2", "--no-progress",
+                   "--out", str(samples)) == 0
+    assert "sampling" not in capsys.readouterr().err
+    assert main(["sets", "sample", "--checkpoint", str(out), "--num", "2", "--batch-size", "0",
+                 "--out", str(samples)]) == 2
+    assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(tmp_path, capsys):
     out = tmp_path / "run"
     run_cli("fit", *TINY, "--steps", "4", "--out", str(out),

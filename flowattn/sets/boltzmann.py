@@ -31,6 +31,7 @@ from ..data.particles import pairwise_distances
 from ..errors import InputError, NonFiniteError
 from ..flows.builders import SetFlow
 from ..importance import event_kl, kish_ess, log_mean_weight, self_normalised_mean
+from ..progress import Progress
 
 __all__ = ["BoltzmannSample", "boltzmann_sample", "boltzmann_summary", "regularised_energy",
            "HARD_CORE", "ENERGY_LIMIT"]
@@ -65,6 +66,7 @@ def boltzmann_sample(
     particles: int,
     generator: torch.Generator | None = None,
     batch_size: int = 1000,
+    progress: bool = False,
 ) -> BoltzmannSample:
     r"""Draw ``num`` configurations from ``flow`` and weight them against exp(-E).
 
@@ -81,6 +83,9 @@ def boltzmann_sample(
         particles: n, particles per configuration.
         generator: a seeded torch.Generator on the flow's device.
         batch_size: configurations per inversion.
+        progress: report the configurations drawn and scored so far, a batch at a time
+            (:class:`~flowattn.progress.Progress`: a bar on a terminal, a line a minute in a
+            log): a continuous flow's exact log-density takes seconds per configuration.
 
     Returns:
         A :class:`BoltzmannSample`.
@@ -110,14 +115,17 @@ def boltzmann_sample(
     was_training = flow.training
     flow.eval()
     parts: list[tuple[Tensor, Tensor]] = []
+    bar = Progress(num, desc="sampling", enabled=progress, unit="configuration")
     try:
         for start in range(0, num, batch_size):
             count = min(batch_size, num - start)
             with torch.no_grad():
                 x = flow.sample(count, particles, None, generator)
                 parts.append((x, flow.log_prob(x)))
+            bar.update(count)
     finally:
         flow.train(was_training)
+        bar.close()
     x = torch.cat([p[0] for p in parts])
     log_q = torch.cat([p[1] for p in parts])
     if not torch.isfinite(log_q).all():

@@ -120,12 +120,15 @@ def _sample(args: argparse.Namespace) -> int:
 
     from ..data import save_npz
     from ..errors import NonFiniteError
+    from ..progress import Progress
     from ..training.device import set_threads
 
     if args.num < 1:
         raise InputError(f"--num must be positive, got {args.num}")
     if args.set_size is not None and args.set_size < 1:
         raise InputError(f"--set-size must be positive, got {args.set_size}")
+    if args.batch_size < 1:
+        raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.energy and args.num < 2:
         raise InputError(f"--energy needs --num >= 2 (an error needs two weights), got "
                          f"{args.num}")
@@ -140,8 +143,15 @@ def _sample(args: argparse.Namespace) -> int:
         return _sample_weighted(args, flow, record, device, out)
     set_size = args.set_size or record["data"]["set_size"]
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    parts = []
+    bar = Progress(args.num, desc="sampling", enabled=not args.no_progress, unit="set")
     with torch.no_grad():
-        x = flow.sample(args.num, set_size, None, generator)
+        for start in range(0, args.num, args.batch_size):
+            count = min(args.batch_size, args.num - start)
+            parts.append(flow.sample(count, set_size, None, generator))
+            bar.update(count)
+    bar.close()
+    x = torch.cat(parts)
     if not torch.isfinite(x).all():
         raise NonFiniteError("sampling produced non-finite values")
     save_npz(out, x)
@@ -175,7 +185,8 @@ def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: 
                          f"{system.particles} particles")
     flow = flow.double()  # weights in float64: exp(-E) / q spans many nats
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    sample = boltzmann_sample(flow, system.energy, args.num, system.particles, generator)
+    sample = boltzmann_sample(flow, system.energy, args.num, system.particles, generator,
+                              batch_size=args.batch_size, progress=not args.no_progress)
     arrays = {name: getattr(sample, name).cpu().numpy()
               for name in ("x", "log_w", "energy", "log_q")}
     atomic_write(out, lambda handle: np.savez(handle, **arrays))
@@ -272,6 +283,10 @@ def add_sets_subparsers(subparsers) -> None:
                         "line of the estimates")
     sample.add_argument("--threads", type=int, help="torch intra-op threads (default: "
                         "torch's)")
+    sample.add_argument("--batch-size", type=int, default=1000, help="sets drawn (and, with "
+                        "--energy, scored) at a time (default: %(default)s)")
+    sample.add_argument("--no-progress", action="store_true", help="no report of the sets "
+                        "drawn (a bar on a terminal, a line a minute in a log)")
     sample.set_defaults(handler=_sample)
 
     floor = commands.add_parser(
