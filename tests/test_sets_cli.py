@@ -35,6 +35,15 @@ def run_cli(*args: str) -> int:
     return main(["sets", *args])
 
 
+@pytest.fixture
+def tiny_run(tmp_path: Path) -> Path:
+    """A run folder of four training steps of a one-block flow on gaussian-sets."""
+    out = tmp_path / "run"
+    assert run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
+                   "--config", str(tiny_config(tmp_path))) == 0
+    return out
+
+
 def final_parameters(run: Path) -> dict:
     return torch.load(run / "checkpoint.pt", weights_only=True)["model"]
 
@@ -55,10 +64,8 @@ def test_fit_writes_checkpoint_metrics_summary_and_plot(tmp_path, capsys):
     assert not list(out.glob(".*.tmp"))  # no temporary file left behind
 
 
-def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys):
-    out = tmp_path / "run"
-    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
-            "--config", str(tiny_config(tmp_path)))
+def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys, tiny_run):
+    out = tiny_run
     capsys.readouterr()
     data = tmp_path / "test.npz"
     save_npz(data, torch.randn(10, 8, 2))
@@ -74,10 +81,8 @@ def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys):
         assert archive["x"].shape == (7, 5, 2) and np.isfinite(archive["x"]).all()
 
 
-def test_sample_draws_in_batches_and_reports_its_progress(tmp_path, capsys):
-    out = tmp_path / "run"
-    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
-            "--config", str(tiny_config(tmp_path)))
+def test_sample_draws_in_batches_and_reports_its_progress(tmp_path, capsys, tiny_run):
+    out = tiny_run
     capsys.readouterr()
     samples = tmp_path / "samples.npz"
     assert run_cli("sample", "--checkpoint", str(out), "--num", "7", "--batch-size", "3",
@@ -98,10 +103,8 @@ def test_sample_draws_in_batches_and_reports_its_progress(tmp_path, capsys):
     assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
 
 
-def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(tmp_path, capsys):
-    out = tmp_path / "run"
-    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
-            "--config", str(tiny_config(tmp_path)))
+def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(capsys, tiny_run):
+    out = tiny_run
     summary = json.loads((out / "summary.json").read_text())
     capsys.readouterr()
     # the fitted data's test split, scored by the eval command in two batch sizes
@@ -114,10 +117,8 @@ def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(tmp
     assert results[1]["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
 
 
-def test_eval_reports_the_sets_scored_and_takes_a_thread_count(tmp_path, capsys):
-    out = tmp_path / "run"
-    run_cli("fit", *TINY, "--steps", "4", "--out", str(out),
-            "--config", str(tiny_config(tmp_path)))
+def test_eval_reports_the_sets_scored_and_takes_a_thread_count(tmp_path, capsys, tiny_run):
+    out = tiny_run
     capsys.readouterr()
     threads = torch.get_num_threads()
     try:
