@@ -29,6 +29,7 @@ be continued alone with ``flowattn sets fit --out DIR --resume``.
     python benchmarks/enf.py --data dw4 --num-train 100000 --models matching  # E-NF budget
     python benchmarks/enf.py --data dw4 --num-train 100000 --models matching \
         --alignment euclidean --matching-lr 0.002   # aligned draws, a higher rate
+    python benchmarks/enf.py --data lj13 --num-train 10000 --models cnf --device cuda
 """
 
 from __future__ import annotations
@@ -117,6 +118,9 @@ def main() -> None:
     parser.add_argument("--val-sets", type=int, default=1000, help="E-NF: 1000")
     parser.add_argument("--checkpoint-every", type=int, default=250)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where every model trains and is "
+                        "scored: cpu, cuda, cuda:N or auto (a run resumed from its folder keeps "
+                        "its own)")
     parser.add_argument("--out", type=Path, default=Path("runs/enf"))
     parser.add_argument("--quick", action="store_true",
                         help="a smoke run: 20 steps, validation every 10, 100 validation sets")
@@ -127,7 +131,7 @@ def main() -> None:
         args.val_sets = 100
     common = {"data": args.data, "num_train": args.num_train, "val_sets": args.val_sets,
               "keep_best": True, "checkpoint_every": args.checkpoint_every,
-              "threads": args.threads, **steps}
+              "threads": args.threads, "device": args.device, **steps}
     rows = []
     for name in args.models:
         flags = {**common, **MODELS[name]}

@@ -103,6 +103,24 @@ def test_enf_summary_file_keeps_the_models_of_earlier_invocations(tmp_path):
         "matching (euclidean)": {"test_nll": 7.6}}
 
 
+def test_enf_trains_every_model_on_the_device_it_is_given(tmp_path, monkeypatch):
+    enf = _script("enf")
+    seen = {}
+
+    def run(name, flags, out):
+        seen[name] = flags
+        return {"test_nll": 7.0, "test_sets": 10, "train_seconds": 60.0, "params": 1}
+
+    monkeypatch.setattr(enf, "run", run)
+    monkeypatch.setattr(enf, "best_validation", lambda out: (7.1, 20))
+    monkeypatch.setattr(enf, "nfe", lambda out: "—")
+    monkeypatch.setattr(sys, "argv", ["enf.py", "--data", "dw4", "--num-train", "100",
+                                      "--quick", "--device", "cuda:1", "--out", str(tmp_path)])
+    enf.main()
+    assert set(seen) == {"resflow", "cnf", "matching"}
+    assert all(flags["device"] == "cuda:1" for flags in seen.values())
+
+
 @pytest.fixture
 def lm(monkeypatch):
     """benchmarks/lm.py as a module (it imports its neighbour machine.py)."""
