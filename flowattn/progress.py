@@ -18,7 +18,7 @@ from typing import TextIO
 
 from tqdm.auto import tqdm
 
-__all__ = ["Progress", "progress_range"]
+__all__ = ["Progress", "progress_range", "progress_batches"]
 
 
 class Progress:
@@ -118,5 +118,25 @@ def progress_range(steps: int, desc: str, enabled: bool = True, first: int = 0
         for t in range(first, first + steps):
             yield t
             bar.update()
+    finally:
+        bar.close()
+
+
+def progress_batches(total: int, batch_size: int, desc: str, enabled: bool = True,
+                     unit: str = "step") -> Iterator[range]:
+    """The consecutive batches ``range(start, stop)`` of at most ``batch_size`` items that
+    cover ``range(total)``, with a :class:`Progress` report that counts the items of each batch
+    once it is done (for evaluations and samplers that work a batch at a time).
+
+    Examples:
+        >>> [len(b) for b in progress_batches(7, 3, "demo", enabled=False)]
+        [3, 3, 1]
+    """
+    bar = Progress(total, 0, desc, enabled=enabled, unit=unit)
+    try:
+        for start in range(0, total, batch_size):
+            batch = range(start, min(start + batch_size, total))
+            yield batch
+            bar.update(len(batch))
     finally:
         bar.close()

@@ -18,7 +18,7 @@ import torch
 from flowattn.cli import main
 from flowattn.data import save_npz
 from flowattn.errors import CheckpointError, ConfigError, DataError, FlowattnError, RunError
-from flowattn.progress import Progress
+from flowattn.progress import Progress, progress_batches
 from flowattn.sets.config import SetsRunConfig
 from flowattn.sets.train import fit
 from flowattn.training.checkpoint import read_checkpoint
@@ -265,6 +265,18 @@ def test_progress_on_a_terminal_is_a_bar_and_lines_every_interval_otherwise():
     lines = log.getvalue().splitlines()
     assert [line.split(",")[0] for line in lines] == [f"demo: step {k}/5 ({20 * k}%)"
                                                       for k in (2, 3, 4, 5)]
+
+
+def test_progress_batches_cover_the_items_once_and_count_each_batch_when_it_is_done(capsys):
+    batches = progress_batches(7, 3, "demo", unit="set")
+    done = []
+    for batch in batches:
+        assert "demo:" not in capsys.readouterr().err or done  # counted after, not before
+        done.append(batch)
+    assert [list(b) for b in done] == [[0, 1, 2], [3, 4, 5], [6]]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("demo:")]
+    assert len(lines) == 1 and lines[0].startswith("demo: set 7/7 (100%)")
+    assert list(progress_batches(0, 3, "empty", enabled=False)) == []
 
 
 # ----------------------------------------------------------------------------- evaluation

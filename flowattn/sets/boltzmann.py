@@ -31,7 +31,7 @@ from ..data.particles import pairwise_distances
 from ..errors import InputError, NonFiniteError
 from ..flows.builders import SetFlow
 from ..importance import event_kl, kish_ess, log_mean_weight, self_normalised_mean
-from ..progress import Progress
+from ..progress import progress_batches
 
 __all__ = ["BoltzmannSample", "boltzmann_sample", "boltzmann_summary", "regularised_energy",
            "HARD_CORE", "ENERGY_LIMIT"]
@@ -115,17 +115,13 @@ def boltzmann_sample(
     was_training = flow.training
     flow.eval()
     parts: list[tuple[Tensor, Tensor]] = []
-    bar = Progress(num, desc="sampling", enabled=progress, unit="configuration")
     try:
-        for start in range(0, num, batch_size):
-            count = min(batch_size, num - start)
+        for batch in progress_batches(num, batch_size, "sampling", progress, "configuration"):
             with torch.no_grad():
-                x = flow.sample(count, particles, None, generator)
+                x = flow.sample(len(batch), particles, None, generator)
                 parts.append((x, flow.log_prob(x)))
-            bar.update(count)
     finally:
         flow.train(was_training)
-        bar.close()
     x = torch.cat([p[0] for p in parts])
     log_q = torch.cat([p[1] for p in parts])
     if not torch.isfinite(log_q).all():

@@ -120,7 +120,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     from ..data import save_npz
     from ..errors import NonFiniteError
-    from ..progress import Progress
+    from ..progress import progress_batches
     from ..training.device import set_threads
 
     if args.num < 1:
@@ -143,15 +143,10 @@ def _sample(args: argparse.Namespace) -> int:
         return _sample_weighted(args, flow, record, device, out)
     set_size = args.set_size or record["data"]["set_size"]
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    parts = []
-    bar = Progress(args.num, desc="sampling", enabled=not args.no_progress, unit="set")
     with torch.no_grad():
-        for start in range(0, args.num, args.batch_size):
-            count = min(args.batch_size, args.num - start)
-            parts.append(flow.sample(count, set_size, None, generator))
-            bar.update(count)
-    bar.close()
-    x = torch.cat(parts)
+        x = torch.cat([flow.sample(len(batch), set_size, None, generator) for batch in
+                       progress_batches(args.num, args.batch_size, "sampling",
+                                        not args.no_progress, "set")])
     if not torch.isfinite(x).all():
         raise NonFiniteError("sampling produced non-finite values")
     save_npz(out, x)

@@ -23,7 +23,7 @@ from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
 from ..flows.residual import InvertibleResidual
-from ..progress import Progress
+from ..progress import progress_batches
 from ..training.checkpoint import read_model
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
@@ -79,7 +79,7 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     """Deterministic NLL of ``data`` under ``flow`` (evaluation mode: exact log-det if feasible).
 
     Sets are scored ``batch_size`` at a time, fewer for large sets (:func:`eval_batch_size`);
-    ``progress`` reports the sets scored so far (:class:`~flowattn.progress.Progress`: a bar
+    ``progress`` reports the sets scored so far (:func:`~flowattn.progress.progress_batches`: a bar
     on a terminal, a line a minute in a log), for long evaluations such as a continuous flow's
     exact trace.
 
@@ -121,10 +121,10 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     # variances: read back once for the whole split
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     estimated = False
-    bar = Progress(count, desc=f"evaluating {data.name}", enabled=progress, unit="set")
     with frozen_certificates():  # fixed weights: each attention bound once per set size
-        for start in range(0, count, batch_size):
-            index = torch.arange(start, min(start + batch_size, count))
+        for batch in progress_batches(count, batch_size, f"evaluating {data.name}", progress,
+                                      "set"):
+            index = torch.arange(batch.start, batch.stop)
             x, mask = _batch(data, index, device)
             # no graph: a continuous flow would otherwise keep every solver step of the batch
             with torch.no_grad():
@@ -136,8 +136,6 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
                 if block.logdet_variance is not None:
                     estimated = True
                     sums[5] += block.logdet_variance.double().sum()
-            bar.update(len(index))
-    bar.close()
     flow.train(was_training)
     nll, dims, *moments, variance = sums.tolist()
     if not math.isfinite(nll):
