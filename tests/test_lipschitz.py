@@ -4,6 +4,7 @@ import functools
 import math
 
 import pytest
+import scipy.special as scipy_special  # the Lambert W oracle (scipy is in [test])
 import torch
 
 from flowattn import lipschitz
@@ -25,8 +26,6 @@ from flowattn.lipschitz import (
     spectral_norm_bound,
     spectral_norm_exact,
 )
-
-scipy_special = pytest.importorskip("scipy.special", reason="scipy is the Lambert W oracle")
 
 
 def test_lambertw0_matches_scipy_to_1e12_relative_on_0_to_1e6():
