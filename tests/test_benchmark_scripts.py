@@ -13,6 +13,7 @@ import torch
 from flowattn.attention import ContractiveL2MHA
 from flowattn.attention.contractive import ContractiveAttention
 from flowattn.flows import LogDetOptions, set_flow
+from flowattn.sets import SetsRunConfig
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
@@ -119,6 +120,30 @@ def test_enf_trains_every_model_on_the_device_it_is_given(tmp_path, monkeypatch)
     enf.main()
     assert set(seen) == {"resflow", "cnf", "matching"}
     assert all(flags["device"] == "cuda:1" for flags in seen.values())
+
+
+@pytest.mark.parametrize("data, choice, divergence", [
+    ("dw4", "enf", "exact"), ("lj13", "enf", "hutchinson"), ("lj13", "exact", "exact")])
+def test_enf_scores_continuous_flows_with_enf_trace(tmp_path, monkeypatch, data, choice,
+                                                    divergence):
+    # E-NF's main_dw4_lj13.py validates and tests LJ13 with Hutchinson's trace, DW4 exactly
+    enf = _script("enf")
+    seen = {}
+
+    def run(name, flags, out):
+        seen[name] = flags
+        return {"test_nll": 7.0, "test_sets": 10, "train_seconds": 60.0, "params": 1}
+
+    monkeypatch.setattr(enf, "run", run)
+    monkeypatch.setattr(enf, "best_validation", lambda out: (7.1, 20))
+    monkeypatch.setattr(enf, "nfe", lambda out: "—")
+    monkeypatch.setattr(sys, "argv", ["enf.py", "--data", data, "--num-train", "100",
+                                      "--quick", "--eval-divergence", choice,
+                                      "--out", str(tmp_path)])
+    enf.main()
+    assert seen["cnf"]["eval_divergence"] == seen["matching"]["eval_divergence"] == divergence
+    assert "eval_divergence" not in seen["resflow"]  # a residual flow has no trace to choose
+    SetsRunConfig.build(seen["cnf"])  # a valid run configuration
 
 
 @pytest.fixture

@@ -290,6 +290,105 @@ def test_cnf_fit_logs_solver_evaluations(tmp_path):
     assert train and all(r["nfe_forward"] > 0 and r["nfe_backward"] > 0 for r in train)
 
 
+def test_cnf_eval_divergence_chooses_the_trace_of_reported_nlls():
+    # E-NF scores LJ13 with Hutchinson's trace: one probe per set, unbiased, its noise in the
+    # sampling error; by default sets this small (N D <= 64) are scored with the exact trace
+    from flowattn.data import SetData
+    from flowattn.flows.continuous.cnf import CNF
+    from flowattn.sets.config import SetsFlow
+    from flowattn.sets.train import evaluate
+
+    def solver(flow):
+        return next(m for m in flow.modules() if isinstance(m, CNF))
+
+    settings = {"flow": "cnf", "field_hidden": 8, "field_layers": 1, "divergence": "hutchinson"}
+    torch.manual_seed(0)
+    exact = build_flow(SetsFlow(**settings), 2, 3, True).double()
+    torch.manual_seed(0)
+    probed = build_flow(SetsFlow(**settings, eval_divergence="hutchinson"), 2, 3, True).double()
+    assert solver(exact).eval_divergence == "exact"
+    assert solver(probed).eval_divergence == "hutchinson"
+    for p in exact.parameters():  # a field that bends: the trace varies with the probe
+        torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(1))
+    probed.load_state_dict(exact.state_dict())
+    x = torch.randn(300, 3, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    data = SetData(x - x.mean(1, keepdim=True), zero_com=True)
+    truth, estimate = evaluate(exact, data), evaluate(probed, data)
+    assert truth["logdet"] == "exact" and estimate["logdet"] == "estimated"
+    with torch.no_grad():
+        exact_nll = -exact.eval().log_prob(data.x)
+        probed_nll = -probed.eval().log_prob(data.x)
+    difference = probed_nll - exact_nll
+    assert difference.std() > 1e-3  # the probes' noise is there ...
+    # ... and averages out: unbiased within four standard errors of the mean difference
+    error = float(difference.std()) / math.sqrt(len(difference))
+    assert abs(estimate["nll"] - truth["nll"]) < 4 * error
+    with pytest.raises(ConfigError, match="eval_divergence is a setting of continuous flows"):
+        SetsRunConfig.build({"flow": "resflow", "eval_divergence": "hutchinson"})
+
+
+@pytest.mark.parametrize("kind", ["cnf", "resflow"])
+def test_evaluation_probes_are_independent_across_batches_and_blocks(kind):
+    # one set scored 6 times in batches of one: re-seeding every call would give 6 equal
+    # estimates (a sampling error of 0 that hides the probe noise); one stream per pass gives
+    # independent ones, and the pass as a whole stays repeatable
+    from flowattn.data import SetData
+    from flowattn.flows import LogDetOptions, set_flow
+    from flowattn.flows.geometry import probe_stream
+    from flowattn.sets.config import SetsFlow
+    from flowattn.sets.train import evaluate
+
+    torch.manual_seed(0)
+    if kind == "cnf":
+        flow = build_flow(SetsFlow(flow="cnf", field_hidden=8, field_layers=1,
+                                   eval_divergence="hutchinson"), 2, 3, True).double()
+        for p in flow.parameters():
+            torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(1))
+    else:  # N D = 6 > eval_exact_max_dim: each block's series estimate with probes
+        flow = set_flow(2, blocks=2, hidden=8, heads=1, zero_com=True, location=False,
+                        logdet=LogDetOptions(eval_exact_max_dim=2, eval_n_samples=1,
+                                             eval_max_samples=1, eval_n_terms=10)).double()
+    x = torch.randn(1, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    data = SetData((x - x.mean(1, keepdim=True)).expand(6, 3, 2).clone(), zero_com=True)
+    first = evaluate(flow, data, batch_size=1)
+    assert first["logdet"] == "estimated" and first["nll_sampling_se"] > 1e-4
+    assert evaluate(flow, data, batch_size=1) == first
+    with torch.no_grad():
+        single = -flow.eval().log_prob(data.x[:1])  # re-seeded: one call, one probe pattern
+        assert torch.equal(single, -flow.log_prob(data.x[:1]))
+        with probe_stream():
+            streamed = torch.cat([-flow.log_prob(data.x[:1]) for _ in range(2)])
+    assert not torch.equal(streamed[0], streamed[1])
+    # a single solver's first streamed call is its re-seeded one; two residual blocks of the
+    # same seed draw on from one stream, so the second block's probes differ (and the
+    # variances that evaluation adds over blocks are those of independent estimates)
+    assert torch.equal(streamed[0], single[0]) == (kind == "cnf")
+
+
+def test_eval_divergence_flag_scores_a_continuous_flow_with_probes(tmp_path, capsys, tiny_run):
+    out = tmp_path / "cnf"
+    assert run_cli("fit", *TINY, "--flow", "cnf", "--steps", "2", "--out", str(out),
+                   "--config", str(tiny_config(tmp_path, field_hidden=8))) == 0
+    data = tmp_path / "test.npz"
+    save_npz(data, torch.randn(10, 8, 2))
+    results = {}
+    for divergence in ("auto", "hutchinson", "exact"):
+        capsys.readouterr()
+        assert run_cli("eval", "--checkpoint", str(out), "--data", str(data), "--json",
+                       "--divergence", divergence) == 0
+        printed = capsys.readouterr().out.strip().splitlines()
+        results[divergence] = json.loads(printed[-1])
+        assert ("estimated log-det" in printed[0]) == (divergence == "hutchinson")
+    assert results["hutchinson"]["logdet"] == "estimated"
+    assert results["auto"] == results["exact"]
+    assert results["hutchinson"]["nll"] != results["exact"]["nll"]
+    # a residual flow has no trace to choose: a clear error, not a silent exact score
+    capsys.readouterr()
+    assert main(["sets", "eval", "--checkpoint", str(tiny_run), "--data", str(data),
+                 "--divergence", "hutchinson"]) == 2
+    assert "--divergence chooses a continuous flow's trace" in capsys.readouterr().err
+
+
 def test_interaction_and_blocks_flags_reach_the_flow(tmp_path):
     out = tmp_path / "run"
     config = tiny_config(tmp_path)

@@ -12,13 +12,17 @@ of the restricted map. This module holds the pieces they share:
 * :func:`set_times` -- the time of a vector field's call, one for all sets or one per set;
 * :func:`sample_probes` -- Hutchinson probes P u with E[u u^T] = I (log-det series, CNF
   divergences);
+* :func:`probe_stream` and :func:`evaluation_generator` -- where evaluation-mode probes come
+  from: re-seeded at every call, or one stream through a whole evaluation pass;
 * :func:`vjp` -- vector-Jacobian products w^T J, one vector or a batch of them.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor
@@ -32,6 +36,8 @@ __all__ = [
     "project",
     "set_times",
     "sample_probes",
+    "probe_stream",
+    "evaluation_generator",
     "vjp",
     "full_precision",
     "BatchedVJPFallbackWarning",
@@ -167,6 +173,48 @@ def sample_probes(
     else:
         raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
     return project(v.to(device), mask, zero_com)
+
+
+# the generators of the innermost probe_stream, by (device, seed); None outside any
+_STREAM: ContextVar[dict | None] = ContextVar("flowattn_probe_stream", default=None)
+
+
+@contextmanager
+def probe_stream() -> Iterator[None]:
+    """Draw evaluation-mode probes from one advancing stream per seed while the block runs.
+
+    Outside it, a module in evaluation mode re-seeds its probes at every call (its
+    ``eval_seed``), so the same inputs always get the same score. Over a pass through many
+    batches that repeats one probe pattern batch after batch, and every module with the same
+    seed draws the same probes: their estimates' errors are then correlated, and a standard
+    error that treats them as independent is too small. Inside the block, each (device,
+    seed) gets one generator, seeded once, from which every call draws on: the pass as a whole
+    is still repeatable, and its calls' probes are independent.
+
+    Examples:
+        >>> with probe_stream():
+        ...     first = evaluation_generator("cpu", 0).initial_seed()
+        ...     same = evaluation_generator("cpu", 0) is evaluation_generator("cpu", 0)
+        >>> first, same, evaluation_generator("cpu", 0) is evaluation_generator("cpu", 0)
+        (0, True, False)
+    """
+    token = _STREAM.set({})
+    try:
+        yield
+    finally:
+        _STREAM.reset(token)
+
+
+def evaluation_generator(device: torch.device | str, seed: int) -> torch.Generator:
+    """The generator of an evaluation-mode call's probes: a fresh one seeded with ``seed``, or
+    inside :func:`probe_stream` the stream's generator for (``device``, ``seed``)."""
+    stream = _STREAM.get()
+    if stream is None:
+        return torch.Generator(device=device).manual_seed(seed)
+    key = (str(torch.device(device)), seed)
+    if key not in stream:
+        stream[key] = torch.Generator(device=device).manual_seed(seed)
+    return stream[key]
 
 
 class BatchedVJPFallbackWarning(UserWarning):

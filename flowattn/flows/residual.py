@@ -19,7 +19,7 @@ from ..validation import (
     inputs_trusted,
     trusted_inputs,
 )
-from .geometry import full_precision, mask_from_context, project
+from .geometry import evaluation_generator, full_precision, mask_from_context, project
 from .inverse import InverseOptions, residual_inverse
 from .logdet import (
     LogDetOptions,
@@ -248,7 +248,7 @@ class InvertibleResidual(Transform):
             terms = opt.eval_n_terms or _terms_for_bound(bound)
 
             def eval_series(gx, x, cg, vjp_fn=None):
-                gen = torch.Generator(device=x.device).manual_seed(opt.eval_seed)
+                gen = evaluation_generator(x.device, opt.eval_seed)
                 value, variance = precise_series_logdet(
                     gx, x, terms, mask, zc, opt.probe, gen, cg, vjp_fn=vjp_fn,
                     structure=structure, round_samples=opt.eval_n_samples,

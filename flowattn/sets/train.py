@@ -22,6 +22,7 @@ from ..data import PARTICLE_SYSTEMS, SetData, load_dataset, random_orthogonal, r
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
+from ..flows.geometry import probe_stream
 from ..flows.residual import InvertibleResidual
 from ..progress import progress_batches
 from ..training.checkpoint import read_model
@@ -96,7 +97,8 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     s_y over n sets, the per-set error is s_y / √n; the per-dimension NLL r = Σ y_s / Σ d_s
     (d_s degrees of freedom of set s) is a ratio of means, whose error to first order is
     √(Σ_s (y_s − r d_s)² / (n (n − 1))) / d̄. Where log-dets are estimated, each y_s also
-    carries its own independent probe noise, so these errors include the probes'.
+    carries its own independent probe noise (the pass draws its probes on from one stream,
+    :func:`~flowattn.flows.geometry.probe_stream`), so these errors include the probes'.
 
     Raises:
         DataError: if a set has fewer than 2 elements in zero-centre-of-mass mode (its
@@ -121,7 +123,9 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     # variances: read back once for the whole split
     sums = torch.zeros(6, dtype=torch.float64, device=device)
     estimated = False
-    with frozen_certificates():  # fixed weights: each attention bound once per set size
+    # fixed weights: each attention bound once per set size; estimated log-dets draw their
+    # probes on through the pass, so the sets' probe noise is independent (sampling errors)
+    with frozen_certificates(), probe_stream():
         for batch in progress_batches(count, batch_size, f"evaluating {data.name}", progress,
                                       "set"):
             index = torch.arange(batch.start, batch.stop)

@@ -13,7 +13,7 @@ from torchdiffeq import odeint, odeint_adjoint
 from ...errors import InputError, ODESolverError
 from ...validation import check_deferred, check_finite, check_sets, trusted_inputs
 from ..base import sample_standard_normal, standard_normal_log_prob
-from ..geometry import PROBES, project, sample_probes, subtract_mean
+from ..geometry import PROBES, evaluation_generator, project, sample_probes, subtract_mean
 from .alignment import ALIGNMENTS, align
 from .divergence import exact_divergence, hutchinson_divergence
 
@@ -385,7 +385,7 @@ class CNF(Transform):
         if (self.divergence if self.training else self.eval_divergence) == "hutchinson":
             generator = self.generator
             if not self.training and self.eval_seed is not None:
-                generator = torch.Generator(device=z0.device).manual_seed(self.eval_seed)
+                generator = evaluation_generator(z0.device, self.eval_seed)
             probe = sample_probes(z0.shape, self.probe, mask, self.zero_com, generator,
                                   z0.device, z0.dtype)
         dynamics = _Dynamics(
