@@ -805,6 +805,13 @@ def test_aligned_flow_matching_moves_the_batchs_draws_towards_their_particles(tm
     expected = task.flow.transform.matching_loss(u, noise=align(draws, u, rotations=True),
                                                  times=times).mean() / 6
     torch.testing.assert_close(objective, expected)
+    # the task standardised isotropically once; its steps do not read the scales back (a host
+    # sync per step): only a direct call checks them
+    with torch.no_grad():
+        scale[0] += 0.1
+    task.loss(task.forward_module, batch)
+    with pytest.raises(ValueError, match="standardise with isotropic=True"):
+        task.flow.matching_loss(x, mask, noise=noise, times=times, alignment="euclidean")
     with pytest.raises(ConfigError, match="alignment='permutation' is a setting of flow"):
         SetsRunConfig.build({"flow": "cnf", "alignment": "permutation"})
     out = tmp_path / "run"  # rotations of sets whose law is not invariant under them: refused
