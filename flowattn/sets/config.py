@@ -223,8 +223,8 @@ class SetsFlow(Section):
                                  f"{self.interaction})")
         if self.flow != "cnf" and self.eval_divergence != "auto":
             raise ValueError(f"eval_divergence is a setting of continuous flows: use it with "
-                             f"flow=cnf (here {self.flow}; a residual flow's log-det "
-                             "estimator is logdet)")
+                             f"flow=cnf (here {self.flow}, whose evaluation log-dets are "
+                             "exact or estimated to a stated error on their own)")
         for name in ("kinetic_weight", "jacobian_weight"):
             if self.flow != "cnf" and getattr(self, name) > 0:
                 raise ValueError(f"{name} is a setting of continuous flows: use it with "
