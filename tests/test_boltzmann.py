@@ -160,6 +160,35 @@ def test_sample_energy_writes_weights_beside_the_samples_and_reports_the_ess(
     assert load_npz(out).x.shape == (50, 4, 2)  # still an ordinary file of sets
 
 
+def test_sample_energy_scores_a_continuous_flows_exact_trace_in_small_batches(
+        tmp_path, monkeypatch, small_particles):
+    # the exact trace solves every configuration of a batch together with N D products per
+    # field evaluation: 512 // (N D) at a time unless --batch-size says (LJ13: 13, DW4: 64)
+    from flowattn.sets import boltzmann
+    from flowattn.sets.cli import energy_batch_size
+    from flowattn.sets.config import SetsFlow, build_flow
+
+    assert energy_batch_size(build_flow(SetsFlow(flow="cnf", field_hidden=4, field_layers=1),
+                                        3, 13, True), 39) == 13
+    probed = SetsFlow(flow="cnf", field_hidden=4, field_layers=1, eval_divergence="hutchinson")
+    assert energy_batch_size(build_flow(probed, 3, 13, True), 39) == 1000
+    assert energy_batch_size(build_flow(SetsFlow(blocks=1), 3, 13, True), 39) == 1000
+    config = SetsRunConfig.build({"data": "dw4", "flow": "cnf", "objective": "matching",
+                                  "field_hidden": 4, "field_layers": 1, "steps": 1,
+                                  "batch_size": 8, "eval_every": 1, "val_sets": 4,
+                                  "warmup": 1})
+    run = tmp_path / "cnf"
+    fit(config, run, progress=False, tensorboard=False, plots=False)
+    seen = []
+    sample = boltzmann.boltzmann_sample
+    monkeypatch.setattr(boltzmann, "boltzmann_sample",
+                        lambda *a, **k: seen.append(k["batch_size"]) or sample(*a, **k))
+    for extra, expected in (((), 64), (("--batch-size", "3"), 3)):
+        assert main(["sets", "sample", "--checkpoint", str(run), "--num", "4", "--energy",
+                     "--no-progress", "--out", str(tmp_path / "s.npz"), *extra]) == 0
+        assert seen.pop() == expected
+
+
 def test_sample_energy_on_data_without_an_energy_is_one_clear_line(tmp_path, capsys,
                                                                    small_particles):
     run = tiny_run(tmp_path, "gaussian-sets")
