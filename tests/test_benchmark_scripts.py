@@ -104,43 +104,41 @@ def test_enf_summary_file_keeps_the_models_of_earlier_invocations(tmp_path):
         "matching (euclidean)": {"test_nll": 7.6}}
 
 
-def test_enf_trains_every_model_on_the_device_it_is_given(tmp_path, monkeypatch):
+@pytest.fixture
+def enf_flags(tmp_path, monkeypatch):
+    """benchmarks/enf.py's main on a command line: the flags each model would be fitted with
+    (nothing is trained)."""
     enf = _script("enf")
-    seen = {}
 
-    def run(name, flags, out):
-        seen[name] = flags
-        return {"test_nll": 7.0, "test_sets": 10, "train_seconds": 60.0, "params": 1}
+    def flags(*argv: str) -> dict:
+        seen = {}
 
-    monkeypatch.setattr(enf, "run", run)
-    monkeypatch.setattr(enf, "best_validation", lambda out: (7.1, 20))
-    monkeypatch.setattr(enf, "nfe", lambda out: "—")
-    monkeypatch.setattr(sys, "argv", ["enf.py", "--data", "dw4", "--num-train", "100",
-                                      "--quick", "--device", "cuda:1", "--out", str(tmp_path)])
-    enf.main()
+        def run(name, flags, out):
+            seen[name] = flags
+            return {"test_nll": 7.0, "test_sets": 10, "train_seconds": 60.0, "params": 1}
+
+        monkeypatch.setattr(enf, "run", run)
+        monkeypatch.setattr(enf, "best_validation", lambda out: (7.1, 20))
+        monkeypatch.setattr(enf, "nfe", lambda out: "—")
+        monkeypatch.setattr(sys, "argv", ["enf.py", "--num-train", "100", "--quick",
+                                          "--out", str(tmp_path), *argv])
+        enf.main()
+        return seen
+
+    return flags
+
+
+def test_enf_trains_every_model_on_the_device_it_is_given(enf_flags):
+    seen = enf_flags("--data", "dw4", "--device", "cuda:1")
     assert set(seen) == {"resflow", "cnf", "matching"}
     assert all(flags["device"] == "cuda:1" for flags in seen.values())
 
 
 @pytest.mark.parametrize("data, choice, divergence", [
     ("dw4", "enf", "exact"), ("lj13", "enf", "hutchinson"), ("lj13", "exact", "exact")])
-def test_enf_scores_continuous_flows_with_enf_trace(tmp_path, monkeypatch, data, choice,
-                                                    divergence):
+def test_enf_scores_continuous_flows_with_enf_trace(enf_flags, data, choice, divergence):
     # E-NF's main_dw4_lj13.py validates and tests LJ13 with Hutchinson's trace, DW4 exactly
-    enf = _script("enf")
-    seen = {}
-
-    def run(name, flags, out):
-        seen[name] = flags
-        return {"test_nll": 7.0, "test_sets": 10, "train_seconds": 60.0, "params": 1}
-
-    monkeypatch.setattr(enf, "run", run)
-    monkeypatch.setattr(enf, "best_validation", lambda out: (7.1, 20))
-    monkeypatch.setattr(enf, "nfe", lambda out: "—")
-    monkeypatch.setattr(sys, "argv", ["enf.py", "--data", data, "--num-train", "100",
-                                      "--quick", "--eval-divergence", choice,
-                                      "--out", str(tmp_path)])
-    enf.main()
+    seen = enf_flags("--data", data, "--eval-divergence", choice)
     assert seen["cnf"]["eval_divergence"] == seen["matching"]["eval_divergence"] == divergence
     assert "eval_divergence" not in seen["resflow"]  # a residual flow has no trace to choose
     SetsRunConfig.build(seen["cnf"])  # a valid run configuration
