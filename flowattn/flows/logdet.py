@@ -93,7 +93,8 @@ class LogDetOptions:
         eval_max_error: the standard error, in nats per degree of freedom of a set, at which
             evaluation stops drawing probes.
         eval_max_samples: the most probes per set in evaluation.
-        eval_seed: seed of the evaluation probes.
+        eval_seed: seed of the evaluation probes, re-seeded at every call or, inside
+            :func:`~flowattn.flows.geometry.probe_stream`, drawn on from one stream.
         generator: torch.Generator of the training-time probes and lengths (``None``: torch's
             global RNG).
 

@@ -222,8 +222,9 @@ class CNF(Transform):
         probe: Hutchinson probe distribution, ``"rademacher"`` or ``"gaussian"``.
         generator: torch.Generator the training-mode probes are drawn from (default: the
             global RNG).
-        eval_seed: seed of the evaluation-mode probes (``None``: draw them from ``generator``
-            too, so that repeated evaluations differ).
+        eval_seed: seed of the evaluation-mode probes, re-seeded at every solve or, inside
+            :func:`~flowattn.flows.geometry.probe_stream`, drawn on from one stream
+            (``None``: draw them from ``generator`` too, so that repeated evaluations differ).
         regularise: integrate the RNODE regularisers during ``forward``.
         zero_com: zero-centre-of-mass mode; ``None`` takes ``field.zero_com`` (or False).
         max_steps: maximum number of adaptive steps per solve (``None``: unlimited).
