@@ -10,10 +10,12 @@ rule (``keep_best``) and prints one table:
   blocks), with E-NF's batch size, number of steps and validation cadence in place of its own;
 * ``cnf``: E-NF's model in flowattn, a CNF whose field is an ``EGNNField`` (3 layers of width
   32 with attention gates), Hutchinson's trace while training, Adam 5e-4 with a cosine decay to
-  5e-5, dopri5 at tolerance 1e-4; its validation and test NLLs take the trace as E-NF's do
-  (``--eval-divergence enf``): exact on DW4, Hutchinson's (one probe per configuration,
-  unbiased, its noise in the reported error) on LJ13, where the exact trace would cost some
-  32 hours of validations on one CPU core;
+  5e-5, dopri5 at tolerance 1e-4, gradients by the adjoint ODE as E-NF's (its memory does not
+  grow with the solver's steps: backpropagating through them took the LJ13 run past 23 GB by
+  step 232, its solves then some 100 field evaluations long); its validation and test NLLs
+  take the trace as E-NF's do (``--eval-divergence enf``): exact on DW4, Hutchinson's (one
+  probe per configuration, unbiased, its noise in the reported error) on LJ13, where the
+  exact trace would cost some 32 hours of validations on one CPU core;
 * ``matching``: the same CNF trained by flow matching (``objective: matching``: one field
   evaluation per configuration and step, no solve), Adam 1e-3 with a cosine decay to 1e-4;
   its NLLs are the ODE's, as the others'. ``--matching-steps`` gives it its own number of
@@ -54,7 +56,7 @@ BUDGETS = {
              10000: (50, 1, 100)},
 }
 CNF = {"flow": "cnf", "divergence": "hutchinson", "lr": 5e-4, "min_lr": 5e-5, "warmup": 100,
-       "ode_tol": 1e-4}
+       "ode_tol": 1e-4, "adjoint": True}
 MATCHING = {"flow": "cnf", "objective": "matching", "lr": 1e-3, "min_lr": 1e-4, "warmup": 100,
             "ode_tol": 1e-4}
 MODELS = {"resflow": {}, "cnf": CNF, "matching": MATCHING}

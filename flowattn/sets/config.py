@@ -175,6 +175,10 @@ class SetsFlow(Section):
         "with before the path is drawn (permutation: its elements reordered; euclidean: "
         "also turned by an orthogonal map, for particle systems; the draws stay standard "
         "normal when the data's law is invariant under these maps)")
+    adjoint: bool = Field(False, description="cnf trained by likelihood: backpropagate by "
+                          "solving the adjoint ODE backwards (memory independent of the "
+                          "solver's steps, a second solve per step; E-NF's practice) instead "
+                          "of through the forward solve's steps")
     kinetic_weight: float = Field(0.0, ge=0, description="cnf: weight of RNODE's kinetic "
                                   "energy int ||f||^2 dt in the training loss (per dimension, "
                                   "as the NLL; 0: not integrated)")
@@ -229,6 +233,10 @@ class SetsFlow(Section):
             if self.flow != "cnf" and getattr(self, name) > 0:
                 raise ValueError(f"{name} is a setting of continuous flows: use it with "
                                  f"flow=cnf (here {self.flow})")
+        if self.adjoint and (self.flow != "cnf" or self.objective == "matching"):
+            raise ValueError("adjoint backpropagates through a continuous flow's solves: use "
+                             f"it with flow=cnf and objective=likelihood (here {self.flow}, "
+                             f"{self.objective})")
         if self.objective == "matching":
             if self.flow != "cnf":
                 raise ValueError(f"objective=matching trains continuous flows: use it with "
@@ -536,7 +544,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     eval_divergence = flow.eval_divergence
     if eval_divergence == "auto":
         eval_divergence = "exact" if small else divergence
-    cnf = CNF(field, t1=flow.t1, atol=flow.ode_tol, rtol=flow.ode_tol,
+    cnf = CNF(field, t1=flow.t1, atol=flow.ode_tol, rtol=flow.ode_tol, adjoint=flow.adjoint,
               divergence=divergence, eval_divergence=eval_divergence,
               zero_com=zero_com, regularise=flow.kinetic_weight > 0 or flow.jacobian_weight > 0)
     if not location:
