@@ -73,6 +73,55 @@ def test_each_element_moves_at_most_coords_range_per_neighbour():
     assert speed.max() > 0.5 * 2.0  # the large weights saturate the tanh: the bound is relevant
 
 
+def test_first_message_map_equals_the_linear_map_of_the_concatenated_pair_features():
+    # the layer never forms [h_i, h_j, |x_i - x_j|^2, |z_i - z_j|^2]; the literal map does
+    f = field()
+    layer = f.layers[0]
+    h = randn(3, 5, 8, seed=4).requires_grad_()
+    dist_sq, start_sq = randn(3, 5, 5, 1, seed=5).square(), randn(3, 5, 5, 1, seed=6).square()
+    n = h.shape[1]
+    pairs = torch.cat([h[:, :, None].expand(-1, -1, n, -1), h[:, None].expand(-1, n, -1, -1),
+                       dist_sq, start_sq], dim=-1)
+    literal = layer.message[0](pairs)
+    split = layer._first_message_layer(h, dist_sq, start_sq)
+    torch.testing.assert_close(split, literal, rtol=1e-12, atol=1e-12)
+    probe = randn(*literal.shape, seed=7)
+    grads = torch.autograd.grad((literal * probe).sum(), [h, layer.message[0].weight])
+    split_grads = torch.autograd.grad((split * probe).sum(), [h, layer.message[0].weight])
+    for got, want in zip(split_grads, grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("times", ["one", "per set"])
+def test_passes_of_a_few_sets_give_the_field_and_gradients_of_one_pass(monkeypatch, times):
+    from flowattn.flows.continuous import egnn
+
+    f, z = field(), randn(5, 6, 2, seed=8)
+    mask = torch.ones(5, 6, dtype=torch.bool)
+    mask[1, 4:] = mask[4, 2:] = False
+    t = torch.tensor(0.4, dtype=torch.float64) if times == "one" else randn(5, seed=9).abs()
+
+    def run():
+        z_ = z.clone().requires_grad_()
+        out = f(t, z_, mask)
+        loss = (out * randn(*out.shape, seed=10)).sum()
+        inputs = [z_, *f.parameters()]  # the last layer's feature update is unused
+        grads = torch.autograd.grad(loss, inputs, allow_unused=True)
+        pairs = zip(inputs, grads, strict=True)
+        return out, [torch.zeros_like(x) if g is None else g for x, g in pairs]
+
+    whole, whole_grads = run()
+    pair_bytes = 6 * 6 * 8 * 8  # one set of N = 6, H = 8 in float64
+    monkeypatch.setattr(egnn, "PAIR_BYTES", 2 * pair_bytes)
+    assert f._chunk(z) == 2  # passes of 2, 2 and 1 sets
+    chunked, chunked_grads = run()
+    torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
+    for got, want in zip(chunked_grads, whole_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    monkeypatch.setattr(egnn, "PAIR_BYTES", 1)
+    assert f._chunk(z) == 1  # at least one set a pass
+
+
 def test_starts_near_the_identity():
     f = EGNNField(2).double()
     assert f(0.5, randn(8, 4, 2)).abs().max() < 0.05
