@@ -310,3 +310,29 @@ def test_set_step_benchmark_times_each_speed_up_against_the_code_before_it(monke
     medians, same = set_step.timed(step, set_step.FLOW_MODES, 1, 1, "cpu")
     assert same and len(medians) == 4
     assert torch.equal(step(), first)  # each call from the same state
+
+
+def test_egnn_benchmark_times_each_speed_up_against_the_code_before_it(monkeypatch):
+    # benchmarks/egnn.py: each baseline undoes its change, gives today's values and restores
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    egnn = _script("egnn")
+    from flowattn.flows.continuous import egnn as module
+
+    monkeypatch.setattr(module, "PAIR_BYTES", 5 * 5 * 32 * 4)  # passes of one set of N = 5
+    split = module._EquivariantLayer._first_message_layer
+    run = egnn.case(3, 5, "cpu")
+    field_calls = []
+    original = module.EGNNField._field
+    monkeypatch.setattr(module.EGNNField, "_field",
+                        lambda self, *a: field_calls.append(a[1].shape[0]) or original(self, *a))
+    with egnn.mode("both as before"):
+        assert module._EquivariantLayer._first_message_layer is not split
+        run()
+    assert field_calls == [3]  # one pass
+    assert module._EquivariantLayer._first_message_layer is split  # restored
+    assert module.PAIR_BYTES == 5 * 5 * 32 * 4
+    field_calls.clear()
+    run()
+    assert field_calls == [1, 1, 1]
+    medians, same = egnn.timed(run, 1, 1, "cpu")
+    assert same and set(medians) == set(egnn.MODES)

@@ -1,0 +1,141 @@
+"""The E(n)-equivariant field of the particle flows: its speed-ups against the code before them.
+
+``EGNNField`` (E-NF's dynamics) spends its time on (B, N, N, H) tensors of pair features. Two
+changes make a forward and backward pass cheaper, and this script times each, in interleaved
+rounds in one process, against the code before it (patched back in), checks that every way
+gives the same values and gradients (to float32 rounding) and prints the medians and their
+ratios:
+
+* **split first map**: the message MLP's first linear map of
+  [h_i, h_j, |x_i - x_j|^2, |z_i - z_j|^2] is evaluated as (W_i h_i + b) + W_j h_j + W_ds [d; s],
+  products of (B, N, H) tensors broadcast over the pairs. Before (mode ``concatenated``): the
+  (B, N, N, 2H + 2) concatenation and its product, the largest tensors of a layer.
+* **passes of at most 16 MB** (on the CPU): the sets of a call go through the layers in groups
+  whose pair tensors stay within ``PAIR_BYTES``. A block above glibc's mmap threshold (at most
+  32 MB) is mapped from the operating system at every allocation and returned at every free, so
+  every elementwise pass over it pays its page faults. Before (mode ``one pass``): every set of
+  the call at once.
+
+Cases: E-NF's batch of 100 configurations for DW4 (N = 4), LJ13 (N = 13) and LJ55 (N = 55),
+LJ13's evaluation batch of 1000, and LJ55 at the residual flows' batch of 32; the field of
+``benchmarks/enf.py`` (width 32, 3 layers), untrained weights, one time per set (as flow
+matching trains), the sum of squares of the field backpropagated to the weights and positions.
+
+    python benchmarks/egnn.py --threads 1
+    python benchmarks/egnn.py --quick        # one round, small cases
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from unittest import mock
+
+import torch
+from machine import cpu_name
+
+from flowattn.flows import EGNNField
+from flowattn.flows.continuous import egnn as egnn_module
+
+CASES = [("DW4", 100, 4), ("LJ13", 100, 13), ("LJ13, evaluation", 1000, 13), ("LJ55", 100, 55),
+         ("LJ55", 32, 55)]
+QUICK_CASES = [("DW4", 100, 4), ("LJ13", 100, 13)]
+
+
+def concatenated(layer, h, dist_sq, start_sq):
+    """The first message map as before: the linear map of the concatenated pair features."""
+    n = h.shape[1]
+    return layer.message[0](torch.cat([h[:, :, None].expand(-1, -1, n, -1),
+                                       h[:, None, :].expand(-1, n, -1, -1),
+                                       dist_sq, start_sq], dim=-1))
+
+
+def mode(name: str) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
+    if name in ("concatenated", "both as before"):
+        stack.enter_context(mock.patch.object(egnn_module._EquivariantLayer,
+                                              "_first_message_layer", concatenated))
+    if name in ("one pass", "both as before"):
+        stack.enter_context(mock.patch.object(egnn_module, "PAIR_BYTES", 2**62))
+    return stack
+
+
+MODES = ["today", "concatenated", "one pass", "both as before"]
+
+
+def case(batch: int, n: int, device: str):
+    """One forward and backward of the field; returns the field and the gradients."""
+    torch.manual_seed(0)
+    field = EGNNField(3).to(device)
+    with torch.no_grad():  # a field that moves the particles, as a trained one does
+        for layer in field.layers:
+            layer.displacement[-1].weight.normal_(0.0, 0.1)
+    z = torch.randn(batch, n, 3, device=device)
+    t = torch.rand(batch, device=device)
+
+    def run():
+        positions = z.clone().requires_grad_()
+        out = field(t, positions)
+        grads = torch.autograd.grad(out.square().sum(), [positions, *field.parameters()],
+                                    allow_unused=True)
+        return [out.detach(), *(g for g in grads if g is not None)]
+
+    return run
+
+
+def timed(run, rounds: int, repeats: int, device: str) -> tuple[dict[str, float], bool]:
+    """Median ms per call of each mode over interleaved rounds, and whether all agree."""
+    results, times = {}, {m: [] for m in MODES}
+    for m in MODES:  # warm-up, and the values to compare
+        with mode(m):
+            results[m] = run()
+    for _ in range(rounds):
+        for m in MODES:
+            with mode(m):
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(repeats):
+                    run()
+                if device.startswith("cuda"):
+                    torch.cuda.synchronize()
+                times[m].append((time.perf_counter() - start) / repeats * 1e3)
+    same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+               for m in MODES[1:] for a, b in zip(results["today"], results[m], strict=True))
+    return {m: statistics.median(v) for m, v in times.items()}, same
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=2, help="calls timed per round")
+    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
+    parser.add_argument("--quick", action="store_true", help="one round, DW4 and LJ13 only")
+    args = parser.parse_args()
+    for name in ("rounds", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
+    print(f"device: {args.device} ({name}), threads: {torch.get_num_threads()}, "
+          f"torch {torch.__version__}, {rounds} interleaved round(s) of {repeats} call(s)\n")
+    print("| field, forward and backward | " + " | ".join(f"{m}, ms" for m in MODES)
+          + " | same values |")
+    print("| --- | " + " | ".join("---:" for _ in MODES) + " | --- |")
+    for label, batch, n in QUICK_CASES if args.quick else CASES:
+        medians, same = timed(case(batch, n, args.device), rounds, repeats, args.device)
+        cells = [f"{medians[m]:.1f}" + ("" if m == "today" else
+                                        f" ({medians['today'] / medians[m]:.2f})")
+                 for m in MODES]
+        print(f"| {label}: {batch} x {n} x 3 | " + " | ".join(cells)
+              + f" | {'yes' if same else 'NO'} |")
+    print("\n(in brackets: today's time over that mode's; below 1, today's is faster)")
+
+
+if __name__ == "__main__":
+    main()
