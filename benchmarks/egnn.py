@@ -3,8 +3,8 @@
 ``EGNNField`` (E-NF's dynamics) spends its time on (B, N, N, H) tensors of pair features. Two
 changes make a forward and backward pass cheaper, and this script times each, in interleaved
 rounds in one process, against the code before it (patched back in), checks that every way
-gives the same values and gradients (to float32 rounding) and prints the medians and their
-ratios:
+gives the same values and gradients (to float32 rounding: within 10⁻⁴ of each tensor's
+norm) and prints the medians and their ratios:
 
 * **split first map**: the message MLP's first linear map of
   [h_i, h_j, |x_i - x_j|^2, |z_i - z_j|^2] is evaluated as (W_i h_i + b) + W_j h_j + W_ds [d; s],
@@ -102,7 +102,8 @@ def timed(run, rounds: int, repeats: int, device: str) -> tuple[dict[str, float]
                 if device.startswith("cuda"):
                     torch.cuda.synchronize()
                 times[m].append((time.perf_counter() - start) / repeats * 1e3)
-    same = all(torch.allclose(a, b, rtol=1e-4, atol=1e-5)
+    # float32 rounding, relative to each tensor's norm (sums over up to 10^5 pairs)
+    same = all(torch.linalg.vector_norm(a - b) <= 1e-4 * torch.linalg.vector_norm(b)
                for m in MODES[1:] for a, b in zip(results["today"], results[m], strict=True))
     return {m: statistics.median(v) for m, v in times.items()}, same
 
