@@ -168,10 +168,12 @@ def test_sample_energy_scores_a_continuous_flows_exact_trace_in_small_batches(
     from flowattn.sets.cli import energy_batch_size
     from flowattn.sets.config import SetsFlow, build_flow
 
-    assert energy_batch_size(build_flow(SetsFlow(flow="cnf", field_hidden=4, field_layers=1),
-                                        3, 13, True), 39) == 13
+    cnf = build_flow(SetsFlow(flow="cnf", field_hidden=4, field_layers=1), 3, 13, True)
+    assert energy_batch_size(cnf, 39) == 13
+    # the trace of the weights, not the run's own evaluation setting, decides
     probed = SetsFlow(flow="cnf", field_hidden=4, field_layers=1, eval_divergence="hutchinson")
-    assert energy_batch_size(build_flow(probed, 3, 13, True), 39) == 1000
+    assert energy_batch_size(build_flow(probed, 3, 13, True), 39) == 13
+    assert energy_batch_size(cnf, 39, "hutchinson") == 1000
     assert energy_batch_size(build_flow(SetsFlow(blocks=1), 3, 13, True), 39) == 1000
     config = SetsRunConfig.build({"data": "dw4", "flow": "cnf", "objective": "matching",
                                   "field_hidden": 4, "field_layers": 1, "steps": 1,
@@ -187,6 +189,58 @@ def test_sample_energy_scores_a_continuous_flows_exact_trace_in_small_batches(
         assert main(["sets", "sample", "--checkpoint", str(run), "--num", "4", "--energy",
                      "--no-progress", "--out", str(tmp_path / "s.npz"), *extra]) == 0
         assert seen.pop() == expected
+
+
+def test_weights_of_a_continuous_flow_take_the_exact_trace_whatever_its_evaluation_setting(
+        tmp_path, capsys, monkeypatch, small_particles):
+    # a one-probe log q is unbiased but exp(-E - log q) is not: --energy scores exactly unless
+    # asked, and a probed trace, when asked, draws new probes for every batch
+    config = SetsRunConfig.build({"data": "dw4", "flow": "cnf", "objective": "matching",
+                                  "field_hidden": 4, "field_layers": 1, "steps": 1,
+                                  "batch_size": 8, "eval_every": 1, "val_sets": 4,
+                                  "warmup": 1, "eval_divergence": "hutchinson"})
+    run = tmp_path / "cnf"
+    fit(config, run, progress=False, tensorboard=False, plots=False)
+    from flowattn.flows.continuous import cnf as cnf_module
+
+    flow, _ = load_flow(run)
+    flow = flow.double()
+    cnf = next(m for m in flow.modules() if isinstance(m, cnf_module.CNF))
+    assert cnf.eval_divergence == "hutchinson"
+    generators = []  # the probes' generator of every evaluation-mode solve
+    own = cnf_module.evaluation_generator
+    monkeypatch.setattr(cnf_module, "evaluation_generator",
+                        lambda *a: generators.append(own(*a)) or generators[-1])
+
+    def weights(divergence):
+        return boltzmann_sample(flow, dw4_energy, 6, 4, torch.Generator().manual_seed(1),
+                                batch_size=3, divergence=divergence)
+
+    exact = weights("exact")
+    generators.clear()
+    probed = weights("hutchinson")
+    # the two batches of three draw on one stream of probes, not on one probe pattern each
+    assert len(generators) >= 2 and all(g is generators[0] for g in generators)
+    assert cnf.eval_divergence == "hutchinson"  # the flow's own setting is restored
+    torch.testing.assert_close(exact.x, probed.x)  # the same draws
+    cnf.eval_divergence = "exact"
+    with torch.no_grad():
+        torch.testing.assert_close(exact.log_q, flow.log_prob(exact.x))
+    assert (probed.log_q - exact.log_q).abs().min() > 1e-6  # every score carries probe noise
+    with pytest.raises(InputError, match="divergence"):
+        weights("auto")
+    for extra, trace in (((), "exact"), (("--divergence", "hutchinson"), "hutchinson")):
+        out = tmp_path / f"{trace}.npz"
+        assert main(["sets", "sample", "--checkpoint", str(run), "--num", "6", "--energy",
+                     "--no-progress", "--batch-size", "3", "--seed", "1", "--out", str(out),
+                     *extra]) == 0
+        with np.load(out) as archive:
+            log_q = torch.from_numpy(archive["log_q"])
+        torch.testing.assert_close(log_q, (exact if trace == "exact" else probed).log_q)
+    assert "Hutchinson's trace" in capsys.readouterr().out
+    code = main(["sets", "sample", "--checkpoint", str(run), "--num", "6", "--divergence",
+                 "exact", "--out", str(tmp_path / "plain.npz")])
+    assert code == 2 and "without --energy" in capsys.readouterr().err
 
 
 def test_sample_energy_on_data_without_an_energy_is_one_clear_line(tmp_path, capsys,

@@ -144,6 +144,9 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--set-size must be positive, got {args.set_size}")
     if args.batch_size is not None and args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.divergence is not None and not args.energy:
+        raise InputError("--divergence chooses the trace of the log-density that --energy "
+                         "weights; without --energy no log-density is computed")
     if args.energy and args.num < 2:
         raise InputError(f"--energy needs --num >= 2 (an error needs two weights), got "
                          f"{args.num}")
@@ -176,11 +179,12 @@ SAMPLE_BATCH = 1000
 EXACT_TRACE_PRODUCTS = 512
 
 
-def energy_batch_size(flow, dims: int) -> int:
+def energy_batch_size(flow, dims: int, divergence: str = "exact") -> int:
     """Configurations scored at a time by ``sets sample --energy`` unless ``--batch-size``
     says: :data:`SAMPLE_BATCH`, or for a continuous flow whose log-density takes the exact
-    trace (N D vector-Jacobian products per configuration and field evaluation, every
-    configuration of a batch solved together) :data:`EXACT_TRACE_PRODUCTS` // (N D).
+    trace (``divergence``; N D vector-Jacobian products per configuration and field
+    evaluation, every configuration of a batch solved together)
+    :data:`EXACT_TRACE_PRODUCTS` // (N D).
 
     Measured on one CPU core: an LJ13 flow (N D = 39) took about 5 s per configuration in
     batches of 10 and over 10 s in batches of 100; a DW4 flow (N D = 8) the same 0.12-0.13 s
@@ -188,7 +192,7 @@ def energy_batch_size(flow, dims: int) -> int:
     """
     from ..flows.continuous.cnf import CNF
 
-    if any(isinstance(m, CNF) and m.eval_divergence == "exact" for m in flow.modules()):
+    if divergence == "exact" and any(isinstance(m, CNF) for m in flow.modules()):
         return max(1, EXACT_TRACE_PRODUCTS // dims)
     return SAMPLE_BATCH
 
@@ -218,10 +222,19 @@ def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: 
         raise InputError(f"--set-size {args.set_size} with --energy: {system.name} has "
                          f"{system.particles} particles")
     flow = flow.double()  # weights in float64: exp(-E) / q spans many nats
+    divergence = args.divergence or "exact"
+    if args.divergence is not None:  # refused for flows without a trace, as by eval
+        _set_eval_divergence(flow, divergence, record)
+    if divergence == "hutchinson":
+        print("log q with Hutchinson's trace (one probe per configuration): unbiased, but the "
+              "weights exp(-E - log q) are not; the ESS and reweighted estimates below carry "
+              "that bias")
     generator = torch.Generator(device=device).manual_seed(args.seed)
-    batch_size = args.batch_size or energy_batch_size(flow, system.particles * system.dim)
+    batch_size = args.batch_size or energy_batch_size(flow, system.particles * system.dim,
+                                                      divergence)
     sample = boltzmann_sample(flow, system.energy, args.num, system.particles, generator,
-                              batch_size=batch_size, progress=not args.no_progress)
+                              batch_size=batch_size, progress=not args.no_progress,
+                              divergence=divergence)
     arrays = {name: getattr(sample, name).cpu().numpy()
               for name in ("x", "log_w", "energy", "log_q")}
     atomic_write(out, lambda handle: np.savez(handle, **arrays))
@@ -318,6 +331,10 @@ def add_sets_subparsers(subparsers) -> None:
     sample.add_argument("--energy", action="store_true", help="particle systems (dw4, lj13, "
                         "lj55): also write log importance weights -E - log q (float64) and "
                         "report the ESS and reweighted estimates")
+    sample.add_argument("--divergence", choices=("exact", "hutchinson"), help="with "
+                        "--energy, a continuous flow's trace in log q (default: exact, "
+                        "whatever the run scores with; hutchinson: one probe, affordable for "
+                        "large systems, but the weights exp(-E - log q) are then biased)")
     sample.add_argument("--json", action="store_true", help="with --energy: end with a JSON "
                         "line of the estimates")
     sample.add_argument("--threads", type=int, help="torch intra-op threads (default: "
