@@ -219,6 +219,9 @@ MUTANTS = [
            "parts = [self._field(t if t.shape[0] == 1 else t[start:start + chunk],",
            "parts = [self._field(t if t.shape[0] == 1 else t[:chunk],",
            ("tests/flows/continuous/test_egnn.py",)),
+    Edited("flowattn/flows/continuous/alignment.py", "assignment sweeps stopped once any row "
+           "settles", "if on_cpu and not swap.any():", "if on_cpu and not swap.all():",
+           ("tests/flows/continuous/test_alignment.py",)),
     Edited("flowattn/sets/boltzmann.py", "importance weights with the run's own trace",
            "            cnf.eval_divergence = divergence\n",
            "            pass\n",
