@@ -29,12 +29,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import statistics
-import time
 from unittest import mock
 
+import interleaved
 import torch
-from machine import cpu_name
 
 from flowattn.flows import EGNNField
 from flowattn.flows.continuous import egnn as egnn_module
@@ -52,17 +50,24 @@ def concatenated(layer, h, dist_sq, start_sq):
                                        dist_sq, start_sq], dim=-1))
 
 
-def mode(name: str) -> contextlib.ExitStack:
+def split_map_undone() -> contextlib.AbstractContextManager:
+    return mock.patch.object(egnn_module._EquivariantLayer, "_first_message_layer",
+                             concatenated)
+
+
+def one_pass() -> contextlib.AbstractContextManager:
+    return mock.patch.object(egnn_module, "PAIR_BYTES", 2**62)
+
+
+def both_before() -> contextlib.ExitStack:
     stack = contextlib.ExitStack()
-    if name in ("concatenated", "both as before"):
-        stack.enter_context(mock.patch.object(egnn_module._EquivariantLayer,
-                                              "_first_message_layer", concatenated))
-    if name in ("one pass", "both as before"):
-        stack.enter_context(mock.patch.object(egnn_module, "PAIR_BYTES", 2**62))
+    stack.enter_context(split_map_undone())
+    stack.enter_context(one_pass())
     return stack
 
 
-MODES = ["today", "concatenated", "one pass", "both as before"]
+MODES = {"today": contextlib.nullcontext, "concatenated": split_map_undone,
+         "one pass": one_pass, "both as before": both_before}
 
 
 def case(batch: int, n: int, device: str):
@@ -85,46 +90,24 @@ def case(batch: int, n: int, device: str):
     return run
 
 
+def agree(result: list[torch.Tensor], today: list[torch.Tensor]) -> bool:
+    """The same field and gradients to float32 rounding, relative to each tensor's norm
+    (sums over up to 10^5 pairs)."""
+    return all(torch.linalg.vector_norm(a - b) <= 1e-4 * torch.linalg.vector_norm(b)
+               for a, b in zip(result, today, strict=True))
+
+
 def timed(run, rounds: int, repeats: int, device: str) -> tuple[dict[str, float], bool]:
     """Median ms per call of each mode over interleaved rounds, and whether all agree."""
-    results, times = {}, {m: [] for m in MODES}
-    for m in MODES:  # warm-up, and the values to compare
-        with mode(m):
-            results[m] = run()
-    for _ in range(rounds):
-        for m in MODES:
-            with mode(m):
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    run()
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                times[m].append((time.perf_counter() - start) / repeats * 1e3)
-    # float32 rounding, relative to each tensor's norm (sums over up to 10^5 pairs)
-    same = all(torch.linalg.vector_norm(a - b) <= 1e-4 * torch.linalg.vector_norm(b)
-               for m in MODES[1:] for a, b in zip(results["today"], results[m], strict=True))
-    return {m: statistics.median(v) for m, v in times.items()}, same
+    return interleaved.timed(run, MODES, rounds, repeats, device, agree)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=2, help="calls timed per round")
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
+    interleaved.add_timing_arguments(parser, rounds=5, repeats=2)
     parser.add_argument("--quick", action="store_true", help="one round, DW4 and LJ13 only")
     args = parser.parse_args()
-    for name in ("rounds", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
-    print(f"device: {args.device} ({name}), threads: {torch.get_num_threads()}, "
-          f"torch {torch.__version__}, {rounds} interleaved round(s) of {repeats} call(s)\n")
+    rounds, repeats = interleaved.start(parser, args)
     print("| field, forward and backward | " + " | ".join(f"{m}, ms" for m in MODES)
           + " | same values |")
     print("| --- | " + " | ".join("---:" for _ in MODES) + " | --- |")

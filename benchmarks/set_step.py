@@ -36,13 +36,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import statistics
-import time
 from collections.abc import Callable
 from unittest import mock
 
+import interleaved
 import torch
-from machine import cpu_name
 
 from flowattn.attention import ContractiveL2MHA
 from flowattn.attention import l2 as l2_module
@@ -121,48 +119,26 @@ def product(batch: int, length: int, dim: int, heads: int, vectors: int,
     return step
 
 
+def agree(result: torch.Tensor, today: torch.Tensor) -> bool:
+    """The same values to float32 rounding."""
+    return torch.allclose(result, today, rtol=1e-4, atol=1e-6)
+
+
 def timed(run: Callable[[], torch.Tensor], modes: dict, rounds: int, repeats: int,
           device: str) -> tuple[dict[str, float], bool]:
     """Median ms per call of ``run`` in each mode (interleaved rounds), and whether every mode
     gave today's values."""
-    results = {}
-    for mode, context in modes.items():
-        with context():
-            results[mode] = run()  # warm-up, and the values compared
-    same = all(torch.allclose(r, results["today"], rtol=1e-4, atol=1e-6)
-               for r in results.values())
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for _ in range(rounds):
-        for mode, context in modes.items():
-            with context():
-                start = time.perf_counter()
-                for _ in range(repeats):
-                    run()
-                if device.startswith("cuda"):
-                    torch.cuda.synchronize()
-                times[mode].append((time.perf_counter() - start) / repeats * 1e3)
-    return {mode: statistics.median(t) for mode, t in times.items()}, same
+    return interleaved.timed(run, modes, rounds, repeats, device, agree)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--repeats", type=int, default=3, help="calls timed per round")
+    interleaved.add_timing_arguments(parser, rounds=7, repeats=3)
     parser.add_argument("--blocks", type=int, default=24, help="blocks of the flow")
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="one round, 4 blocks")
     args = parser.parse_args()
-    for name in ("rounds", "repeats", "blocks"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    rounds, repeats = (1, 1) if args.quick else (args.rounds, args.repeats)
+    rounds, repeats = interleaved.start(parser, args, ("rounds", "repeats", "blocks"))
     blocks = 4 if args.quick else args.blocks
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else cpu_name()
-    print(f"device: {args.device} ({name}), threads: {torch.get_num_threads()}, "
-          f"torch {torch.__version__}, {rounds} interleaved round(s) of {repeats} call(s)\n")
     cases = [(f"training step: splines + attention flow, {blocks} blocks, 64 x 8 x 2",
               flow_step(blocks, args.device), FLOW_MODES),
              ("product: 16 vectors, 64 x 8 x 2, 2 heads",

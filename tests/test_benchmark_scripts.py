@@ -325,7 +325,7 @@ def test_egnn_benchmark_times_each_speed_up_against_the_code_before_it(monkeypat
     original = module.EGNNField._field
     monkeypatch.setattr(module.EGNNField, "_field",
                         lambda self, *a: field_calls.append(a[1].shape[0]) or original(self, *a))
-    with egnn.mode("both as before"):
+    with egnn.MODES["both as before"]():
         assert module._EquivariantLayer._first_message_layer is not split
         run()
     assert field_calls == [3]  # one pass
@@ -336,3 +336,28 @@ def test_egnn_benchmark_times_each_speed_up_against_the_code_before_it(monkeypat
     assert field_calls == [1, 1, 1]
     medians, same = egnn.timed(run, 1, 1, "cpu")
     assert same and set(medians) == set(egnn.MODES)
+
+
+def test_interleaved_timing_reports_a_mode_whose_values_differ_from_todays(monkeypatch):
+    # benchmarks/interleaved.py: each mode's warm-up result is compared with today's
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    interleaved = _script("interleaved")
+    import contextlib
+
+    state = {"mode": None}
+
+    def context(name):
+        @contextlib.contextmanager
+        def enter():
+            state["mode"] = name
+            yield
+        return enter
+
+    modes = {"today": context("today"), "before": context("before")}
+    results = {"today": torch.zeros(2), "before": torch.zeros(2)}
+    medians, same = interleaved.timed(lambda: results[state["mode"]], modes, 2, 1, "cpu",
+                                      torch.equal)
+    assert same and set(medians) == {"today", "before"} and all(v >= 0 for v in medians.values())
+    results["before"] = torch.ones(2)
+    assert not interleaved.timed(lambda: results[state["mode"]], modes, 1, 1, "cpu",
+                                 torch.equal)[1]
