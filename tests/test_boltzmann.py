@@ -241,6 +241,11 @@ def test_weights_of_a_continuous_flow_take_the_exact_trace_whatever_its_evaluati
     code = main(["sets", "sample", "--checkpoint", str(run), "--num", "6", "--divergence",
                  "exact", "--out", str(tmp_path / "plain.npz")])
     assert code == 2 and "without --energy" in capsys.readouterr().err
+    residual = tiny_run(tmp_path, "dw4")  # its log-dets are its own: no trace to choose
+    capsys.readouterr()
+    code = main(["sets", "sample", "--checkpoint", str(residual), "--num", "6", "--energy",
+                 "--divergence", "exact", "--out", str(tmp_path / "residual.npz")])
+    assert code == 2 and "continuous flow's trace" in capsys.readouterr().err
 
 
 def test_sample_energy_on_data_without_an_energy_is_one_clear_line(tmp_path, capsys,

@@ -120,14 +120,19 @@ def _eval(args: argparse.Namespace) -> int:
 def _set_eval_divergence(flow, divergence: str, record: dict) -> None:
     """Score a continuous flow with ``divergence`` ("exact" or "hutchinson") instead of the
     run's own choice; anything else has no divergence to choose."""
+    for cnf in _solvers(flow, record):
+        cnf.eval_divergence = divergence
+
+
+def _solvers(flow, record: dict) -> list:
+    """The continuous flows in ``flow``, or a one-line error for a flow without a trace."""
     from ..flows.continuous.cnf import CNF
 
     solvers = [m for m in flow.modules() if isinstance(m, CNF)]
     if not solvers:
         raise InputError(f"--divergence chooses a continuous flow's trace; {record['path']} "
                          f"holds a {record['config'].flow.flow} flow (its log-dets are its own)")
-    for cnf in solvers:
-        cnf.eval_divergence = divergence
+    return solvers
 
 
 def _sample(args: argparse.Namespace) -> int:
@@ -222,9 +227,9 @@ def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: 
         raise InputError(f"--set-size {args.set_size} with --energy: {system.name} has "
                          f"{system.particles} particles")
     flow = flow.double()  # weights in float64: exp(-E) / q spans many nats
-    divergence = args.divergence or "exact"
+    divergence = args.divergence or "exact"  # boltzmann_sample sets it on the solvers
     if args.divergence is not None:  # refused for flows without a trace, as by eval
-        _set_eval_divergence(flow, divergence, record)
+        _solvers(flow, record)
     if divergence == "hutchinson":
         print("log q with Hutchinson's trace (one probe per configuration): unbiased, but the "
               "weights exp(-E - log q) are not; the ESS and reweighted estimates below carry "
