@@ -34,6 +34,7 @@ from unittest import mock
 import interleaved
 import torch
 
+from flowattn import passes
 from flowattn.flows import EGNNField
 from flowattn.flows.continuous import egnn as egnn_module
 
@@ -56,7 +57,7 @@ def split_map_undone() -> contextlib.AbstractContextManager:
 
 
 def one_pass() -> contextlib.AbstractContextManager:
-    return mock.patch.object(egnn_module, "PAIR_BYTES", 2**62)
+    return mock.patch.object(passes, "PAIR_BYTES", 2**62)
 
 
 def both_before() -> contextlib.ExitStack:

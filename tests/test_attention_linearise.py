@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from flowattn import passes
 from flowattn.attention import L2MHA, ContractiveL2MHA, l2
 from flowattn.errors import InputError
 
@@ -39,8 +40,18 @@ CASES = [
 ]
 
 
+def _rows_per_block(monkeypatch, rows, x, heads):
+    """Let each block of P's rows hold ``rows`` query rows of one vector (None: all at once)."""
+    if rows is not None:
+        b, n = x.shape[:2]
+        monkeypatch.setattr(passes, "PAIR_BYTES", rows * b * heads * n * x.element_size())
+
+
+@pytest.mark.parametrize("rows", [None, 2, 4])  # all rows; blocks of 2; blocks of 4 and 2
 @pytest.mark.parametrize("kwargs, heads, masked, causal", CASES)
-def test_contractive_linearise_gives_forward_and_the_autograd_vjp(kwargs, heads, masked, causal):
+def test_contractive_linearise_gives_forward_and_the_autograd_vjp(
+    monkeypatch, kwargs, heads, masked, causal, rows
+):
     torch.manual_seed(heads)
     f = ContractiveL2MHA(4, heads, coeff=0.9, **kwargs).double()
     if "self_offset" in kwargs or "position_bias" in kwargs:
@@ -48,6 +59,7 @@ def test_contractive_linearise_gives_forward_and_the_autograd_vjp(kwargs, heads,
             for p in f.attention.offsets.parameters():
                 p.add_(torch.randn_like(p))
     x, mask = _inputs(heads + 10 * masked + 20 * causal, masked)
+    _rows_per_block(monkeypatch, rows, x, heads)
     out, vjp = f.linearise(x, mask, causal)
     ref = f(x, mask, causal)
     assert torch.allclose(out, ref, rtol=1e-12, atol=1e-14)
@@ -59,6 +71,54 @@ def test_contractive_linearise_gives_forward_and_the_autograd_vjp(kwargs, heads,
     grid = torch.randn(2, 3, *x.shape, dtype=DT)  # two leading dimensions
     auto = _autograd_vjps(ref, x, grid.flatten(0, 1)).unflatten(0, (2, 3))
     assert torch.allclose(vjp(grid), auto, rtol=1e-11, atol=1e-13)
+
+
+@pytest.mark.parametrize("masked, causal", [(False, False), (True, True)])
+def test_blocks_of_rows_give_the_products_and_derivatives_of_one_block(monkeypatch, masked,
+                                                                      causal):
+    # the Neumann gradient differentiates the products again: w.r.t. x, w and the weights
+    torch.manual_seed(5)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, self_offset=1.0, position_bias=1.0).double()
+    x, mask = _inputs(7, masked, n=7)
+    w = torch.randn(3, *x.shape, dtype=DT, requires_grad=True)
+    u = torch.randn(3, *x.shape, dtype=DT)
+
+    def run():
+        out, vjp = f.linearise(x, mask, causal)
+        loss = (out * u[0]).sum() + (vjp(w) * u).sum()
+        inputs = [x, w, *f.parameters()]
+        grads = torch.autograd.grad(loss, inputs, create_graph=True)
+        # and once more: a third derivative of the attention
+        (again,) = torch.autograd.grad((grads[0] * u[1]).sum(), x)
+        return out, [g.detach() for g in grads] + [again]
+
+    whole, whole_grads = run()
+    for rows in (1, 3):  # blocks of one row; blocks of 3, 3 and 1
+        _rows_per_block(monkeypatch, rows, x, 2)
+        out, grads = run()
+        torch.testing.assert_close(out, whole, rtol=1e-12, atol=1e-14)
+        for got, want in zip(grads, whole_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+
+
+def test_blocks_of_rows_only_where_p_outgrows_a_pass(monkeypatch):
+    # small sets take all rows in one block: the code of one block, no slicing
+    f = ContractiveL2MHA(4, 2).double()
+    x, _ = _inputs(1, False, n=8)
+    calls = []
+    original = l2.L2MHA._probability_rows
+
+    def spy(self, q, k, r, mask, causal, rows=None):
+        calls.append(rows)
+        return original(self, q, k, r, mask, causal, rows)
+
+    monkeypatch.setattr(l2.L2MHA, "_probability_rows", spy)
+    f.linearise(x)
+    assert calls == [None]
+    calls.clear()
+    _rows_per_block(monkeypatch, 3, x, 2)
+    f.linearise(x)
+    assert calls == [slice(0, 3), slice(3, 6), slice(6, 9)]
 
 
 @pytest.mark.parametrize("masked, causal", [(False, False), (True, True)])

@@ -219,6 +219,13 @@ MUTANTS = [
            "parts = [self._field(t if t.shape[0] == 1 else t[start:start + chunk],",
            "parts = [self._field(t if t.shape[0] == 1 else t[:chunk],",
            ("tests/flows/continuous/test_egnn.py",)),
+    Edited("flowattn/attention/l2.py", "linearise's blocks of rows: one block's term of "
+           "every row kept", "others = parts[1] if others is None else others + parts[1]",
+           "others = parts[1]", ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "linearise's blocks of rows: the checkpointed block "
+           "given every row's cotangents", "checkpoint(_row_block_products, p, dy[..., i, :],",
+           "checkpoint(_row_block_products, p, dy[..., i.start:i.start + 1, :],",
+           ("tests/test_attention_linearise.py",)),
     Edited("flowattn/flows/continuous/alignment.py", "assignment sweeps stopped once any row "
            "settles", "if on_cpu and not swap.any():", "if on_cpu and not swap.all():",
            ("tests/flows/continuous/test_alignment.py",)),

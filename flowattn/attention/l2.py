@@ -11,18 +11,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import InputError
 from ..lipschitz import CERTIFICATES, _spectral_norm, l2_attention_bound
+from ..passes import per_pass
 from ..validation import check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
-from .kernels import attend
+from .kernels import _transformed, attend
 from .masking import (
     attention_mask,
     downscale,
     masked_mean,
-    masked_softmax,
     square_safe_limit,
     zero_padded,
 )
@@ -391,17 +392,31 @@ class L2MHA(nn.Module):
         (H, N, N) table before they are added."""
         centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
         q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied, always)
+        return self._probability_rows(q, k, r, mask, causal), q, r, scale
+
+    def _probability_rows(self, q, k, r, mask, causal, rows: slice | None = None) -> Tensor:
+        """The rows ``rows`` of P (all of them by default), (B, H, rows, N), from the centred
+        queries and keys q', k' and the factor r of :func:`_centred_and_scaled`."""
+        if rows is not None:
+            q = q[..., rows, :]
         sq = torch.sub(q.pow(2).sum(-1, keepdim=True), q @ k.transpose(-1, -2), alpha=2)
         logits = (sq + k.pow(2).sum(-1).unsqueeze(-2)) * (-1.0 / math.sqrt(self.head_dim))
         if r is not None:
             logits = logits * r
+        length = k.shape[2]
+        allowed = attention_mask(mask, causal, length, k.device)
+        if allowed is not None and rows is not None:
+            allowed = allowed[..., rows, :]
         if self.offsets is None:
-            return masked_softmax(logits, mask, causal), q, r, scale
-        extra = self.offsets(q.shape[2], q.device, logits.dtype)
-        allowed = attention_mask(mask, causal, q.shape[2], q.device)
+            if allowed is not None:
+                logits = logits.masked_fill(~allowed, -math.inf)
+            return torch.softmax(logits, dim=-1)
+        extra = self.offsets(length, k.device, logits.dtype)
+        if rows is not None:
+            extra = extra[..., rows, :]
         if allowed is not None:
             extra = extra.masked_fill(~allowed, -math.inf)
-        return torch.softmax(logits + extra, dim=-1), q, r, scale
+        return torch.softmax(logits + extra, dim=-1)
 
     def _written_out(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor | None]:
         if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d), from uncentred q
@@ -463,30 +478,57 @@ class L2MHA(nn.Module):
         q = split_heads(x @ w_q, heads)
         v = split_heads(x @ value_weight, heads)
         # The down-scaling factors always (1 for ordinary inputs): no host read to decide.
-        p, centred, r, scale = self._centred_probabilities(q, q, mask, causal, on_first=causal,
-                                                           always=True)
-        attended = _times_narrow(p, v)  # P V, (B, H, N, d)
+        centre = _first_present(q, mask) if causal else masked_mean(q, mask, dim=2)
+        centred, _, r, scale = _centred_and_scaled(q, q, centre, mask, True, always=True)
+        # P in blocks of query rows, each (B, H, rows, N) within PAIR_BYTES on the CPU (one
+        # block elsewhere, and for all but large sets)
+        batch, length = x.shape[:2]
+        row_bytes = batch * heads * length * x.element_size()
+        size = per_pass(row_bytes, length, x.device)
+        blocks = [slice(start, start + size) for start in range(0, length, size)]
+        if len(blocks) == 1:
+            blocks = [None]  # all rows, no slicing
+        p_blocks = [self._probability_rows(centred, centred, r, mask, causal, rows)
+                    for rows in blocks]
+        attended = _cat_rows([_times_narrow(p, v) for p in p_blocks])  # P V, (B, H, N, d)
         y = merge_heads(attended) @ self.w_o
         y = check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[True], scale)
         # logits r (-||q'_i - q'_j||^2) with q' = (q - centre) / s
         factor = (-2.0 / math.sqrt(d)) * r / scale
         present = None if mask is None else mask.unsqueeze(-1).to(x.dtype)
         w_o_t, w_q_t, value_weight_t = self.w_o.t(), w_q.t(), value_weight.t()
-        v_t, p_t = v.transpose(-1, -2), p.transpose(-1, -2)
+        v_t = v.transpose(-1, -2)
         # [q', 1]^T: one product with it gives S q' and the row sums of S together
         centred_t = torch.cat([centred, torch.ones_like(centred[..., :1])], -1).transpose(-1, -2)
 
         def vjp(w: Tensor) -> Tensor:
             g = w if present is None else w * present
             dy = split_heads_batched(g @ w_o_t, heads)  # (..., B, H, N, d)
-            # dL = P * (dP - rowsum(dP * P)), dP = dY V^T
-            dp = _each_times(dy, v_t)
-            dl = p * (dp - (p * dp).sum(-1, keepdim=True))
-            # sum_j S_ij (q_i - q_j) with S = dL + dL^T, from [q', 1]^T dL^T and [q', 1]^T dL
-            both = (_times_each(centred_t, dl.transpose(-1, -2))
-                    + _times_each(centred_t, dl)).transpose(-1, -2)
+            # P's blocks of rows, split further for a stack of vectors (dP grows with it)
+            vectors = math.prod(dy.shape[:-4])
+            rows_each = per_pass(row_bytes * vectors, length, x.device)
+            own, others, dv = [], None, None
+            start = 0
+            for p_block in p_blocks:
+                pieces = (p_block.split(rows_each, dim=-2) if p_block.shape[-2] > rows_each
+                          else [p_block])
+                for p in pieces:
+                    i = slice(start, start + p.shape[-2])
+                    start = i.stop
+                    if p.shape[-2] == length:  # one block: no slices
+                        parts = _row_block_products(p, dy, v_t, centred_t, centred_t)
+                    elif torch.is_grad_enabled() and not _transformed():
+                        # saved for a backward: P's block; recomputed there: the rest
+                        parts = checkpoint(_row_block_products, p, dy[..., i, :], v_t,
+                                           centred_t, centred_t[..., i], use_reentrant=False)
+                    else:
+                        parts = _row_block_products(p, dy[..., i, :], v_t, centred_t,
+                                                    centred_t[..., i])
+                    own.append(parts[0])
+                    others = parts[1] if others is None else others + parts[1]
+                    dv = parts[2] if dv is None else dv + parts[2]
+            both = (_cat_rows(own, dim=-1) + others).transpose(-1, -2)
             dq = factor * (centred * both[..., d:] - both[..., :d])
-            dv = _times_each(p_t, dy)  # P^T dY
             return merge_heads_batched(dv) @ value_weight_t + merge_heads_batched(dq) @ w_q_t
 
         return y, vjp
@@ -726,6 +768,26 @@ class ContractiveL2MHA(ContractiveAttention):
         if keep is not None:
             scale = scale * keep
         return y * scale, lambda w: attention_vjp(w * scale)
+
+
+def _row_block_products(p: Tensor, dy: Tensor, v_t: Tensor, centred_t: Tensor,
+                        centred_rows_t: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The products of :meth:`L2MHA.linearise`'s vector-Jacobian product from the rows i of
+    P (``p``), of the output cotangents (``dy``) and of [q', 1]^T (``centred_rows_t``):
+    [q', 1]^T dL^T for the rows i, [q', 1]^T dL for every row, and P^T dY, summed over
+    the blocks by the caller (``v_t`` = V^T, ``centred_t`` = [q', 1]^T of every row)."""
+    # dL = P * (dP - rowsum(dP * P)), dP = dY V^T
+    dp = _each_times(dy, v_t)
+    dl = p * (dp - (p * dp).sum(-1, keepdim=True))
+    # sum_j S_ij (q_i - q_j) with S = dL + dL^T: [q', 1]^T dL^T gives the rows i, and
+    # [q', 1]^T dL (from the rows i of dL) a term of every row
+    return (_times_each(centred_t, dl.transpose(-1, -2)), _times_each(centred_rows_t, dl),
+            _times_each(p.transpose(-1, -2), dy))  # P^T dY
+
+
+def _cat_rows(parts: list[Tensor], dim: int = -2) -> Tensor:
+    """The blocks ``parts`` joined along ``dim``: the one block itself where there is one."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 def _times_narrow(a: Tensor, b: Tensor) -> Tensor:

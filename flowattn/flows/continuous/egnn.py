@@ -37,14 +37,11 @@ import torch
 from torch import Tensor, nn
 
 from ...errors import InputError
+from ...passes import per_pass
 from ...validation import check_sets, present_weights
 from ..geometry import project, set_times
 
 __all__ = ["EGNNField"]
-
-# the largest (sets, N, N, H) pair tensor of one pass on the CPU, in bytes
-PAIR_BYTES = 2**24
-
 
 def _mlp(inputs: int, hidden: int, outputs: int, final_activation: bool) -> nn.Sequential:
     layers: list[nn.Module] = [nn.Linear(inputs, hidden), nn.SiLU(), nn.Linear(hidden, outputs)]
@@ -159,17 +156,16 @@ class EGNNField(nn.Module):
 
     def _chunk(self, z: Tensor) -> int:
         """How many sets of ``z`` one pass takes: on the CPU, as many as keep a (sets, N, N, H)
-        pair tensor within PAIR_BYTES (16 MB); elsewhere all of them.
+        pair tensor within :data:`~flowattn.passes.PAIR_BYTES` (16 MB); elsewhere all of them
+        (:func:`~flowattn.passes.per_pass`).
 
         A CPU allocator hands a block above a few tens of megabytes (glibc: 32 MB) straight
         from the operating system and back, so every pass over a fresh tensor of that size
         pays its page faults: for LJ55 (N = 55) at batch 100 a forward and backward took
         1.9 s in one pass and 0.57-0.67 s in passes of 25-50 sets (one thread). The sets are
         independent, so the result is the same."""
-        if z.device.type != "cpu":
-            return z.shape[0]
         width = self.embed_time.out_features
-        return max(1, PAIR_BYTES // (z.shape[1] ** 2 * width * z.element_size()))
+        return per_pass(z.shape[1] ** 2 * width * z.element_size(), z.shape[0], z.device)
 
     def _field(self, t: Tensor, z: Tensor, mask: Tensor | None) -> Tensor:
         """The field on one pass's sets (``t`` (1 or B, 1), checked inputs)."""

@@ -94,7 +94,7 @@ def test_first_message_map_equals_the_linear_map_of_the_concatenated_pair_featur
 
 @pytest.mark.parametrize("times", ["one", "per set"])
 def test_passes_of_a_few_sets_give_the_field_and_gradients_of_one_pass(monkeypatch, times):
-    from flowattn.flows.continuous import egnn
+    from flowattn import passes
 
     f, z = field(), randn(5, 6, 2, seed=8)
     mask = torch.ones(5, 6, dtype=torch.bool)
@@ -112,13 +112,13 @@ def test_passes_of_a_few_sets_give_the_field_and_gradients_of_one_pass(monkeypat
 
     whole, whole_grads = run()
     pair_bytes = 6 * 6 * 8 * 8  # one set of N = 6, H = 8 in float64
-    monkeypatch.setattr(egnn, "PAIR_BYTES", 2 * pair_bytes)
+    monkeypatch.setattr(passes, "PAIR_BYTES", 2 * pair_bytes)
     assert f._chunk(z) == 2  # passes of 2, 2 and 1 sets
     chunked, chunked_grads = run()
     torch.testing.assert_close(chunked, whole, rtol=1e-12, atol=1e-12)
     for got, want in zip(chunked_grads, whole_grads, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
-    monkeypatch.setattr(egnn, "PAIR_BYTES", 1)
+    monkeypatch.setattr(passes, "PAIR_BYTES", 1)
     assert f._chunk(z) == 1  # at least one set a pass
 
 
