@@ -222,10 +222,13 @@ MUTANTS = [
     Edited("flowattn/attention/l2.py", "linearise's blocks of rows: one block's term of "
            "every row kept", "others = parts[1] if others is None else others + parts[1]",
            "others = parts[1]", ("tests/test_attention_linearise.py",)),
-    Edited("flowattn/attention/l2.py", "linearise's blocks of rows: the checkpointed block "
-           "given every row's cotangents", "checkpoint(_row_block_products, p, dy[..., i, :],",
-           "checkpoint(_row_block_products, p, dy[..., i.start:i.start + 1, :],",
+    Edited("flowattn/attention/l2.py", "linearise's blocks of rows: each block given its "
+           "first row's cotangents", "_recorded(self._block_products, centred, r, dy[..., i, :],",
+           "_recorded(self._block_products, centred, r, dy[..., i.start:i.start + 1, :],",
            ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "linearise's blocks of rows: the output's blocks all "
+           "of the first rows", "slice(start, start + size))\n                for start",
+           "slice(0, size))\n                for start", ("tests/test_attention_linearise.py",)),
     Edited("flowattn/flows/continuous/alignment.py", "assignment sweeps stopped once any row "
            "settles", "if on_cpu and not swap.any():", "if on_cpu and not swap.all():",
            ("tests/flows/continuous/test_alignment.py",)),

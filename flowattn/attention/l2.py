@@ -480,17 +480,20 @@ class L2MHA(nn.Module):
         # The down-scaling factors always (1 for ordinary inputs): no host read to decide.
         centre = _first_present(q, mask) if causal else masked_mean(q, mask, dim=2)
         centred, _, r, scale = _centred_and_scaled(q, q, centre, mask, True, always=True)
-        # P in blocks of query rows, each (B, H, rows, N) within PAIR_BYTES on the CPU (one
-        # block elsewhere, and for all but large sets)
+        # On the CPU, once a (B, H, N, N) matrix outgrows PAIR_BYTES, P is not kept: blocks of
+        # its query rows within that size are computed wherever they are needed
         batch, length = x.shape[:2]
         row_bytes = batch * heads * length * x.element_size()
-        size = per_pass(row_bytes, length, x.device)
-        blocks = [slice(start, start + size) for start in range(0, length, size)]
-        if len(blocks) == 1:
-            blocks = [None]  # all rows, no slicing
-        p_blocks = [self._probability_rows(centred, centred, r, mask, causal, rows)
-                    for rows in blocks]
-        attended = _cat_rows([_times_narrow(p, v) for p in p_blocks])  # P V, (B, H, N, d)
+        keep = per_pass(row_bytes, length, x.device) >= length
+        if keep:
+            p = self._probability_rows(centred, centred, r, mask, causal)
+            attended = _times_narrow(p, v)  # P V, (B, H, N, d)
+        else:
+            size = per_pass(row_bytes, length, x.device)
+            attended = torch.cat([
+                _recorded(self._block_attended, centred, r, v, mask, causal,
+                          slice(start, start + size))
+                for start in range(0, length, size)], dim=-2)
         y = merge_heads(attended) @ self.w_o
         y = check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[True], scale)
         # logits r (-||q'_i - q'_j||^2) with q' = (q - centre) / s
@@ -504,34 +507,34 @@ class L2MHA(nn.Module):
         def vjp(w: Tensor) -> Tensor:
             g = w if present is None else w * present
             dy = split_heads_batched(g @ w_o_t, heads)  # (..., B, H, N, d)
-            # P's blocks of rows, split further for a stack of vectors (dP grows with it)
-            vectors = math.prod(dy.shape[:-4])
-            rows_each = per_pass(row_bytes * vectors, length, x.device)
-            own, others, dv = [], None, None
-            start = 0
-            for p_block in p_blocks:
-                pieces = (p_block.split(rows_each, dim=-2) if p_block.shape[-2] > rows_each
-                          else [p_block])
-                for p in pieces:
-                    i = slice(start, start + p.shape[-2])
-                    start = i.stop
-                    if p.shape[-2] == length:  # one block: no slices
-                        parts = _row_block_products(p, dy, v_t, centred_t, centred_t)
-                    elif torch.is_grad_enabled() and not _transformed():
-                        # saved for a backward: P's block; recomputed there: the rest
-                        parts = checkpoint(_row_block_products, p, dy[..., i, :], v_t,
-                                           centred_t, centred_t[..., i], use_reentrant=False)
-                    else:
-                        parts = _row_block_products(p, dy[..., i, :], v_t, centred_t,
-                                                    centred_t[..., i])
+            if keep:
+                own, others, dv = _row_block_products(p, dy, v_t, centred_t, centred_t)
+                both = (own + others).transpose(-1, -2)
+            else:  # blocks of rows within PAIR_BYTES for this stack of vectors
+                size = per_pass(row_bytes * math.prod(dy.shape[:-4]), length, x.device)
+                own, others, dv = [], None, None
+                for start in range(0, length, size):
+                    i = slice(start, start + size)
+                    parts = _recorded(self._block_products, centred, r, dy[..., i, :], v_t,
+                                      centred_t, centred_t[..., i], mask, causal, i)
                     own.append(parts[0])
                     others = parts[1] if others is None else others + parts[1]
                     dv = parts[2] if dv is None else dv + parts[2]
-            both = (_cat_rows(own, dim=-1) + others).transpose(-1, -2)
+                both = (torch.cat(own, dim=-1) + others).transpose(-1, -2)
             dq = factor * (centred * both[..., d:] - both[..., :d])
             return merge_heads_batched(dv) @ value_weight_t + merge_heads_batched(dq) @ w_q_t
 
         return y, vjp
+
+    def _block_attended(self, centred, r, v, mask, causal, rows: slice) -> Tensor:
+        """(P V) for the query rows ``rows``, P's block recomputed from the centred queries."""
+        return _times_narrow(self._probability_rows(centred, centred, r, mask, causal, rows), v)
+
+    def _block_products(self, centred, r, dy, v_t, centred_t, centred_rows_t, mask, causal,
+                        rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`_row_block_products` for the query rows ``rows``, P's block recomputed."""
+        p = self._probability_rows(centred, centred, r, mask, causal, rows)
+        return _row_block_products(p, dy, v_t, centred_t, centred_rows_t)
 
     def _reference(self, q, k, x, mask, causal, dropout) -> Tensor:
         # eq. (14) of App. E taken literally: ||q_i||^2 - 2 q_i.k_j + ||k_j||^2
@@ -785,9 +788,13 @@ def _row_block_products(p: Tensor, dy: Tensor, v_t: Tensor, centred_t: Tensor,
             _times_each(p.transpose(-1, -2), dy))  # P^T dY
 
 
-def _cat_rows(parts: list[Tensor], dim: int = -2) -> Tensor:
-    """The blocks ``parts`` joined along ``dim``: the one block itself where there is one."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+def _recorded(function: Callable, *args):
+    """``function(*args)``; where gradients are recorded, under ``torch.utils.checkpoint``: its
+    backward keeps the inputs and computes the rest again (a block of P and the products with
+    it), so no (B, H, rows, N) tensor outlives the call."""
+    if torch.is_grad_enabled() and not _transformed():
+        return checkpoint(function, *args, use_reentrant=False)
+    return function(*args)
 
 
 def _times_narrow(a: Tensor, b: Tensor) -> Tensor:
