@@ -21,10 +21,10 @@ __all__ = ["PAIR_BYTES", "per_pass"]
 PAIR_BYTES = 2**24
 
 
-def per_pass(item_bytes: int, items: int, device: torch.device) -> int:
+def per_pass(item_bytes: int, items: int, device: torch.device, limit: int | None = None) -> int:
     """How many of ``items`` slices one pass takes, each slice putting ``item_bytes`` into the
-    largest tensor of the pass: on the CPU as many as keep that tensor within
-    :data:`PAIR_BYTES` (at least one), elsewhere all of them.
+    largest tensor of the pass: on the CPU as many as keep that tensor within ``limit`` bytes
+    (:data:`PAIR_BYTES` by default; at least one slice), elsewhere all of them.
 
     Examples:
         >>> per_pass(2**20, 100, torch.device("cpu"))  # 1 MiB a slice: 16 a pass
@@ -34,4 +34,5 @@ def per_pass(item_bytes: int, items: int, device: torch.device) -> int:
     """
     if device.type != "cpu":
         return items
-    return max(1, min(items, PAIR_BYTES // max(1, item_bytes)))
+    limit = PAIR_BYTES if limit is None else limit
+    return max(1, min(items, limit // max(1, item_bytes)))

@@ -41,10 +41,13 @@ CASES = [
 
 
 def _rows_per_block(monkeypatch, rows, x, heads):
-    """Let each block of P's rows hold ``rows`` query rows of one vector (None: all at once)."""
+    """Let each block of P's rows hold ``rows`` query rows of one vector (None: all at once,
+    P kept)."""
     if rows is not None:
         b, n = x.shape[:2]
-        monkeypatch.setattr(passes, "PAIR_BYTES", rows * b * heads * n * x.element_size())
+        row_bytes = b * heads * n * x.element_size()
+        monkeypatch.setattr(passes, "PAIR_BYTES", (n - 1) * row_bytes)  # P not kept
+        monkeypatch.setattr(l2, "BLOCK_BYTES", rows * row_bytes)
 
 
 @pytest.mark.parametrize("rows", [None, 2, 4])  # all rows; blocks of 2; blocks of 4 and 2
@@ -113,6 +116,12 @@ def test_blocks_of_rows_only_where_p_outgrows_a_pass(monkeypatch):
         return original(self, q, k, r, mask, causal, rows)
 
     monkeypatch.setattr(l2.L2MHA, "_probability_rows", spy)
+    f.linearise(x)
+    assert calls == [None]
+    calls.clear()
+    row_bytes = 3 * 2 * 8 * 8  # B H N, float64
+    monkeypatch.setattr(passes, "PAIR_BYTES", 8 * row_bytes)  # P just within a pass: kept
+    monkeypatch.setattr(l2, "BLOCK_BYTES", row_bytes)
     f.linearise(x)
     assert calls == [None]
     calls.clear()

@@ -226,6 +226,10 @@ MUTANTS = [
            "first row's cotangents", "_recorded(self._block_products, centred, r, dy[..., i, :],",
            "_recorded(self._block_products, centred, r, dy[..., i.start:i.start + 1, :],",
            ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "linearise's blocks of rows also for a P within a "
+           "pass", "keep = per_pass(row_bytes, length, x.device) >= length",
+           "keep = per_pass(row_bytes, length, x.device) > length",
+           ("tests/test_attention_linearise.py",)),
     Edited("flowattn/attention/l2.py", "linearise's blocks of rows: the output's blocks all "
            "of the first rows", "slice(start, start + size))\n                for start",
            "slice(0, size))\n                for start", ("tests/test_attention_linearise.py",)),
