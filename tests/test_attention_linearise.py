@@ -95,13 +95,21 @@ def test_blocks_of_rows_give_the_products_and_derivatives_of_one_block(monkeypat
         (again,) = torch.autograd.grad((grads[0] * u[1]).sum(), x)
         return out, [g.detach() for g in grads] + [again]
 
+    def graph_free():  # evaluation: P's blocks kept once, split further for three vectors
+        with torch.no_grad():
+            out, vjp = f.linearise(x, mask, causal)
+            return out, vjp(w), vjp(w[0]), vjp(w)
+
     whole, whole_grads = run()
-    for rows in (1, 3):  # blocks of one row; blocks of 3, 3 and 1
+    whole_free = graph_free()
+    for rows in (1, 3, 6):  # blocks of 1; of 3, 3 and 1; of 6 and 1 (pieces of 2 for 3 vectors)
         _rows_per_block(monkeypatch, rows, x, 2)
         out, grads = run()
         torch.testing.assert_close(out, whole, rtol=1e-12, atol=1e-14)
         for got, want in zip(grads, whole_grads, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+        for got, want in zip(graph_free(), whole_free, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 def test_blocks_of_rows_only_where_p_outgrows_a_pass(monkeypatch):
@@ -126,8 +134,25 @@ def test_blocks_of_rows_only_where_p_outgrows_a_pass(monkeypatch):
     assert calls == [None]
     calls.clear()
     _rows_per_block(monkeypatch, 3, x, 2)
+    blocks = [slice(0, 3), slice(3, 6), slice(6, 9)]
     f.linearise(x)
-    assert calls == [slice(0, 3), slice(3, 6), slice(6, 9)]
+    assert calls == blocks
+    calls.clear()
+    with torch.no_grad():  # graph-free: the blocks once, kept for every product
+        _, vjp = f.linearise(x)
+        vjp(x), vjp(x)
+    assert calls == blocks
+    calls.clear()
+    rows = []  # and a stack of three vectors takes them a row at a time (dP three times larger)
+    products = l2._row_block_products
+    monkeypatch.setattr(l2, "_row_block_products",
+                        lambda p, *a: rows.append(p.shape[-2]) or products(p, *a))
+    with torch.no_grad():
+        vjp(torch.stack([x, x, x]))
+    assert rows == [1] * 8
+    _, vjp = f.linearise(x)  # recorded: every product computes its blocks again
+    vjp(x)
+    assert calls == blocks * 2
 
 
 @pytest.mark.parametrize("masked, causal", [(False, False), (True, True)])

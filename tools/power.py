@@ -231,8 +231,11 @@ MUTANTS = [
            "keep = per_pass(row_bytes, length, x.device) > length",
            ("tests/test_attention_linearise.py",)),
     Edited("flowattn/attention/l2.py", "linearise's blocks of rows: the output's blocks all "
-           "of the first rows", "slice(start, start + size))\n                for start",
-           "slice(0, size))\n                for start", ("tests/test_attention_linearise.py",)),
+           "of the first rows", "blocks = [slice(start, start + size) for start in",
+           "blocks = [slice(0, size) for start in", ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "linearise's kept blocks of rows not split for a "
+           "stack of vectors", "for piece in block.split(size, dim=-2)]",
+           "for piece in [block]]", ("tests/test_attention_linearise.py",)),
     Edited("flowattn/flows/continuous/alignment.py", "assignment sweeps stopped once any row "
            "settles", "if on_cpu and not swap.any():", "if on_cpu and not swap.all():",
            ("tests/flows/continuous/test_alignment.py",)),

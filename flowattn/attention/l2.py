@@ -494,10 +494,23 @@ class L2MHA(nn.Module):
             attended = _times_narrow(p, v)  # P V, (B, H, N, d)
         else:
             size = per_pass(row_bytes, length, x.device, BLOCK_BYTES)
-            attended = torch.cat([
-                _recorded(self._block_attended, centred, r, v, mask, causal,
-                          slice(start, start + size))
-                for start in range(0, length, size)], dim=-2)
+            blocks = [slice(start, start + size) for start in range(0, length, size)]
+            kept: list[Tensor] = []
+
+            def kept_blocks() -> list[Tensor]:
+                """P's blocks without a graph, for the calls that record nothing (evaluation,
+                the terms of a log-det's power series): computed at the first such call."""
+                if not kept:
+                    with torch.no_grad():
+                        kept.extend(self._probability_rows(centred, centred, r, mask, causal, i)
+                                    for i in blocks)
+                return kept
+
+            if _graph_free():
+                attended = torch.cat([_times_narrow(p, v) for p in kept_blocks()], dim=-2)
+            else:
+                attended = torch.cat([_recorded(self._block_attended, centred, r, v, mask,
+                                                causal, i) for i in blocks], dim=-2)
         y = merge_heads(attended) @ self.w_o
         y = check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[True], scale)
         # logits r (-||q'_i - q'_j||^2) with q' = (q - centre) / s
@@ -514,14 +527,25 @@ class L2MHA(nn.Module):
             if keep:
                 own, others, dv = _row_block_products(p, dy, v_t, centred_t, centred_t)
                 both = (own + others).transpose(-1, -2)
-            else:  # blocks of rows within PAIR_BYTES for this stack of vectors
+            else:  # blocks of rows within BLOCK_BYTES for this stack of vectors
                 size = per_pass(row_bytes * math.prod(dy.shape[:-4]), length, x.device,
                                 BLOCK_BYTES)
                 own, others, dv = [], None, None
-                for start in range(0, length, size):
-                    i = slice(start, start + size)
-                    parts = _recorded(self._block_products, centred, r, dy[..., i, :], v_t,
-                                      centred_t, centred_t[..., i], mask, causal, i)
+                if _graph_free():  # the kept blocks, split further for a stack of vectors
+                    pieces = [piece for block in kept_blocks()
+                              for piece in block.split(size, dim=-2)]
+                else:
+                    pieces = [None] * -(-length // size)
+                start = 0
+                for piece in pieces:
+                    i = slice(start, start + size if piece is None else start + piece.shape[-2])
+                    start = i.stop
+                    if piece is None:
+                        parts = _recorded(self._block_products, centred, r, dy[..., i, :], v_t,
+                                          centred_t, centred_t[..., i], mask, causal, i)
+                    else:
+                        parts = _row_block_products(piece, dy[..., i, :], v_t, centred_t,
+                                                    centred_t[..., i])
                     own.append(parts[0])
                     others = parts[1] if others is None else others + parts[1]
                     dv = parts[2] if dv is None else dv + parts[2]
@@ -791,6 +815,12 @@ def _row_block_products(p: Tensor, dy: Tensor, v_t: Tensor, centred_t: Tensor,
     # [q', 1]^T dL (from the rows i of dL) a term of every row
     return (_times_each(centred_t, dl.transpose(-1, -2)), _times_each(centred_rows_t, dl),
             _times_each(p.transpose(-1, -2), dy))  # P^T dY
+
+
+def _graph_free() -> bool:
+    """Whether no derivative is being recorded: gradients off and no ``torch.func`` transform
+    (whose derivatives need the operations themselves)."""
+    return not torch.is_grad_enabled() and not _transformed()
 
 
 def _recorded(function: Callable, *args):
