@@ -110,6 +110,15 @@ def test_blocks_of_rows_give_the_products_and_derivatives_of_one_block(monkeypat
             torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
         for got, want in zip(graph_free(), whole_free, strict=True):
             torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    # P kept whole, but a stack of three vectors too large for one pass: P's rows in pieces
+    row_bytes = 3 * 2 * 7 * 8  # B H N, float64
+    monkeypatch.setattr(passes, "PAIR_BYTES", 7 * row_bytes)
+    monkeypatch.setattr(l2, "BLOCK_BYTES", 3 * row_bytes)  # one row of three vectors a piece
+    out, grads = run()
+    for got, want in zip([out, *grads], [whole, *whole_grads], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-13)
+    for got, want in zip(graph_free(), whole_free, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
 def test_blocks_of_rows_only_where_p_outgrows_a_pass(monkeypatch):
@@ -130,8 +139,15 @@ def test_blocks_of_rows_only_where_p_outgrows_a_pass(monkeypatch):
     row_bytes = 3 * 2 * 8 * 8  # B H N, float64
     monkeypatch.setattr(passes, "PAIR_BYTES", 8 * row_bytes)  # P just within a pass: kept
     monkeypatch.setattr(l2, "BLOCK_BYTES", row_bytes)
-    f.linearise(x)
-    assert calls == [None]
+    with torch.no_grad():
+        _, vjp = f.linearise(x)
+        pieces = []  # a stack of three vectors: dP three times P, so P's rows one at a time
+        products = l2._row_block_products
+        monkeypatch.setattr(l2, "_row_block_products",
+                            lambda p, *a: pieces.append(p.shape[-2]) or products(p, *a))
+        vjp(torch.stack([x, x, x]))
+        monkeypatch.setattr(l2, "_row_block_products", products)
+    assert calls == [None] and pieces == [1] * 8
     calls.clear()
     _rows_per_block(monkeypatch, 3, x, 2)
     blocks = [slice(0, 3), slice(3, 6), slice(6, 9)]

@@ -230,6 +230,9 @@ MUTANTS = [
            "pass", "keep = per_pass(row_bytes, length, x.device) >= length",
            "keep = per_pass(row_bytes, length, x.device) > length",
            ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "linearise's kept P not split for a stack of vectors",
+           "if keep and per_pass(vectors * row_bytes, length, x.device) >= length:",
+           "if keep:", ("tests/test_attention_linearise.py",)),
     Edited("flowattn/attention/l2.py", "linearise's blocks of rows: the output's blocks all "
            "of the first rows", "blocks = [slice(start, start + size) for start in",
            "blocks = [slice(0, size) for start in", ("tests/test_attention_linearise.py",)),

@@ -524,14 +524,16 @@ class L2MHA(nn.Module):
         def vjp(w: Tensor) -> Tensor:
             g = w if present is None else w * present
             dy = split_heads_batched(g @ w_o_t, heads)  # (..., B, H, N, d)
-            if keep:
+            vectors = math.prod(dy.shape[:-4])
+            if keep and per_pass(vectors * row_bytes, length, x.device) >= length:
                 own, others, dv = _row_block_products(p, dy, v_t, centred_t, centred_t)
                 both = (own + others).transpose(-1, -2)
-            else:  # blocks of rows within BLOCK_BYTES for this stack of vectors
-                size = per_pass(row_bytes * math.prod(dy.shape[:-4]), length, x.device,
-                                BLOCK_BYTES)
+            else:  # blocks of rows within BLOCK_BYTES for this stack of vectors (dP's size)
+                size = per_pass(vectors * row_bytes, length, x.device, BLOCK_BYTES)
                 own, others, dv = [], None, None
-                if _graph_free():  # the kept blocks, split further for a stack of vectors
+                if keep:  # P's rows, with its graph where one is recorded
+                    pieces = list(p.split(size, dim=-2))
+                elif _graph_free():  # the kept blocks, split further
                     pieces = [piece for block in kept_blocks()
                               for piece in block.split(size, dim=-2)]
                 else:
