@@ -353,3 +353,20 @@ def test_linearise_raises_on_overflow_like_the_forward_pass():
     out, vjp = f.linearise(x * 1e-8)  # 1e30: down-scaled, finite, the forward's values
     assert torch.isfinite(out).all()
     assert torch.allclose(out, f(x * 1e-8), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_masks_and_offsets_of_some_rows_are_those_rows_of_the_whole(causal):
+    # a block of rows builds its own (rows, N) mask and offsets, not the whole (N, N) ones
+    from flowattn.attention.masking import attention_mask
+
+    mask = torch.rand(2, 7, generator=torch.Generator().manual_seed(0)) < 0.6
+    rows = slice(2, 5)
+    whole = attention_mask(mask, causal, 7, "cpu")
+    assert torch.equal(attention_mask(mask, causal, 7, "cpu", rows), whole[..., rows, :])
+    f = L2MHA(4, 2, self_offset=1.0, position_bias=1.0, max_distance=3).double()
+    with torch.no_grad():
+        for p in f.offsets.parameters():
+            p.add_(torch.randn_like(p))
+    whole = f.offsets(7)
+    assert torch.equal(f.offsets(7, rows=rows), whole[..., rows, :])

@@ -394,9 +394,14 @@ class L2MHA(nn.Module):
         matrices stay those of earlier versions bit for bit), with as few passes over the
         (B, H, N, N) logits as that allows: the offsets meet the hidden keys' -inf on their own
         (H, N, N) table before they are added."""
-        centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
-        q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied, always)
+        q, k, r, scale = self._centred(q, k, mask, on_first, always)
         return self._probability_rows(q, k, r, mask, causal), q, r, scale
+
+    def _centred(self, q, k, mask, on_first: bool, always: bool = False):
+        """(q', k', r, s) of :func:`_centred_and_scaled`, centred on the first present key
+        (``on_first``) or the mean key."""
+        centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
+        return _centred_and_scaled(q, k, centre, mask, self.tied, always)
 
     def _probability_rows(self, q, k, r, mask, causal, rows: slice | None = None) -> Tensor:
         """The rows ``rows`` of P (all of them by default), (B, H, rows, N), from the centred
@@ -408,16 +413,12 @@ class L2MHA(nn.Module):
         if r is not None:
             logits = logits * r
         length = k.shape[2]
-        allowed = attention_mask(mask, causal, length, k.device)
-        if allowed is not None and rows is not None:
-            allowed = allowed[..., rows, :]
+        allowed = attention_mask(mask, causal, length, k.device, rows)
         if self.offsets is None:
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, -math.inf)
             return torch.softmax(logits, dim=-1)
-        extra = self.offsets(length, k.device, logits.dtype)
-        if rows is not None:
-            extra = extra[..., rows, :]
+        extra = self.offsets(length, k.device, logits.dtype, rows)
         if allowed is not None:
             extra = extra.masked_fill(~allowed, -math.inf)
         return torch.softmax(logits + extra, dim=-1)
@@ -482,8 +483,7 @@ class L2MHA(nn.Module):
         q = split_heads(x @ w_q, heads)
         v = split_heads(x @ value_weight, heads)
         # The down-scaling factors always (1 for ordinary inputs): no host read to decide.
-        centre = _first_present(q, mask) if causal else masked_mean(q, mask, dim=2)
-        centred, _, r, scale = _centred_and_scaled(q, q, centre, mask, True, always=True)
+        centred, _, r, scale = self._centred(q, q, mask, on_first=causal, always=True)
         # On the CPU, once a (B, H, N, N) matrix outgrows PAIR_BYTES, P is not kept: blocks of
         # its query rows within BLOCK_BYTES are computed wherever they are needed
         batch, length = x.shape[:2]

@@ -18,8 +18,10 @@ __all__ = [
 ]
 
 
-def attention_mask(mask: Tensor | None, causal: bool, length: int, device) -> Tensor | None:
-    """Boolean (B or 1, 1, N, N) mask, True where query i may attend to key j.
+def attention_mask(mask: Tensor | None, causal: bool, length: int, device,
+                   rows: slice | None = None) -> Tensor | None:
+    """Boolean (B or 1, 1, N, N) mask, True where query i may attend to key j; with ``rows``,
+    only those query rows (B or 1, 1, rows, N).
 
     Key j is visible to query i when j is present (and j <= i if causal). Every element also
     attends to itself, present or not: Kim et al. (2021, App. G) need (i, i) unmasked for the
@@ -28,10 +30,13 @@ def attention_mask(mask: Tensor | None, causal: bool, length: int, device) -> Te
     """
     if mask is None and not causal:
         return None
-    eye = torch.eye(length, dtype=torch.bool, device=device)
-    allowed = torch.ones(length, length, dtype=torch.bool, device=device)
+    keys = torch.arange(length, device=device)
+    queries = keys if rows is None else keys[rows]
+    eye = queries[:, None] == keys[None, :]
     if causal:
-        allowed = torch.tril(allowed)
+        allowed = queries[:, None] >= keys[None, :]
+    else:
+        allowed = torch.ones(len(queries), length, dtype=torch.bool, device=device)
     allowed = allowed[None, None]
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]

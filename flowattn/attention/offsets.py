@@ -142,19 +142,21 @@ class LogitOffsets(nn.Module):
         beta = self.offset()
         return sums if beta is None else sums * beta.exp()
 
-    def forward(self, length: int, device=None, dtype=None) -> Tensor:
-        """The additive offsets (H, N, N) of the logits of a sequence of ``length`` elements."""
+    def forward(self, length: int, device=None, dtype=None, rows: slice | None = None) -> Tensor:
+        """The additive offsets (H, N, N) of the logits of a sequence of ``length`` elements;
+        with ``rows``, only those query rows (H, rows, N)."""
         ref = self.offset_logit if self.offset_logit is not None else self.position_logit
         device = ref.device if device is None else device
         dtype = ref.dtype if dtype is None else dtype
-        eye = torch.eye(length, device=device, dtype=dtype)
+        pos = torch.arange(length, device=device)
+        queries = pos if rows is None else pos[rows]
+        eye = (queries[:, None] == pos[None, :]).to(dtype)
         table = self.position_table()
         if table is None:
-            out = torch.zeros(self.heads, length, length, device=device, dtype=dtype)
+            out = torch.zeros(self.heads, len(queries), length, device=device, dtype=dtype)
         else:
-            pos = torch.arange(length, device=device)
             k = self.max_distance
-            index = (pos[:, None] - pos[None, :]).clamp(-k, k) + k
+            index = (queries[:, None] - pos[None, :]).clamp(-k, k) + k
             out = table.to(device=device, dtype=dtype)[:, index]
         beta = self.offset()
         if beta is not None:
