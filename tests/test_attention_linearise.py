@@ -128,9 +128,9 @@ def test_blocks_of_rows_only_where_p_outgrows_a_pass(monkeypatch):
     calls = []
     original = l2.L2MHA._probability_rows
 
-    def spy(self, q, k, r, mask, causal, rows=None):
+    def spy(self, q, k, r, mask, causal, rows=None, *parts):
         calls.append(rows)
-        return original(self, q, k, r, mask, causal, rows)
+        return original(self, q, k, r, mask, causal, rows, *parts)
 
     monkeypatch.setattr(l2.L2MHA, "_probability_rows", spy)
     f.linearise(x)
@@ -370,3 +370,50 @@ def test_masks_and_offsets_of_some_rows_are_those_rows_of_the_whole(causal):
             p.add_(torch.randn_like(p))
     whole = f.offsets(7)
     assert torch.equal(f.offsets(7, rows=rows), whole[..., rows, :])
+
+
+def test_recorded_blocks_keep_no_operation_of_a_block_in_the_graph(monkeypatch):
+    # each recorded block is one node whose backward computes it again: none of its
+    # operations (the softmax of its logits, the products with P) is recorded in the forward
+    torch.manual_seed(3)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, self_offset=1.0).double()
+    x, _ = _inputs(2, False, n=7)
+    _rows_per_block(monkeypatch, 3, x, 2)  # blocks of 3, 3 and 1 rows
+    out, vjp = f.linearise(x)
+    product = vjp(torch.randn_like(x))
+    for y in (out, product):
+        names, seen, stack = [], set(), [y.grad_fn]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            names.append(node.name())
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        assert not any("Softmax" in name for name in names)
+        assert sum("Recomputed" in name for name in names) == 3
+
+
+def test_recomputed_derivatives_are_those_of_the_call_to_every_order():
+    # arguments computed from one another (a transpose, a slice), a non-tensor argument:
+    # the derivatives w.r.t. each are those of the call alone, to the third order
+    gen = torch.Generator().manual_seed(0)
+    a0 = torch.randn(4, 3, dtype=DT, generator=gen, requires_grad=True)
+    c0 = torch.randn(5, dtype=DT, generator=gen, requires_grad=True)
+
+    def function(a, b, c, rows):
+        return (a[rows] * c.sum()).tanh() @ b, (b * c[1:4].prod()).exp()
+
+    def derivatives(call):
+        a, c = a0 * 1.5, c0.sin()
+        out = call(function, a, a.t()[:, 1:], c[1:], slice(1, 3))
+        loss = out[0].pow(2).sum() + out[1].sum()
+        first = torch.autograd.grad(loss, [a0, c0], create_graph=True)
+        second = torch.autograd.grad(first[0].pow(2).sum() + first[1].sum(), [a0, c0],
+                                     create_graph=True)
+        third = torch.autograd.grad(second[0].sum() * second[1].sum(), [a0, c0])
+        return [*first, *second, *third]
+
+    for got, want in zip(derivatives(l2._Recomputed.apply),
+                         derivatives(lambda fn, *args: fn(*args)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)

@@ -239,6 +239,17 @@ MUTANTS = [
     Edited("flowattn/attention/l2.py", "linearise's kept blocks of rows not split for a "
            "stack of vectors", "for piece in block.split(size, dim=-2)]",
            "for piece in [block]]", ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "recomputed blocks differentiated w.r.t. their "
+           "arguments themselves, not aliases", "t.view_as(t) if i in wanted else t", "t",
+           ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "recomputed blocks without a graph for higher "
+           "derivatives", "allow_unused=True, create_graph=higher)",
+           "allow_unused=True, create_graph=False)", ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "recomputed blocks reading the offsets' parameters "
+           "themselves", "centred_t, centred_t[..., i], mask, causal, i,\n"
+           "                                          *offset_parts)",
+           "centred_t, centred_t[..., i], mask, causal, i)",
+           ("tests/test_attention_linearise.py",)),
     Edited("flowattn/flows/continuous/alignment.py", "assignment sweeps stopped once any row "
            "settles", "if on_cpu and not swap.any():", "if on_cpu and not swap.all():",
            ("tests/flows/continuous/test_alignment.py",)),

@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
-from torch.utils.checkpoint import checkpoint
 
 from ..errors import InputError
 from ..lipschitz import CERTIFICATES, _spectral_norm, l2_attention_bound
@@ -403,9 +402,11 @@ class L2MHA(nn.Module):
         centre = _first_present(k, mask) if on_first else masked_mean(k, mask, dim=2)
         return _centred_and_scaled(q, k, centre, mask, self.tied, always)
 
-    def _probability_rows(self, q, k, r, mask, causal, rows: slice | None = None) -> Tensor:
+    def _probability_rows(self, q, k, r, mask, causal, rows: slice | None = None,
+                          beta: Tensor | None = None, table: Tensor | None = None) -> Tensor:
         """The rows ``rows`` of P (all of them by default), (B, H, rows, N), from the centred
-        queries and keys q', k' and the factor r of :func:`_centred_and_scaled`."""
+        queries and keys q', k' and the factor r of :func:`_centred_and_scaled`; ``beta`` and
+        ``table``: the offsets' parts (:meth:`_offset_parts`), from their parameters if None."""
         if rows is not None:
             q = q[..., rows, :]
         sq = torch.sub(q.pow(2).sum(-1, keepdim=True), q @ k.transpose(-1, -2), alpha=2)
@@ -418,7 +419,8 @@ class L2MHA(nn.Module):
             if allowed is not None:
                 logits = logits.masked_fill(~allowed, -math.inf)
             return torch.softmax(logits, dim=-1)
-        extra = self.offsets(length, k.device, logits.dtype, rows)
+        parts = None if beta is None and table is None else (beta, table)
+        extra = self.offsets(length, k.device, logits.dtype, rows, parts)
         if allowed is not None:
             extra = extra.masked_fill(~allowed, -math.inf)
         return torch.softmax(logits + extra, dim=-1)
@@ -509,8 +511,9 @@ class L2MHA(nn.Module):
             if _graph_free():
                 attended = torch.cat([_times_narrow(p, v) for p in kept_blocks()], dim=-2)
             else:
+                parts = self._offset_parts()
                 attended = torch.cat([_recorded(self._block_attended, centred, r, v, mask,
-                                                causal, i) for i in blocks], dim=-2)
+                                                causal, i, *parts) for i in blocks], dim=-2)
         y = merge_heads(attended) @ self.w_o
         y = check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[True], scale)
         # logits r (-||q'_i - q'_j||^2) with q' = (q - centre) / s
@@ -538,13 +541,15 @@ class L2MHA(nn.Module):
                               for piece in block.split(size, dim=-2)]
                 else:
                     pieces = [None] * -(-length // size)
+                    offset_parts = self._offset_parts()
                 start = 0
                 for piece in pieces:
                     i = slice(start, start + size if piece is None else start + piece.shape[-2])
                     start = i.stop
                     if piece is None:
                         parts = _recorded(self._block_products, centred, r, dy[..., i, :], v_t,
-                                          centred_t, centred_t[..., i], mask, causal, i)
+                                          centred_t, centred_t[..., i], mask, causal, i,
+                                          *offset_parts)
                     else:
                         parts = _row_block_products(piece, dy[..., i, :], v_t, centred_t,
                                                     centred_t[..., i])
@@ -557,14 +562,23 @@ class L2MHA(nn.Module):
 
         return y, vjp
 
-    def _block_attended(self, centred, r, v, mask, causal, rows: slice) -> Tensor:
+    def _offset_parts(self) -> tuple[Tensor | None, Tensor | None]:
+        """(beta_h, b_h) of the logit offsets (None, None without them): what a block of P
+        reads of the parameters, handed to a recomputed block as arguments."""
+        if self.offsets is None:
+            return None, None
+        return self.offsets.offset(), self.offsets.position_table()
+
+    def _block_attended(self, centred, r, v, mask, causal, rows: slice, beta=None,
+                        table=None) -> Tensor:
         """(P V) for the query rows ``rows``, P's block recomputed from the centred queries."""
-        return _times_narrow(self._probability_rows(centred, centred, r, mask, causal, rows), v)
+        return _times_narrow(
+            self._probability_rows(centred, centred, r, mask, causal, rows, beta, table), v)
 
     def _block_products(self, centred, r, dy, v_t, centred_t, centred_rows_t, mask, causal,
-                        rows: slice) -> tuple[Tensor, Tensor, Tensor]:
+                        rows: slice, beta=None, table=None) -> tuple[Tensor, Tensor, Tensor]:
         """:func:`_row_block_products` for the query rows ``rows``, P's block recomputed."""
-        p = self._probability_rows(centred, centred, r, mask, causal, rows)
+        p = self._probability_rows(centred, centred, r, mask, causal, rows, beta, table)
         return _row_block_products(p, dy, v_t, centred_t, centred_rows_t)
 
     def _reference(self, q, k, x, mask, causal, dropout) -> Tensor:
@@ -826,12 +840,59 @@ def _graph_free() -> bool:
 
 
 def _recorded(function: Callable, *args):
-    """``function(*args)``; where gradients are recorded, under ``torch.utils.checkpoint``: its
+    """``function(*args)``; where gradients are recorded, through :class:`_Recomputed`: its
     backward keeps the inputs and computes the rest again (a block of P and the products with
-    it), so no (B, H, rows, N) tensor outlives the call."""
+    it), so no (B, H, rows, N) tensor outlives the call. ``function`` must read no tensor
+    that requires a gradient besides ``args`` (its derivative would be lost)."""
     if torch.is_grad_enabled() and not _transformed():
-        return checkpoint(function, *args, use_reentrant=False)
+        return _Recomputed.apply(function, *args)
     return function(*args)
+
+
+class _Recomputed(torch.autograd.Function):
+    """``function(*args)`` computed without a graph; its backward computes it again from the
+    tensors among ``args``, with a graph, and differentiates that (to any order: where a
+    higher derivative is taken, the recomputation's graph joins the outer one).
+
+    What ``torch.utils.checkpoint`` does for one call, without recording the forward's
+    operations: checkpoint's forward builds a graph node and a placeholder per operation,
+    small allocations that lie between the blocks' large temporaries and keep glibc's heap
+    from reusing their memory (a training step of the set flow at N = 3000 grew a 1.2 GB heap
+    for 135 MB of live tensors; 0.64 GB with this function, docs/benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx, function: Callable, *args):  # noqa: D102
+        ctx.function = function
+        ctx.tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
+        ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, Tensor)}
+        ctx.save_for_backward(*(args[i] for i in ctx.tensors))
+        device = args[ctx.tensors[0]].device.type
+        ctx.autocast = (device, torch.get_autocast_dtype(device),
+                        torch.is_autocast_enabled(device))
+        return function(*args)  # no graph is recorded in here
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        wanted = [i for i in ctx.tensors if ctx.needs_input_grad[1 + i]]
+        higher = torch.is_grad_enabled()  # a derivative of this backward will be taken
+        device, dtype, enabled = ctx.autocast
+        with torch.enable_grad(), torch.autocast(device, dtype=dtype, enabled=enabled):
+            # each argument through an alias of its own: the derivative w.r.t. it is then that
+            # of this call alone, not also of the paths through other arguments computed from
+            # it (its transpose, rows of another); the aliases keep the outer graph for a
+            # higher derivative
+            args = dict(ctx.others)
+            args.update((i, t.view_as(t) if i in wanted else t)
+                        for i, t in zip(ctx.tensors, ctx.saved_tensors, strict=True))
+            args = [args[i] for i in range(len(args))]
+            outputs = ctx.function(*args)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        found = torch.autograd.grad(outputs, [args[i] for i in wanted], grads,
+                                    allow_unused=True, create_graph=higher)
+        result: list[Tensor | None] = [None] * len(args)
+        for i, g in zip(wanted, found, strict=True):
+            result[i] = g
+        return None, *result
 
 
 def _times_narrow(a: Tensor, b: Tensor) -> Tensor:
