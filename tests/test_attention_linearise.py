@@ -417,3 +417,28 @@ def test_recomputed_derivatives_are_those_of_the_call_to_every_order():
     for got, want in zip(derivatives(l2._Recomputed.apply),
                          derivatives(lambda fn, *args: fn(*args)), strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_recomputed_blocks_recompute_under_the_forward_autocast(monkeypatch):
+    # the backward computes a block again in the precision its forward ran in (bfloat16 under
+    # CPU autocast, entered again around the recomputation), as the forward pass did
+    torch.manual_seed(4)
+    f = ContractiveL2MHA(4, 2, coeff=0.9)
+    x = torch.randn(3, 7, 4, requires_grad=True)
+    _rows_per_block(monkeypatch, 3, x, 2)
+    states = []
+    original = l2.L2MHA._probability_rows
+
+    def spy(self, *args):
+        states.append((torch.is_grad_enabled(), torch.is_autocast_enabled("cpu")))
+        return original(self, *args)
+
+    monkeypatch.setattr(l2.L2MHA, "_probability_rows", spy)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, vjp = f.linearise(x)
+        loss = out.float().sum() + vjp(torch.ones_like(x)).float().sum()
+    forward = len(states)
+    loss.backward()
+    assert forward == 6 and len(states) == 12  # three blocks for the output and the product
+    assert states[:forward] == [(False, True)] * 6  # no graph recorded in the forward pass
+    assert states[forward:] == [(True, True)] * 6  # with a graph, under the same autocast

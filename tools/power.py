@@ -250,6 +250,10 @@ MUTANTS = [
            "                                          *offset_parts)",
            "centred_t, centred_t[..., i], mask, causal, i)",
            ("tests/test_attention_linearise.py",)),
+    Edited("flowattn/attention/l2.py", "recomputed blocks outside the forward's autocast",
+           "torch.autocast(device, dtype=dtype, enabled=enabled)",
+           "torch.autocast(device, dtype=dtype, enabled=False)",
+           ("tests/test_attention_linearise.py",)),
     Edited("flowattn/flows/continuous/alignment.py", "assignment sweeps stopped once any row "
            "settles", "if on_cpu and not swap.any():", "if on_cpu and not swap.all():",
            ("tests/flows/continuous/test_alignment.py",)),

@@ -866,9 +866,7 @@ class _Recomputed(torch.autograd.Function):
         ctx.tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
         ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, Tensor)}
         ctx.save_for_backward(*(args[i] for i in ctx.tensors))
-        device = args[ctx.tensors[0]].device.type
-        ctx.autocast = (device, torch.get_autocast_dtype(device),
-                        torch.is_autocast_enabled(device))
+        ctx.autocast = _autocast_state(args[ctx.tensors[0]].device.type)
         return function(*args)  # no graph is recorded in here
 
     @staticmethod
@@ -893,6 +891,15 @@ class _Recomputed(torch.autograd.Function):
         for i, g in zip(wanted, found, strict=True):
             result[i] = g
         return None, *result
+
+
+def _autocast_state(device: str) -> tuple[str, torch.dtype, bool]:
+    """(device, dtype, enabled) of ``torch.autocast`` on a device type, to enter it again."""
+    if hasattr(torch, "get_autocast_dtype"):  # torch >= 2.4
+        return device, torch.get_autocast_dtype(device), torch.is_autocast_enabled(device)
+    if device == "cpu":
+        return device, torch.get_autocast_cpu_dtype(), torch.is_autocast_cpu_enabled()
+    return device, torch.get_autocast_gpu_dtype(), torch.is_autocast_enabled()
 
 
 def _times_narrow(a: Tensor, b: Tensor) -> Tensor:
