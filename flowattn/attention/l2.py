@@ -857,8 +857,9 @@ class _Recomputed(torch.autograd.Function):
     What ``torch.utils.checkpoint`` does for one call, without recording the forward's
     operations: checkpoint's forward builds a graph node and a placeholder per operation,
     small allocations that lie between the blocks' large temporaries and keep glibc's heap
-    from reusing their memory (a training step of the set flow at N = 3000 grew a 1.2 GB heap
-    for 135 MB of live tensors; 0.64 GB with this function, docs/benchmarks.md)."""
+    from reusing their memory (a training step of the set flow at N = 3000 grew a heap of
+    1.0-1.3 GB for about 0.2 GB of live tensors; 0.64-0.82 GB with this function,
+    docs/benchmarks.md)."""
 
     @staticmethod
     def forward(ctx, function: Callable, *args):  # noqa: D102
