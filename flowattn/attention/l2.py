@@ -511,9 +511,10 @@ class L2MHA(nn.Module):
             if _graph_free():
                 attended = torch.cat([_times_narrow(p, v) for p in kept_blocks()], dim=-2)
             else:
-                parts = self._offset_parts()
+                offset_parts = self._offset_parts()
                 attended = torch.cat([_recorded(self._block_attended, centred, r, v, mask,
-                                                causal, i, *parts) for i in blocks], dim=-2)
+                                                causal, i, *offset_parts) for i in blocks],
+                                     dim=-2)
         y = merge_heads(attended) @ self.w_o
         y = check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[True], scale)
         # logits r (-||q'_i - q'_j||^2) with q' = (q - centre) / s
@@ -563,11 +564,9 @@ class L2MHA(nn.Module):
         return y, vjp
 
     def _offset_parts(self) -> tuple[Tensor | None, Tensor | None]:
-        """(beta_h, b_h) of the logit offsets (None, None without them): what a block of P
-        reads of the parameters, handed to a recomputed block as arguments."""
-        if self.offsets is None:
-            return None, None
-        return self.offsets.offset(), self.offsets.position_table()
+        """The logit offsets' :meth:`~LogitOffsets.parts` ((None, None) without offsets): what
+        a block of P reads of the parameters, handed to a recomputed block as arguments."""
+        return (None, None) if self.offsets is None else self.offsets.parts()
 
     def _block_attended(self, centred, r, v, mask, causal, rows: slice, beta=None,
                         table=None) -> Tensor:
@@ -865,7 +864,7 @@ class _Recomputed(torch.autograd.Function):
     def forward(ctx, function: Callable, *args):  # noqa: D102
         ctx.function = function
         ctx.tensors = [i for i, a in enumerate(args) if isinstance(a, Tensor)]
-        ctx.others = {i: a for i, a in enumerate(args) if not isinstance(a, Tensor)}
+        ctx.args = [None if isinstance(a, Tensor) else a for a in args]  # tensors: saved
         ctx.save_for_backward(*(args[i] for i in ctx.tensors))
         ctx.autocast = _autocast_state(args[ctx.tensors[0]].device.type)
         return function(*args)  # no graph is recorded in here
@@ -880,10 +879,9 @@ class _Recomputed(torch.autograd.Function):
             # of this call alone, not also of the paths through other arguments computed from
             # it (its transpose, rows of another); the aliases keep the outer graph for a
             # higher derivative
-            args = dict(ctx.others)
-            args.update((i, t.view_as(t) if i in wanted else t)
-                        for i, t in zip(ctx.tensors, ctx.saved_tensors, strict=True))
-            args = [args[i] for i in range(len(args))]
+            args = list(ctx.args)
+            for i, t in zip(ctx.tensors, ctx.saved_tensors, strict=True):
+                args[i] = t.view_as(t) if i in wanted else t
             outputs = ctx.function(*args)
         outputs = outputs if isinstance(outputs, tuple) else (outputs,)
         found = torch.autograd.grad(outputs, [args[i] for i in wanted], grads,

@@ -142,19 +142,23 @@ class LogitOffsets(nn.Module):
         beta = self.offset()
         return sums if beta is None else sums * beta.exp()
 
+    def parts(self) -> tuple[Tensor | None, Tensor | None]:
+        """(beta_h, b_h): :meth:`offset` and :meth:`position_table`, all that :meth:`forward`
+        reads of the parameters."""
+        return self.offset(), self.position_table()
+
     def forward(self, length: int, device=None, dtype=None, rows: slice | None = None,
                 parts: tuple[Tensor | None, Tensor | None] | None = None) -> Tensor:
         """The additive offsets (H, N, N) of the logits of a sequence of ``length`` elements;
-        with ``rows``, only those query rows (H, rows, N). ``parts``: (beta_h, b_h), the
-        self-offsets and the position table as :meth:`offset` and :meth:`position_table` give
-        them (computed from the parameters when None)."""
+        with ``rows``, only those query rows (H, rows, N). ``parts``: :meth:`parts`, computed
+        here when None."""
         ref = self.offset_logit if self.offset_logit is not None else self.position_logit
         device = ref.device if device is None else device
         dtype = ref.dtype if dtype is None else dtype
         pos = torch.arange(length, device=device)
         queries = pos if rows is None else pos[rows]
         eye = (queries[:, None] == pos[None, :]).to(dtype)
-        beta, table = (self.offset(), self.position_table()) if parts is None else parts
+        beta, table = self.parts() if parts is None else parts
         if table is None:
             out = torch.zeros(self.heads, len(queries), length, device=device, dtype=dtype)
         else:
