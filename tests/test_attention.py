@@ -711,15 +711,25 @@ def test_contractive_attention_probabilities_are_those_of_its_l2_attention(kwarg
 
 @pytest.mark.parametrize("cls,kwargs", ALL_MODULES)
 @pytest.mark.parametrize("causal", [False, True])
-def test_attention_probabilities_equal_the_former_lm_computation_bit_for_bit(
-    cls, kwargs, causal
-):
+def test_attention_probabilities_equal_the_former_lm_computation(cls, kwargs, causal):
+    """Bit for bit, except L2 attention: its logits are now one product of augmented vectors
+    without the row term -||q_i||^2 that softmax ignores (``_distance_logits``), so they agree
+    to rounding. Logits here reach some 230 in magnitude (probabilities down to 1e-101), so
+    the probabilities differ relatively by up to ~230 eps: 3.4e-14 in float64 and 1.3e-5 in
+    float32 (measured); a wrong logit moves them by O(1)."""
     module = make(cls, seed=20, **kwargs)
-    for dtype in (torch.float64, torch.float32):
+    l2 = isinstance(getattr(module, "attention", module), L2MHA)
+    for dtype, rtol in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
         module.to(dtype)
         x = (randn(2, 7, DIM, seed=20) * 4 + 1).to(dtype)
         expected = _former_lm_probabilities(module, x, causal)
-        assert torch.equal(module.attention_probabilities(x, causal=causal), expected)
+        p = module.attention_probabilities(x, causal=causal)
+        if not l2:
+            assert torch.equal(p, expected)
+            continue
+        assert torch.equal(p == 0, expected == 0)
+        seen = expected > 1e-30  # float32 keeps smaller ones only as subnormals
+        assert ((p - expected).abs()[seen] <= rtol * expected[seen]).all()
 
 
 def test_attention_probabilities_ignore_attention_dropout_and_check_their_input():

@@ -153,6 +153,27 @@ def _centred_and_scaled(
     return q, (q if tied else k / s), torch.clamp(s * s, max=cap), s
 
 
+def _distance_logits(q: Tensor, k: Tensor, r: Tensor | None) -> Tensor:
+    r"""The logits r (-||q_i - k_j||^2) / sqrt(d) of every query and key (B, H, N, d), less
+    each row's constant -r ||q_i||^2 / sqrt(d) (softmax over the keys does not see it), as
+    one matrix product of augmented vectors:
+
+    .. math::
+        \ell_{ij} = [2 r q_i / \sqrt{d},\; r] \cdot [k_j,\; -\|k_j\|^2 / \sqrt{d}]
+                  = r (2 q_i \cdot k_j - \|k_j\|^2) / \sqrt{d}
+
+    (the fused path's logits, App. E). The product writes the (B, H, N, N) logits once; the
+    caller may mask and offset them in place. ``r`` (B, H, 1, 1) is the factor of
+    :func:`_centred_and_scaled` or None (1).
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    q_aug = torch.cat([q * (2.0 * scale), torch.ones_like(q[..., :1])], dim=-1)
+    if r is not None:
+        q_aug = q_aug * r
+    k_aug = torch.cat([k, k.pow(2).sum(-1, keepdim=True) * -scale], dim=-1)
+    return q_aug @ k_aug.transpose(-1, -2)
+
+
 class L2MHA(nn.Module):
     r"""L2 multi-head self-attention (Kim et al. 2021, eq. (8) and F(X) of §3.2).
 
@@ -389,10 +410,10 @@ class L2MHA(nn.Module):
         :func:`_centred_and_scaled` (``always`` passed on) and the logits
         r (-||q'_i - k'_j||^2) / sqrt(d) (+ offsets).
 
-        The distances are ||q_i||^2 - 2 q_i.k_j + ||k_j||^2, in that order (the attention
-        matrices stay those of earlier versions bit for bit), with as few passes over the
-        (B, H, N, N) logits as that allows: the offsets meet the hidden keys' -inf on their own
-        (H, N, N) table before they are added."""
+        The logits are those of :func:`_distance_logits` (one matrix product, without the
+        row term -||q'_i||^2, which softmax ignores), and the offsets meet the hidden keys'
+        -inf on their own (H, N, N) table before they are added in place: one pass over the
+        (B, H, N, N) logits besides the product and the softmax."""
         q, k, r, scale = self._centred(q, k, mask, on_first, always)
         return self._probability_rows(q, k, r, mask, causal), q, r, scale
 
@@ -409,21 +430,18 @@ class L2MHA(nn.Module):
         ``table``: the offsets' parts (:meth:`_offset_parts`), from their parameters if None."""
         if rows is not None:
             q = q[..., rows, :]
-        sq = torch.sub(q.pow(2).sum(-1, keepdim=True), q @ k.transpose(-1, -2), alpha=2)
-        logits = (sq + k.pow(2).sum(-1).unsqueeze(-2)) * (-1.0 / math.sqrt(self.head_dim))
-        if r is not None:
-            logits = logits * r
+        logits = _distance_logits(q, k, r)
         length = k.shape[2]
         allowed = attention_mask(mask, causal, length, k.device, rows)
         if self.offsets is None:
             if allowed is not None:
-                logits = logits.masked_fill(~allowed, -math.inf)
+                logits.masked_fill_(~allowed, -math.inf)
             return torch.softmax(logits, dim=-1)
         parts = None if beta is None and table is None else (beta, table)
         extra = self.offsets(length, k.device, logits.dtype, rows, parts)
         if allowed is not None:
             extra = extra.masked_fill(~allowed, -math.inf)
-        return torch.softmax(logits + extra, dim=-1)
+        return torch.softmax(logits.add_(extra), dim=-1)
 
     def _written_out(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor | None]:
         if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d), from uncentred q
