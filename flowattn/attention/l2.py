@@ -625,8 +625,9 @@ class L2MHA(nn.Module):
         Queries and keys are centred on the mean key of each set and head (present elements),
         which leaves every distance unchanged and
         keeps the rounding small, and scaled down where their squared norms would overflow, as
-        in :meth:`forward`; the distances are then taken literally,
-        ||q_i||^2 - 2 q_i.k_j + ||k_j||^2.
+        in :meth:`forward`; the logits are then one product of the augmented vectors
+        [2 q_i / sqrt(d), 1] and [k_j, -||k_j||^2 / sqrt(d)], the fused path's (each row's
+        constant -||q_i||^2 / sqrt(d) left out: softmax does not see it).
 
         Examples:
             >>> attn = L2MHA(dim=8, heads=2)
