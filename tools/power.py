@@ -254,11 +254,11 @@ MUTANTS = [
            "torch.autocast(device, dtype=dtype, enabled=enabled)",
            "torch.autocast(device, dtype=dtype, enabled=False)",
            ("tests/test_attention_linearise.py",)),
-    Edited("flowattn/attention/l2.py", "the written-out logits without the keys' squared "
-           "norms", "k_aug = torch.cat([k, k.pow(2).sum(-1, keepdim=True) * -scale], dim=-1)",
-           "k_aug = torch.cat([k, k.pow(2).sum(-1, keepdim=True) * 0.0], dim=-1)", ATTENTION),
-    Edited("flowattn/attention/l2.py", "the written-out logits without the down-scaling "
-           "factor r", "        q_aug = q_aug * r\n    k_aug", "        pass\n    k_aug",
+    Edited("flowattn/attention/l2.py", "the L2 logits without the keys' squared norms",
+           "k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)",
+           "k_aug = torch.cat([k, 0.0 * k.pow(2).sum(-1, keepdim=True)], dim=-1)", ATTENTION),
+    Edited("flowattn/attention/l2.py", "the L2 logits without the down-scaling factor r",
+           "        q_aug = q_aug * r\n    k_aug", "        pass\n    k_aug",
            ("tests/test_attention_linearise.py", *ATTENTION)),
     Edited("flowattn/flows/continuous/alignment.py", "assignment sweeps stopped once any row "
            "settles", "if on_cpu and not swap.any():", "if on_cpu and not swap.all():",

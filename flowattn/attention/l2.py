@@ -153,25 +153,31 @@ def _centred_and_scaled(
     return q, (q if tied else k / s), torch.clamp(s * s, max=cap), s
 
 
-def _distance_logits(q: Tensor, k: Tensor, r: Tensor | None) -> Tensor:
-    r"""The logits r (-||q_i - k_j||^2) / sqrt(d) of every query and key (B, H, N, d), less
-    each row's constant -r ||q_i||^2 / sqrt(d) (softmax over the keys does not see it), as
-    one matrix product of augmented vectors:
+def _augmented(q: Tensor, k: Tensor, r: Tensor | None) -> tuple[Tensor, Tensor]:
+    r"""Queries and keys (B, H, N, d) with one extra coordinate, r [q_i, 1] and
+    [k_j, -||k_j||^2 / 2], whose dot products times 2 / sqrt(d) are the L2 logits less each
+    row's constant (App. E):
 
     .. math::
-        \ell_{ij} = [2 r q_i / \sqrt{d},\; r] \cdot [k_j,\; -\|k_j\|^2 / \sqrt{d}]
-                  = r (2 q_i \cdot k_j - \|k_j\|^2) / \sqrt{d}
+        \frac{2}{\sqrt{d}}\, r [q_i, 1] \cdot [k_j, -\|k_j\|^2 / 2]
+            = r (2 q_i \cdot k_j - \|k_j\|^2) / \sqrt{d}
+            = -r \|q_i - k_j\|^2 / \sqrt{d} + r \|q_i\|^2 / \sqrt{d},
 
-    (the fused path's logits, App. E). The product writes the (B, H, N, N) logits once; the
-    caller may mask and offset them in place. ``r`` (B, H, 1, 1) is the factor of
-    :func:`_centred_and_scaled` or None (1).
-    """
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    q_aug = torch.cat([q * (2.0 * scale), torch.ones_like(q[..., :1])], dim=-1)
+    and softmax over the keys does not see the last term. ``r`` (B, H, 1, 1) is the factor of
+    :func:`_centred_and_scaled` or None (1)."""
+    q_aug = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
     if r is not None:
         q_aug = q_aug * r
-    k_aug = torch.cat([k, k.pow(2).sum(-1, keepdim=True) * -scale], dim=-1)
-    return q_aug @ k_aug.transpose(-1, -2)
+    k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)
+    return q_aug, k_aug
+
+
+def _distance_logits(q: Tensor, k: Tensor, r: Tensor | None) -> Tensor:
+    """The logits of :func:`_augmented` written out, (B, H, N, N): one matrix product, the
+    factor 2 / sqrt(d) taken by the (N, d + 1) queries. The caller may mask and offset them
+    in place."""
+    q_aug, k_aug = _augmented(q, k, r)
+    return (q_aug * (2.0 / math.sqrt(q.shape[-1]))) @ k_aug.transpose(-1, -2)
 
 
 class L2MHA(nn.Module):
@@ -380,10 +386,7 @@ class L2MHA(nn.Module):
         w_o = F.pad(self.w_o.reshape(h, d, self.dim), (0, 0, 0, 1)).reshape(h * (d + 1), -1)
         centre = _first_present(k, mask) if causal else masked_mean(k, mask, dim=2)
         q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
-        q_aug = torch.cat([q, torch.ones_like(q[..., :1])], dim=-1)
-        if r is not None:
-            q_aug = q_aug * r
-        k_aug = torch.cat([k, -0.5 * k.pow(2).sum(-1, keepdim=True)], dim=-1)
+        q_aug, k_aug = _augmented(q, k, r)
         allowed = None if mask is None else attention_mask(mask, causal, x.shape[1], x.device)
         heads = attend(
             q_aug,
