@@ -228,6 +228,16 @@ def test_config_rejects_invalid_settings_naming_key_and_value():
     with pytest.raises(ConfigError, match=r"flow: flow: Input should be 'resflow', 'cnf' or "
                        r"'coupling' \(got 'glow'\)"):
         SetsRunConfig.build({"flow": "glow"})
+    with pytest.raises(ConfigError, match=r"flow: activation: Input should be 'lipswish' or "
+                       r"'clipswish' \(got 'relu'\)"):
+        SetsRunConfig.build({"activation": "relu"})
+    with pytest.raises(ConfigError, match="activation is a setting of the Lipschitz MLPs of "
+                       "residual flows"):
+        SetsRunConfig.build({"flow": "coupling", "activation": "clipswish"})
+    from flowattn.branches.mlp import CLipSwish
+
+    built = build_flow(SetsRunConfig.build({"activation": "clipswish"}).flow, 2, 4, False)
+    assert sum(isinstance(m, CLipSwish) for m in built.modules()) == 4  # one per block
 
 
 @pytest.mark.slow

@@ -6,7 +6,7 @@ Every branch is called as ``branch(x, mask=None, causal=False)`` on sets or sequ
 (:class:`~flowattn.attention.ContractiveL2MHA`) live in :mod:`flowattn.attention`.
 
 * :class:`LipschitzMLP` -- pointwise, spectrally normalised (module :mod:`flowattn.branches.mlp`,
-  with its ``SpectralLinear`` and ``LipSwish`` layers);
+  with its ``SpectralLinear`` layers and ``LipSwish`` or ``CLipSwish`` activations);
 * :class:`RadialInteraction` -- an E(n)-equivariant pairwise interaction of particles;
 * :class:`NeighbourhoodInteraction` -- an E(n)-equivariant many-body interaction;
 * :class:`ContractiveLiftedL2MHA` -- tied L2 attention among learnt features of narrow elements

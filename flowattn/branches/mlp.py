@@ -15,9 +15,12 @@ from ..lipschitz import spectral_norm_exact
 
 __all__ = [
     "LipSwish",
+    "CLipSwish",
+    "ACTIVATIONS",
     "SpectralLinear",
     "LipschitzMLP",
     "LIPSWISH_MAX_SLOPE",
+    "CLIPSWISH_MAX_GAIN",
     "frozen_power_iteration",
 ]
 
@@ -72,6 +75,8 @@ class LipSwish(nn.Module):
         0.0
     """
 
+    expansion = 1
+
     def __init__(self) -> None:
         super().__init__()
         self.rho = nn.Parameter(torch.tensor(0.5413))
@@ -100,6 +105,77 @@ class LipSwish(nn.Module):
     def lipschitz_bound(self) -> float:
         """Certified Lipschitz constant: 1.09984 / 1.1 < 1."""
         return LIPSWISH_MAX_SLOPE / 1.1
+
+    def pullback(self, g: Tensor, slope: Tensor) -> Tensor:
+        """g^T J of the activation at the point where ``slope`` was taken (J diagonal)."""
+        return g * slope
+
+
+# With s(u) = d/du [u sigmoid(u)]: s(u) + s(-u) = 1 for every u and s lies in
+# [-0.09984, 1.09984], so sup_u sqrt(s(u)^2 + s(-u)^2) = sqrt(1.0998393^2 + 0.0998393^2)
+# = 1.1043615... (attained near u = -2.40 and u = 2.40), rounded up.
+CLIPSWISH_MAX_GAIN = 1.10437
+
+
+class CLipSwish(nn.Module):
+    r"""Concatenated LipSwish, [x sigmoid(beta x), -x sigmoid(-beta x)] / 1.1044: twice the
+    width, 1-Lipschitz for every beta > 0.
+
+    References:
+        Perugachi-Diaz et al., "Invertible DenseNets with Concatenated LipSwish", NeurIPS 2021.
+
+    LipSwish keeps little of a negative input (its slope there is near 0), so a layer after it
+    sees mostly the positive half of its input. Concatenating the activation of x and of -x
+    keeps both halves. The Jacobian of x -> [phi(x), phi(-x)] (phi(x) = x sigmoid(beta x)) is
+    a diagonal block over a diagonal block, [diag s(beta x); -diag s(-beta x)] with
+    s(u) = sigmoid(u) (1 + u (1 - sigmoid(u))); its 2-norm is
+    max_i sqrt(s(beta x_i)^2 + s(-beta x_i)^2). Since s(u) + s(-u) = 1 and s takes values in
+    [-0.09984, 1.09984], that is at most sqrt(1.0998393^2 + 0.0998393^2) = 1.1043615 for any
+    beta, and dividing by 1.1044 makes the activation a contraction. beta = softplus(rho),
+    initialised to 1 as in :class:`LipSwish`. The layer after it takes 2 m inputs for m
+    pre-activations (``expansion = 2``).
+
+    Examples:
+        >>> act = CLipSwish()
+        >>> act(torch.ones(3, 4)).shape
+        torch.Size([3, 8])
+        >>> act.lipschitz_bound() < 1
+        True
+    """
+
+    expansion = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rho = nn.Parameter(torch.tensor(0.5413))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.forward_and_slope(x)[0]
+
+    def forward_and_slope(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        r"""The activation (..., 2 m) at ``x`` (..., m) and its Jacobian's two diagonals,
+        [s(beta x), -s(-beta x)] / 1.1044 (..., 2 m), for :meth:`pullback`; both
+        differentiable in x and beta."""
+        both = torch.cat([x, -x], dim=-1)
+        z = F.softplus(self.rho) * both  # u = beta x and u = -beta x
+        s = torch.sigmoid(z)
+        slope = torch.addcmul(s, s * z, 1 - s)  # s(u); d/dx phi(-x) = -s(-beta x)
+        sign = torch.cat([torch.ones_like(x), -torch.ones_like(x)], dim=-1)
+        return both * s / 1.1044, slope * sign / 1.1044
+
+    def pullback(self, g: Tensor, slope: Tensor) -> Tensor:
+        """g^T J (..., m) for g (..., 2 m) at the point where ``slope`` was taken: the two
+        halves' products summed."""
+        gs = g * slope
+        half = gs.shape[-1] // 2
+        return gs[..., :half] + gs[..., half:]
+
+    def lipschitz_bound(self) -> float:
+        """Certified Lipschitz constant (2-norm): 1.10437 / 1.1044 < 1."""
+        return CLIPSWISH_MAX_GAIN / 1.1044
+
+
+ACTIVATIONS = {"lipswish": LipSwish, "clipswish": CLipSwish}
 
 
 class SpectralLinear(nn.Module):
@@ -225,7 +301,9 @@ class LipschitzMLP(nn.Module):
     Acts on each element of a (B, N, D) batch independently:
     SpectralLinear -> LipSwish -> ... -> SpectralLinear. Each of the L linear layers is
     normalised to ``coeff ** (1 / L)``, so the whole branch is ``coeff``-Lipschitz
-    (LipSwish is below 1). Because it is pointwise, its Jacobian on a set is block diagonal
+    (LipSwish is below 1). With ``activation="clipswish"`` the activations are
+    :class:`CLipSwish` (also below 1, in the 2-norm), and the layer after each takes twice its
+    width of inputs. Because it is pointwise, its Jacobian on a set is block diagonal
     (``jacobian_structure = "pointwise"``) and the Lipschitz constant does not depend on the
     set size. Padded elements (``mask`` False) give zero outputs.
 
@@ -237,6 +315,8 @@ class LipschitzMLP(nn.Module):
         mode: spectral-norm mode of every layer (see :class:`SpectralLinear`).
         per_layer_coeff: if True, ``coeff`` is applied to every layer (the convention of the
             Residual Flows code), so the branch bound is ``coeff ** L``.
+        activation: ``"lipswish"`` (:class:`LipSwish`) or ``"clipswish"``
+            (:class:`CLipSwish`).
 
     Examples:
         >>> mlp = LipschitzMLP(2, 16, coeff=0.9).eval()
@@ -257,6 +337,7 @@ class LipschitzMLP(nn.Module):
         n_power_iterations: int = 1,
         mode: str = "auto",
         per_layer_coeff: bool = False,
+        activation: str = "lipswish",
     ) -> None:
         super().__init__()
         if not 0 < coeff < 1:
@@ -264,16 +345,19 @@ class LipschitzMLP(nn.Module):
         widths = [hidden] if isinstance(hidden, int) else list(hidden)
         if not widths or any(w < 1 for w in widths):
             raise InputError(f"hidden widths must be positive integers, got {hidden}")
-        sizes = [dim, *widths, dim]
-        n_layers = len(sizes) - 1
+        if activation not in ACTIVATIONS:
+            raise InputError(f"activation must be one of {tuple(ACTIVATIONS)}, got {activation!r}")
+        act = ACTIVATIONS[activation]
+        inputs = [dim, *(w * act.expansion for w in widths)]
+        n_layers = len(widths) + 1
         layer_coeff = coeff if per_layer_coeff else coeff ** (1.0 / n_layers)
         self.dim = dim
         self.coeff = coeff
         self.layers = nn.ModuleList(
             SpectralLinear(a, b, layer_coeff, n_power_iterations=n_power_iterations, mode=mode)
-            for a, b in zip(sizes[:-1], sizes[1:], strict=True)
+            for a, b in zip(inputs, [*widths, dim], strict=True)
         )
-        self.activations = nn.ModuleList(LipSwish() for _ in range(n_layers - 1))
+        self.activations = nn.ModuleList(act() for _ in widths)
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Apply the MLP to every element; ``causal`` is accepted for the branch protocol."""
@@ -298,10 +382,12 @@ class LipschitzMLP(nn.Module):
         applied and the activation slopes at ``x``:
         w^T J = ((w W_L) * s_{L-1}) W_{L-1} ... * s_1) W_1, three matrix products and two
         multiplications for a 2-hidden-layer MLP (autograd's backward of LipSwish alone takes
-        five elementwise operations). ``w`` may carry leading dimensions (a batch of vectors).
-        The product is made of differentiable operations: under ``torch.no_grad()`` it builds
-        no graph, otherwise it can be differentiated (w.r.t. ``w``, ``x`` and the parameters),
-        which is what the Neumann gradient of a log-det needs, without a double backward.
+        five elementwise operations; with :class:`CLipSwish` each "* s" is its
+        :meth:`~CLipSwish.pullback`, both slopes with the two halves added). ``w`` may carry
+        leading dimensions (a batch of vectors). The product is made of differentiable
+        operations: under ``torch.no_grad()`` it builds no graph, otherwise it can be
+        differentiated (w.r.t. ``w``, ``x`` and the parameters), which is what the Neumann
+        gradient of a log-det needs, without a double backward.
 
         Examples:
             >>> mlp = LipschitzMLP(2, 8).double()
@@ -329,8 +415,9 @@ class LipschitzMLP(nn.Module):
 
         def vjp(w: Tensor) -> Tensor:
             g = w if present is None else w * present.to(w.dtype)
-            for weight, slope in zip(weights[:0:-1], slopes[::-1], strict=True):
-                g = (g @ weight) * slope
+            for weight, slope, act in zip(weights[:0:-1], slopes[::-1], self.activations[::-1],
+                                          strict=True):
+                g = act.pullback(g @ weight, slope)
             return g @ weights[0]
 
         return h, vjp
@@ -338,8 +425,8 @@ class LipschitzMLP(nn.Module):
     def lipschitz_bound(self, n: int | None = None) -> Tensor:
         """Certified Lipschitz constant (2-norm) for sets of any size ``n``.
 
-        The product of the exact spectral norms of the applied matrices times the LipSwish
-        constants 1.09984 / 1.1.
+        The product of the exact spectral norms of the applied matrices times the activations'
+        constants (LipSwish 1.09984 / 1.1, CLipSwish 1.10437 / 1.1044).
         """
         weight = self.layers[0].weight
         bound = torch.ones((), dtype=weight.dtype, device=weight.device)

@@ -393,6 +393,7 @@ def _attention_layer(
     norm: str,
     attention: Callable[..., nn.Module] | None,
     residual: dict[str, Any],
+    activation: str = "lipswish",
 ) -> Transform:
     """x + g_att(x), followed by x + g_mlp(x) with ``mlp``; ``residual`` goes to both blocks."""
     # In zero-COM mode the attention output is projected (x - mean x); that projection can
@@ -400,7 +401,8 @@ def _attention_layer(
     att_coeff = coeff / 2 if (residual["zero_com"] and norm != "2") else coeff
     att = (attention or _default_attention)(dim, heads, att_coeff, norm)
     if mlp:
-        return TransformerResidualPair(att, LipschitzMLP(dim, hidden, coeff), **residual)
+        return TransformerResidualPair(att, LipschitzMLP(dim, hidden, coeff,
+                                                         activation=activation), **residual)
     return InvertibleResidual(att, **residual)
 
 
@@ -428,6 +430,7 @@ def set_flow(
     attention_width: int | None = None,
     logdet: LogDetOptions | None = None,
     inverse: InverseOptions | None = None,
+    activation: str = "lipswish",
 ) -> SetFlow:
     r"""A permutation-invariant residual flow over sets of any size.
 
@@ -501,6 +504,9 @@ def set_flow(
             ``LogDetOptions()``).
         inverse: how every :class:`InvertibleResidual` is inverted (default
             ``InverseOptions()``).
+        activation: of every :class:`~flowattn.branches.LipschitzMLP`: ``"lipswish"`` or
+            ``"clipswish"`` (:class:`~flowattn.branches.mlp.CLipSwish`, the concatenated LipSwish,
+            which passes on the negative half of its input as well).
 
     Examples:
         >>> flow = set_flow(dim=2, blocks=2, heads=1, logdet=LogDetOptions("exact"))
@@ -546,7 +552,8 @@ def set_flow(
             layers.append(PairSplines(dim))
         if interaction == "attention":
             layers.append(
-                _attention_layer(dim, heads, hidden, coeff, mlp, norm, attention, residual)
+                _attention_layer(dim, heads, hidden, coeff, mlp, norm, attention, residual,
+                                 activation)
             )
             continue
         if interaction == "radial":
@@ -562,7 +569,8 @@ def set_flow(
                 layers.append(InvertibleResidual(many, **residual))
         # no attention: pointwise MLP residuals
         if mlp or interaction != "radial":
-            layers.append(InvertibleResidual(LipschitzMLP(dim, hidden, coeff), **residual))
+            mlp_branch = LipschitzMLP(dim, hidden, coeff, activation=activation)
+            layers.append(InvertibleResidual(mlp_branch, **residual))
     return SetFlow(CompositeTransform(layers), dim, zero_com)
 
 

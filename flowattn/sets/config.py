@@ -125,6 +125,9 @@ class SetsFlow(Section):
     coeff: float = Field(0.9, gt=0, lt=1, description="Lipschitz coefficient of every "
                          "contractive branch")
     mlp: bool = Field(True, description="a pointwise Lipschitz-MLP residual in every block")
+    activation: Literal["lipswish", "clipswish"] = Field(
+        "lipswish", description="resflow: activation of the Lipschitz MLPs (clipswish: "
+        "concatenated LipSwish, twice the width into the next layer)")
     location: bool = Field(True, description="a spline flow of each set's centroid first (not "
                            "for particles, nor interaction none)")
     splines: bool = Field(False, description="resflow: an element-wise spline coupling in "
@@ -269,6 +272,9 @@ class SetsFlow(Section):
                              "use it with flow=resflow, interaction=attention and no "
                              f"inducing_points (here {self.flow}, {self.interaction}, "
                              f"inducing_points={self.inducing_points})")
+        if self.activation != "lipswish" and self.flow != "resflow":
+            raise ValueError("activation is a setting of the Lipschitz MLPs of residual flows: "
+                             f"use it with flow=resflow (here {self.flow})")
         for name in ("splines", "pair_splines"):
             if getattr(self, name) and self.flow != "resflow":
                 raise ValueError(f"{name} is a setting of residual flows: use it with "
@@ -521,6 +527,7 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             radial_inverse=flow.radial_inverse,
             splines=flow.splines,
             pair_splines=flow.pair_splines,
+            activation=flow.activation,
             location=location,
             logdet=LogDetOptions(logdet, eval_n_samples=EVAL_PROBES),
             attention=_induced_attention(flow.inducing_points),

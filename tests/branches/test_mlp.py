@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from flowattn.branches.mlp import LIPSWISH_MAX_SLOPE, LipschitzMLP, LipSwish, SpectralLinear
+from flowattn.branches.mlp import (
+    CLIPSWISH_MAX_GAIN,
+    LIPSWISH_MAX_SLOPE,
+    CLipSwish,
+    LipschitzMLP,
+    LipSwish,
+    SpectralLinear,
+)
 
 
 def _slope(beta: float) -> torch.Tensor:
@@ -21,6 +28,38 @@ def test_lipswish_slope_is_below_certified_bound_and_bound_is_tight(beta):
     bound = act.lipschitz_bound()
     assert bound == LIPSWISH_MAX_SLOPE / 1.1
     assert slope <= bound <= slope * (1 + 1e-5)  # the module's constant is met, not loose
+
+
+def _with_beta(act, beta: float):
+    with torch.no_grad():
+        act.rho.fill_(float(torch.log(torch.expm1(torch.tensor(beta, dtype=torch.float64)))))
+    return act
+
+
+@pytest.mark.parametrize("beta", [0.1, 1.0, 7.0])
+def test_clipswish_gain_is_below_certified_bound_and_bound_is_tight(beta):
+    """The Jacobian of x -> [phi(x), phi(-x)] at one coordinate is the column
+    [s(beta x), -s(-beta x)] / 1.1044: its largest length over x is the certificate."""
+    act = _with_beta(CLipSwish().double(), beta)
+    x = torch.linspace(-30, 30, 600001, dtype=torch.float64)
+    _, slope = act.forward_and_slope(x)
+    gain = slope.view(2, -1).pow(2).sum(0).sqrt().max()  # the halves of one coordinate
+    bound = act.lipschitz_bound()
+    assert bound == CLIPSWISH_MAX_GAIN / 1.1044 < 1
+    assert gain <= bound <= gain * (1 + 1e-5)
+
+
+def test_clipswish_slopes_and_pullback_are_the_jacobian_of_the_activation():
+    act = _with_beta(CLipSwish().double(), 1.7)
+    x = torch.linspace(-6, 6, 7, dtype=torch.float64).view(1, 7)
+    out, slope = act.forward_and_slope(x)
+    assert torch.equal(out, act(x)) and out.shape == (1, 14)
+    jac = torch.autograd.functional.jacobian(lambda v: act(v.view(1, 7))[0], x[0])  # (14, 7)
+    expected = torch.cat([torch.diag(jac[:7]), torch.diag(jac[7:])])
+    assert torch.allclose(slope[0], expected, rtol=1e-13, atol=1e-15)
+    assert torch.count_nonzero(jac[:7] - torch.diag(torch.diag(jac[:7]))) == 0
+    g = torch.randn(3, 1, 14, dtype=torch.float64)
+    assert torch.allclose(act.pullback(g, slope), g @ jac, rtol=1e-13, atol=1e-15)
 
 
 def test_lipswish_certified_bound_is_below_one_and_activation_has_learnable_beta():
@@ -74,9 +113,10 @@ def test_spectral_linear_certificate_is_an_upper_bound_even_when_power_iteration
     assert abs(lin.lipschitz_bound() - true_norm) < 1e-12  # ... and the certificate says so
 
 
-def test_lipschitz_mlp_bound_below_coeff_and_above_measured_jacobian_norm():
+@pytest.mark.parametrize("activation", ["lipswish", "clipswish"])
+def test_lipschitz_mlp_bound_below_coeff_and_above_measured_jacobian_norm(activation):
     torch.manual_seed(3)
-    mlp = LipschitzMLP(3, [16, 16], coeff=0.9).double().eval()
+    mlp = LipschitzMLP(3, [16, 16], coeff=0.9, activation=activation).double().eval()
     for layer in mlp.layers:
         with torch.no_grad():
             layer.weight.mul_(4)  # force every layer onto its normalisation
@@ -112,6 +152,27 @@ def test_lipschitz_mlp_bound_is_attained_by_a_chain_at_the_slopes_maximum():
     assert abs(derivative.item()) >= bound * (1 - 1e-5)
 
 
+def test_clipswish_mlp_bound_is_attained_by_a_chain_at_the_gains_maximum():
+    """One input, one pre-activation at the point where CLipSwish's column [s(u), -s(-u)] is
+    longest, and a read-out row along that column: the derivative at x = 0 is the product of
+    the applied norms and the activation's constant, the certificate itself."""
+    mlp = LipschitzMLP(1, [1], coeff=0.9, activation="clipswish").double().eval()
+    act = mlp.activations[0]
+    u = torch.linspace(-2.5, -2.3, 200001, dtype=torch.float64)
+    _, slope = act.forward_and_slope(u / torch.nn.functional.softplus(act.rho))
+    column = slope.view(2, -1)
+    best = torch.argmax(column.pow(2).sum(0))
+    with torch.no_grad():
+        mlp.layers[0].weight.fill_(0.7)
+        mlp.layers[0].bias.fill_(float(u[best] / torch.nn.functional.softplus(act.rho)))
+        mlp.layers[1].weight.copy_(column[:, best].view(1, 2))  # along the column
+    x = torch.zeros(1, 1, 1, dtype=torch.float64, requires_grad=True)
+    (derivative,) = torch.autograd.grad(mlp(x).sum(), x)
+    bound = mlp.lipschitz_bound()
+    assert abs(derivative.item()) <= bound
+    assert abs(derivative.item()) >= bound * (1 - 1e-5)
+
+
 def test_lipschitz_mlp_is_pointwise_and_zeroes_padded_rows():
     torch.manual_seed(4)
     mlp = LipschitzMLP(2, 8, coeff=0.8).double()
@@ -133,6 +194,8 @@ def test_lipschitz_mlp_rejects_bad_arguments():
         LipschitzMLP(2, 8)(torch.randn(1, 3, 4))
     with pytest.raises(ValueError, match="mode"):
         SpectralLinear(2, 2, mode="fast")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        LipschitzMLP(2, 8, activation="relu")
 
 
 def test_lipswish_slope_is_the_derivative_of_the_activation():
@@ -146,10 +209,11 @@ def test_lipswish_slope_is_the_derivative_of_the_activation():
     assert torch.allclose(slope, grad, rtol=1e-13, atol=1e-15)
 
 
+@pytest.mark.parametrize("activation", ["lipswish", "clipswish"])
 @pytest.mark.parametrize("masked", [False, True])
-def test_mlp_linearise_gives_forward_and_the_autograd_vjp_in_float64(masked):
+def test_mlp_linearise_gives_forward_and_the_autograd_vjp_in_float64(masked, activation):
     torch.manual_seed(0)
-    mlp = LipschitzMLP(3, [16, 8], coeff=0.9).double()
+    mlp = LipschitzMLP(3, [16, 8], coeff=0.9, activation=activation).double()
     x = torch.randn(4, 5, 3, dtype=torch.float64, requires_grad=True)
     mask = torch.rand(4, 5) < 0.7 if masked else None
     if masked:
@@ -162,9 +226,10 @@ def test_mlp_linearise_gives_forward_and_the_autograd_vjp_in_float64(masked):
     assert torch.allclose(vjp(w), auto, rtol=1e-12, atol=1e-14)
 
 
-def test_mlp_linearise_product_is_differentiable_like_a_double_backward():
+@pytest.mark.parametrize("activation", ["lipswish", "clipswish"])
+def test_mlp_linearise_product_is_differentiable_like_a_double_backward(activation):
     torch.manual_seed(1)
-    mlp = LipschitzMLP(2, 8, coeff=0.9).double().eval()
+    mlp = LipschitzMLP(2, 8, coeff=0.9, activation=activation).double().eval()
     x = torch.randn(3, 4, 2, dtype=torch.float64, requires_grad=True)
     u, v = torch.randn(2, 3, 4, 2, dtype=torch.float64)
     out, vjp = mlp.linearise(x)

@@ -90,7 +90,9 @@ def _trained_actnorm(flow, x, mask=None):
     return flow.eval()
 
 
-@pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"}])
+@pytest.mark.parametrize("options", [{}, {"location": True}, {"interaction": "radial"},
+                                     {"activation": "clipswish"},
+                                     {"activation": "clipswish", "interaction": "linear"}])
 def test_set_flow_log_prob_matches_brute_force_jacobian(options):
     torch.manual_seed(3)
     flow = set_flow(dim=2, blocks=2, heads=1, logdet=EXACT, **options).double()
@@ -160,6 +162,18 @@ def _spline_flow(interaction="attention", seed=0, blocks=2):
                 for p in module.parameters():
                     p.normal_(0.0, 0.5)
     return flow
+
+
+def test_set_flow_activation_reaches_every_mlp_branch_and_is_checked():
+    from flowattn.branches.mlp import CLipSwish, LipSwish
+
+    for interaction in ("attention", "linear"):
+        flow = set_flow(dim=2, blocks=2, heads=1, interaction=interaction,
+                        activation="clipswish")
+        kinds = {type(m) for m in flow.modules() if isinstance(m, (LipSwish, CLipSwish))}
+        assert kinds == {CLipSwish}
+    with pytest.raises(ValueError, match="activation must be one of"):
+        set_flow(dim=2, blocks=1, heads=1, activation="tanh")
 
 
 def test_set_flow_splines_sit_after_each_equivariant_map_and_alternate_halves():
