@@ -150,12 +150,13 @@ class CLipSwish(nn.Module):
         self.rho = nn.Parameter(torch.tensor(0.5413))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.forward_and_slope(x)[0]
+        both = torch.cat([x, -x], dim=-1)
+        return both * torch.sigmoid(F.softplus(self.rho) * both) / 1.1044
 
     def forward_and_slope(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        r"""The activation (..., 2 m) at ``x`` (..., m) and its Jacobian's two diagonals,
-        [s(beta x), -s(-beta x)] / 1.1044 (..., 2 m), for :meth:`pullback`; both
-        differentiable in x and beta."""
+        r"""The activation (..., 2 m) at ``x`` (..., m), the same tensor as :meth:`forward`'s
+        (the same operations), and its Jacobian's two diagonals, [s(beta x), -s(-beta x)] /
+        1.1044 (..., 2 m), for :meth:`pullback`; both differentiable in x and beta."""
         both = torch.cat([x, -x], dim=-1)
         z = F.softplus(self.rho) * both  # u = beta x and u = -beta x
         s = torch.sigmoid(z)
