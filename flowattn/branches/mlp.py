@@ -150,26 +150,28 @@ class CLipSwish(nn.Module):
         self.rho = nn.Parameter(torch.tensor(0.5413))
 
     def forward(self, x: Tensor) -> Tensor:
-        both = torch.cat([x, -x], dim=-1)
-        return both * torch.sigmoid(F.softplus(self.rho) * both) / 1.1044
+        return self._halves(x, torch.sigmoid(F.softplus(self.rho) * x))
+
+    @staticmethod
+    def _halves(x: Tensor, s: Tensor) -> Tensor:
+        """[x sigmoid(beta x), -x sigmoid(-beta x)] / 1.1044 from s = sigmoid(beta x), by
+        sigmoid(-u) = 1 - sigmoid(u): one sigmoid for both halves."""
+        return torch.cat([x * s, x * (s - 1)], dim=-1) / 1.1044
 
     def forward_and_slope(self, x: Tensor) -> tuple[Tensor, Tensor]:
         r"""The activation (..., 2 m) at ``x`` (..., m), the same tensor as :meth:`forward`'s
-        (the same operations), and its Jacobian's two diagonals, [s(beta x), -s(-beta x)] /
-        1.1044 (..., 2 m), for :meth:`pullback`; both differentiable in x and beta."""
-        both = torch.cat([x, -x], dim=-1)
-        z = F.softplus(self.rho) * both  # u = beta x and u = -beta x
+        (the same operations), and the first half's slope s(beta x) / 1.1044 (..., m), for
+        :meth:`pullback`; both differentiable in x and beta. The second half's slope,
+        -s(-beta x) / 1.1044, is (s(beta x) - 1) / 1.1044, since s(u) + s(-u) = 1."""
+        z = F.softplus(self.rho) * x
         s = torch.sigmoid(z)
-        slope = torch.addcmul(s, s * z, 1 - s)  # s(u); d/dx phi(-x) = -s(-beta x)
-        sign = torch.cat([torch.ones_like(x), -torch.ones_like(x)], dim=-1)
-        return both * s / 1.1044, slope * sign / 1.1044
+        return self._halves(x, s), torch.addcmul(s, s * z, 1 - s) / 1.1044
 
     def pullback(self, g: Tensor, slope: Tensor) -> Tensor:
-        """g^T J (..., m) for g (..., 2 m) at the point where ``slope`` was taken: the two
-        halves' products summed."""
-        gs = g * slope
-        half = gs.shape[-1] // 2
-        return gs[..., :half] + gs[..., half:]
+        """g^T J (..., m) for g (..., 2 m) at the point where ``slope`` (the first half's) was
+        taken: g_1 slope + g_2 (slope - 1 / 1.1044)."""
+        first, second = g.chunk(2, dim=-1)
+        return (first + second) * slope - second / 1.1044
 
     def lipschitz_bound(self) -> float:
         """Certified Lipschitz constant (2-norm): 1.10437 / 1.1044 < 1."""
@@ -384,7 +386,7 @@ class LipschitzMLP(nn.Module):
         w^T J = ((w W_L) * s_{L-1}) W_{L-1} ... * s_1) W_1, three matrix products and two
         multiplications for a 2-hidden-layer MLP (autograd's backward of LipSwish alone takes
         five elementwise operations; with :class:`CLipSwish` each "* s" is its
-        :meth:`~CLipSwish.pullback`, both slopes with the two halves added). ``w`` may carry
+        :meth:`~CLipSwish.pullback`, both halves from one slope). ``w`` may carry
         leading dimensions (a batch of vectors). The product is made of differentiable
         operations: under ``torch.no_grad()`` it builds no graph, otherwise it can be
         differentiated (w.r.t. ``w``, ``x`` and the parameters), which is what the Neumann

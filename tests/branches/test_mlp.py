@@ -41,9 +41,11 @@ def test_clipswish_gain_is_below_certified_bound_and_bound_is_tight(beta):
     """The Jacobian of x -> [phi(x), phi(-x)] at one coordinate is the column
     [s(beta x), -s(-beta x)] / 1.1044: its largest length over x is the certificate."""
     act = _with_beta(CLipSwish().double(), beta)
-    x = torch.linspace(-30, 30, 600001, dtype=torch.float64)
-    _, slope = act.forward_and_slope(x)
-    gain = slope.view(2, -1).pow(2).sum(0).sqrt().max()  # the halves of one coordinate
+    x = torch.linspace(-30, 30, 600001, dtype=torch.float64, requires_grad=True)
+    first, second = act(x.view(1, -1)).chunk(2, dim=-1)  # each half's Jacobian is diagonal
+    columns = [torch.autograd.grad(half.sum(), x, retain_graph=True)[0]
+               for half in (first, second)]
+    gain = torch.stack(columns).pow(2).sum(0).sqrt().max()  # the halves of one coordinate
     bound = act.lipschitz_bound()
     assert bound == CLIPSWISH_MAX_GAIN / 1.1044 < 1
     assert gain <= bound <= gain * (1 + 1e-5)
@@ -55,9 +57,11 @@ def test_clipswish_slopes_and_pullback_are_the_jacobian_of_the_activation():
     out, slope = act.forward_and_slope(x)
     assert torch.equal(out, act(x)) and out.shape == (1, 14)
     jac = torch.autograd.functional.jacobian(lambda v: act(v.view(1, 7))[0], x[0])  # (14, 7)
-    expected = torch.cat([torch.diag(jac[:7]), torch.diag(jac[7:])])
-    assert torch.allclose(slope[0], expected, rtol=1e-13, atol=1e-15)
+    assert slope.shape == (1, 7)  # the first half's; the second's is slope - 1 / 1.1044
+    assert torch.allclose(slope[0], torch.diag(jac[:7]), rtol=1e-13, atol=1e-15)
+    assert torch.allclose(slope[0] - 1 / 1.1044, torch.diag(jac[7:]), rtol=1e-13, atol=1e-15)
     assert torch.count_nonzero(jac[:7] - torch.diag(torch.diag(jac[:7]))) == 0
+    assert torch.count_nonzero(jac[7:] - torch.diag(torch.diag(jac[7:]))) == 0
     g = torch.randn(3, 1, 14, dtype=torch.float64)
     assert torch.allclose(act.pullback(g, slope), g @ jac, rtol=1e-13, atol=1e-15)
 
@@ -160,7 +164,7 @@ def test_clipswish_mlp_bound_is_attained_by_a_chain_at_the_gains_maximum():
     act = mlp.activations[0]
     u = torch.linspace(-2.5, -2.3, 200001, dtype=torch.float64)
     _, slope = act.forward_and_slope(u / torch.nn.functional.softplus(act.rho))
-    column = slope.view(2, -1)
+    column = torch.stack([slope, slope - 1 / 1.1044])  # (2, points): both halves' slopes
     best = torch.argmax(column.pow(2).sum(0))
     with torch.no_grad():
         mlp.layers[0].weight.fill_(0.7)
