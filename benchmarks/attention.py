@@ -7,7 +7,9 @@ The rows "direct SDPA" time the same module with its attention kernel,
 :func:`flowattn.attention.kernels.attend`, replaced by a direct call of
 :func:`torch.nn.functional.scaled_dot_product_attention` -- the first-order path as it was
 before ``attend`` made every module differentiable to any order -- so that what ``attend``
-costs on the fused path is measured in the same process. The rows "SVD norms" time the
+costs on the fused path is measured in the same process. The row "output divided" times
+``ContractiveL2MHA`` dividing F's output by its bound, as before c / bound was taken into
+F's output weights W^O (where one bound holds for the whole call). The rows "SVD norms" time the
 contractive modules with the certificate's spectral norms from the SVD, as before
 :func:`flowattn.lipschitz.spectral_norm_exact` took them from a symmetric eigensolver.
 ``--second-order`` times a gradient-of-gradient step instead (a Jacobian penalty), against
@@ -37,6 +39,7 @@ from torch.utils import benchmark
 
 from flowattn import lipschitz
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, dot_product, l2
+from flowattn.attention.contractive import ContractiveAttention
 
 SHAPES = [(32, 128, 128, 8), (8, 512, 256, 8)]  # (B, N, D, H)
 
@@ -100,6 +103,9 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
         "ContractiveL2MHA": contractive,
         "ContractiveL2MHA, SVD norms": Patched(
             contractive, lipschitz, svd_norm, name="spectral_norm_exact"),
+        # as before c / bound went into W^O: F's output divided by the bound
+        "ContractiveL2MHA, output divided": Patched(
+            contractive, ContractiveL2MHA, ContractiveAttention._divided, name="_divided"),
         # the language model's settings: logit offsets (their certificate's constant is
         # W_0 of the offsets' weighted count, differentiated every step) and the mixed norm
         "ContractiveL2MHA, LM": lm,
@@ -193,6 +199,9 @@ def main() -> None:
             for name in ("ContractiveL2MHA", "ContractiveL2MHA, LM"):
                 ratio = times[name] / times[f"{name}, SVD norms"]
                 print(f"| {shape} | {name}: eigensolver / SVD norms | | {ratio:.2f} |")
+            ratio = times["ContractiveL2MHA"] / times["ContractiveL2MHA, output divided"]
+            print(f"| {shape} | ContractiveL2MHA: c / bound in W^O / output divided | | "
+                  f"{ratio:.2f} |")
 
 
 if __name__ == "__main__":

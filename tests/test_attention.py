@@ -439,6 +439,24 @@ def test_masked_rows_are_normalised_by_their_own_key_count():
         torch.testing.assert_close(y[0, i], expected, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize("p", ["inf", 2, "2,inf"])
+@pytest.mark.parametrize("fused,offsets", [(True, False), (False, False), (True, True)])
+def test_one_bound_per_call_goes_into_the_output_weights(p, fused, offsets):
+    # without a mask (and not causal) one bound holds for the whole call: f takes c / bound
+    # into F's W^O; values and every gradient are those of F's output divided by the bound
+    extra = {"self_offset": 2.0, "position_bias": 2.0} if offsets else {}
+    module = make(ContractiveL2MHA, seed=12, coeff=0.7, norm=p, fused=fused, **extra)
+    x = randn(3, 6, DIM, seed=12).requires_grad_()
+    cotangent = randn(3, 6, DIM, seed=13)
+    weights = [x, *module.parameters()]
+    folded = module(x)
+    divided = 0.7 * module.attention(x) / module.attention.lipschitz_bound(6, p)
+    torch.testing.assert_close(folded, divided, rtol=1e-12, atol=1e-14)
+    for a, b in zip(torch.autograd.grad(folded, weights, cotangent),
+                    torch.autograd.grad(divided, weights, cotangent), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
+
+
 def test_contractive_denominator_receives_gradients():
     module = make(ContractiveL2MHA, seed=10, coeff=0.9)
     x = randn(1, 4, DIM, seed=10)

@@ -357,17 +357,24 @@ class L2MHA(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
+        return self._attended(x, mask, causal)
+
+    def _attended(self, x: Tensor, mask: Tensor | None, causal: bool,
+                  output_scale: Callable[[int], Tensor] | None = None) -> Tensor:
+        """:meth:`forward`, or s F(x) with s = ``output_scale(N)`` (a scalar) taken into W^O:
+        s W^O is D x D numbers where s F(x) would be B N D (and as many in the backward)."""
         mask = check_sets(x, mask, self.dim)
+        w_o = self.w_o if output_scale is None else self.w_o * output_scale(x.shape[1])
         q = split_heads(x @ self.w_q, self.heads)
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
         dropout = self.dropout if self.training else 0.0
         scale = None
         if self.fused and self.offsets is not None:
-            y, scale = self._written_out(q, k, x, mask, causal, dropout)
+            y, scale = self._written_out(q, k, x, mask, causal, dropout, w_o)
         elif self.fused:
-            y, scale = self._fused(q, k, x, mask, causal, dropout)
+            y, scale = self._fused(q, k, x, mask, causal, dropout, w_o)
         else:
-            y = merge_heads(self._reference(q, k, x, mask, causal, dropout)) @ self.w_o
+            y = merge_heads(self._reference(q, k, x, mask, causal, dropout)) @ w_o
         return check_output(zero_padded(y, mask), x, "L2MHA", _OVERFLOW_HINT[self.fused], scale)
 
     def _tied_value_map(self) -> Tensor:
@@ -375,7 +382,7 @@ class L2MHA(nn.Module):
         wq, wv = self.head_weights(self.w_q), self.head_weights(self.w_v)
         return wq.transpose(1, 2) @ wv / math.sqrt(self.head_dim)
 
-    def _fused(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor]:
+    def _fused(self, q, k, x, mask, causal, dropout, w_o) -> tuple[Tensor, Tensor]:
         # SDPA's fused CPU kernel wants equal query and value widths (d + 1 here). Rather than
         # padding activations, the value and output weights get a zero column / row per head.
         h, d = self.heads, self.head_dim
@@ -383,7 +390,7 @@ class L2MHA(nn.Module):
             v = q @ F.pad(self._tied_value_map(), (0, 1))
         else:
             v = x.unsqueeze(1) @ F.pad(self.head_weights(self.w_v), (0, 1))
-        w_o = F.pad(self.w_o.reshape(h, d, self.dim), (0, 0, 0, 1)).reshape(h * (d + 1), -1)
+        w_o = F.pad(w_o.reshape(h, d, self.dim), (0, 0, 0, 1)).reshape(h * (d + 1), -1)
         centre = _first_present(k, mask) if causal else masked_mean(k, mask, dim=2)
         q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
         q_aug, k_aug = _augmented(q, k, r)
@@ -446,14 +453,14 @@ class L2MHA(nn.Module):
             extra = extra.masked_fill(~allowed, -math.inf)
         return torch.softmax(logits.add_(extra), dim=-1)
 
-    def _written_out(self, q, k, x, mask, causal, dropout) -> tuple[Tensor, Tensor | None]:
+    def _written_out(self, q, k, x, mask, causal, dropout, w_o) -> tuple[Tensor, Tensor | None]:
         if self.tied:  # X A_h W^{V,h} = q_h (W^{Q,h}^T W^{V,h}) / sqrt(d), from uncentred q
             v = q @ self._tied_value_map()
         else:
             v = split_heads(x @ self.w_v, self.heads)
         p, scale = self._probabilities(q, k, mask, causal, on_first=causal)
         p = F.dropout(p, dropout, training=dropout > 0)
-        return merge_heads(p @ v) @ self.w_o, scale
+        return merge_heads(p @ v) @ w_o, scale
 
     def linearise(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
@@ -809,6 +816,15 @@ class ContractiveL2MHA(ContractiveAttention):
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
         return self.attention.lipschitz_bound(counts, self.norm, causal=causal)
+
+    def _divided(self, x: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+        """c F(x) / bound; where one bound holds for the whole call (no mask, and not causal
+        outside the 2-norm), c / bound is taken into F's W^O instead of dividing the output."""
+        if self._every_count(mask is not None, causal):
+            return super()._divided(x, mask, causal)
+        return self.attention._attended(
+            x, mask, causal,
+            lambda length: self.coeff / self._bound(length, every_count=False, causal=causal))
 
     def linearise(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
