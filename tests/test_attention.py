@@ -457,6 +457,17 @@ def test_one_bound_per_call_goes_into_the_output_weights(p, fused, offsets):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-13)
 
 
+def test_output_dtype_under_autocast_does_not_depend_on_the_mask():
+    # divided or with the bound in W^O, the output has the dtype the division gives
+    module = ContractiveL2MHA(DIM, HEADS)
+    x = torch.randn(2, 5, DIM)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        folded = module(x)
+        divided = module(x, mask=torch.ones(2, 5, dtype=torch.bool))
+    assert folded.dtype == divided.dtype == torch.float32
+    torch.testing.assert_close(folded, divided, rtol=0.02, atol=1e-3)
+
+
 def test_contractive_denominator_receives_gradients():
     module = make(ContractiveL2MHA, seed=10, coeff=0.9)
     x = randn(1, 4, DIM, seed=10)

@@ -822,9 +822,12 @@ class ContractiveL2MHA(ContractiveAttention):
         outside the 2-norm), c / bound is taken into F's W^O instead of dividing the output."""
         if self._every_count(mask is not None, causal):
             return super()._divided(x, mask, causal)
-        return self.attention._attended(
+        y = self.attention._attended(
             x, mask, causal,
             lambda length: self.coeff / self._bound(length, every_count=False, causal=causal))
+        # the dtype the division gives: under autocast F's products are of lower precision
+        # than the bound, which is in the weights' (a no-op otherwise)
+        return y.to(torch.promote_types(y.dtype, self.attention.w_o.dtype))
 
     def linearise(
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
