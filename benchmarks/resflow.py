@@ -409,10 +409,12 @@ def bench_particle_step(quick: bool, before: str | None = None, steps: int | Non
 
 #: what the compile section times: the flows ``flowattn sets fit`` trains for these settings
 COMPILE_CASES = {
-    "dw4": {"data": "dw4"},
-    "lj13": {"data": "lj13"},
-    "shape-sets, attention + splines, 8 blocks": {"data": "shape-sets", "splines": True,
-                                                   "blocks": 8},
+    "dw4": ("dw4", {"data": "dw4"}),
+    "lj13": ("lj13", {"data": "lj13"}),
+    "shape-sets-8": ("shape-sets, attention + splines, 8 blocks",
+                     {"data": "shape-sets", "splines": True, "blocks": 8}),
+    "shape-sets-24": ("shape-sets, attention + splines, 24 blocks (the namesake flow)",
+                      {"data": "shape-sets", "splines": True, "blocks": 24}),
 }
 
 
@@ -432,11 +434,13 @@ def _compile_case(settings: dict):
     return flow, batch
 
 
-def bench_compiled_sets(quick: bool, steps: int | None = None) -> None:
+def bench_compiled_sets(quick: bool, steps: int | None = None,
+                        cases: list[str] | None = None) -> None:
     print("### Set-flow training step compiled: `SetFlow.compiled_log_prob()` (each layer "
           "through torch.compile, inductor) against the same flow eager, as `flowattn sets fit` "
           "trains it with and without `--compile`, a batch of training sets, float32\n")
-    for name, settings in COMPILE_CASES.items():
+    for key in cases or list(COMPILE_CASES):
+        name, settings = COMPILE_CASES[key]
         eager, batch = _compile_case(settings)
         twin, _ = _compile_case(settings)
         compiled = twin.compiled_log_prob()
@@ -649,6 +653,8 @@ def main() -> None:
                         help="path holding the Residual Flows package `resflows`, timed alongside")
     parser.add_argument("--before", default=None,
                         help="path holding an older flowattn checkout, timed alongside")
+    parser.add_argument("--compile-cases", nargs="+", choices=list(COMPILE_CASES), default=None,
+                        help="the flows of the compiled-sets section (default: all)")
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps of the training, set and compile sections")
     args = parser.parse_args()
@@ -664,7 +670,7 @@ def main() -> None:
         elif name == "particles":
             bench_particle_step(args.quick, args.before, args.steps)
         elif name == "compiled-sets":
-            bench_compiled_sets(args.quick, args.steps)
+            bench_compiled_sets(args.quick, args.steps, args.compile_cases)
         elif name == "set-reference":
             bench_set_reference(args.quick, args.reference, args.steps)
         elif name == "compile":

@@ -5,7 +5,8 @@ The transforms are ``nflows`` transforms on (B, N, D) sets that take the padding
 The layers of the package, each using only those below it:
 
 * :mod:`~flowattn.flows.geometry` -- masks, the zero-centre-of-mass projection, probes, VJPs;
-  :mod:`~flowattn.flows.base` -- the base densities;
+  :mod:`~flowattn.flows.base` -- the base densities; :mod:`~flowattn.flows.splines` -- the
+  rational-quadratic spline of every spline layer, without branches on the data;
 * :mod:`~flowattn.flows.logdet` and :mod:`~flowattn.flows.inverse` -- the log-determinant
   estimators and the inverses of residual blocks, with their options;
 * :mod:`~flowattn.flows.residual`, :mod:`~flowattn.flows.monotone` -- residual blocks

@@ -41,9 +41,6 @@ import math
 
 import torch
 from nflows.transforms import CompositeTransform, Transform
-from nflows.transforms.splines.rational_quadratic import (
-    unconstrained_rational_quadratic_spline,
-)
 from torch import Tensor, nn
 
 from ..attention import DotProductMHA
@@ -52,7 +49,7 @@ from ..validation import check_deferred, check_sets, present_weights, trusted_in
 from .builders import SetFlow
 from .geometry import full_precision, mask_from_context, subtract_mean
 from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
-from .pairs import UNIT_SLOPE
+from .splines import UNIT_SLOPE, rational_quadratic
 
 __all__ = ["SetCoupling", "coupling_flow", "coupling_stack"]
 
@@ -146,9 +143,8 @@ class SetCoupling(Transform):
         check_deferred(inputs, "SetCoupling", widths, heights, derivatives)
         with full_precision(x):  # the spline and its log-det in the data's precision
             def spline(values: Tensor, inverse: bool) -> tuple[Tensor, Tensor]:
-                return unconstrained_rational_quadratic_spline(
-                    values, widths, heights, derivatives, inverse=inverse, tails="linear",
-                    tail_bound=self.tail_bound)
+                return rational_quadratic(values, widths, heights, derivatives,
+                                          self.tail_bound, inverse)
 
             moved = x[..., self.moved]
             if self.zero_com and inverse:

@@ -36,6 +36,7 @@ from ..errors import InputError
 from ..validation import check_sets, present_weights
 from .base import set_dims
 from .geometry import full_precision, mask_from_context
+from .splines import rational_quadratic
 
 __all__ = ["ActNorm", "EquivariantLinear", "SetLocation", "feature_moments", "size_features"]
 
@@ -308,7 +309,7 @@ def _spline_flow(dim: int, layers: int, hidden: int, bins: int, tail_bound: floa
     steps: list[Transform] = [_CentroidActNorm(dim)]
     for _ in range(layers):
         steps.append(
-            MaskedPiecewiseRationalQuadraticAutoregressiveTransform(
+            _AutoregressiveSpline(
                 features=dim,
                 hidden_features=hidden,
                 context_features=2,
@@ -320,6 +321,20 @@ def _spline_flow(dim: int, layers: int, hidden: int, bins: int, tail_bound: floa
         if dim > 1:
             steps.append(RandomPermutation(dim))
     return CompositeTransform(steps)
+
+
+class _AutoregressiveSpline(MaskedPiecewiseRationalQuadraticAutoregressiveTransform):
+    """nflows' masked autoregressive spline transform (its parameters, state and conditioner),
+    with the spline evaluated by :func:`~flowattn.flows.splines.rational_quadratic`: the same
+    values, and nothing read back from the device."""
+
+    def _elementwise(self, inputs: Tensor, autoregressive_params: Tensor,
+                     inverse: bool = False) -> tuple[Tensor, Tensor]:
+        params = autoregressive_params.view(*inputs.shape, self._output_dim_multiplier())
+        k = self.num_bins  # (nflows scales by the width only for conditioners other than MADE)
+        outputs, logslope = rational_quadratic(inputs, params[..., :k], params[..., k:2 * k],
+                                               params[..., 2 * k:], self.tail_bound, inverse)
+        return outputs, logslope.sum(dim=-1)
 
 
 class SetLocation(Transform):

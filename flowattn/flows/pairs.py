@@ -30,22 +30,14 @@ import math
 
 import torch
 from nflows.transforms import Transform
-from nflows.transforms.splines.rational_quadratic import (
-    DEFAULT_MIN_DERIVATIVE,
-    unconstrained_rational_quadratic_spline,
-)
 from torch import Tensor, nn
 
 from ..errors import InputError
 from ..validation import check_sets
 from .geometry import full_precision, mask_from_context
+from .splines import UNIT_SLOPE, rational_quadratic
 
 __all__ = ["PairSplines", "round_robin"]
-
-# the unconstrained derivative whose softplus gives slope 1 (nflows pads the ends with it); the
-# splines of SetCoupling start from it too
-UNIT_SLOPE = math.log(math.expm1(1 - DEFAULT_MIN_DERIVATIVE))
-
 
 @functools.lru_cache(maxsize=64)
 def _schedule(n: int) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -147,10 +139,9 @@ class PairSplines(Transform):
                 # clamped: log stays finite at r = 0, with gradient 0 where the map is the identity
                 s = torch.log(r.clamp_min(floor))
                 shape = s.shape + (self.bins,)
-                s_new, log_slope = unconstrained_rational_quadratic_spline(
+                s_new, log_slope = rational_quadratic(
                     s, self.widths.expand(shape), self.heights.expand(shape),
-                    self.derivatives.expand(shape[:-1] + (self.bins - 1,)), inverse=inverse,
-                    tails="linear", tail_bound=self.bound)
+                    self.derivatives.expand(shape[:-1] + (self.bins - 1,)), self.bound, inverse)
                 gain = torch.exp(s_new - s)
                 pair_logdet = log_slope + self.dim * (s_new - s)
                 if mask is not None:
