@@ -41,7 +41,27 @@ from .splines import rational_quadratic
 __all__ = ["ActNorm", "EquivariantLinear", "SetLocation", "feature_moments", "size_features"]
 
 
-class ActNorm(Transform):
+class _InitialisedOnce:
+    """The ``initialized`` buffer of a data-initialised layer, read back to the host once.
+
+    Once it has been seen True (or loaded as True), training calls read nothing back: no host
+    synchronisation per step, and under torch.compile no graph break on it.
+    """
+
+    _seen_initialised = False
+
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        # the loaded buffer decides, read once here: a resumed training step reads nothing
+        self._seen_initialised = bool(self.initialized)
+
+    def _needs_initialisation(self) -> bool:
+        if not self._seen_initialised:
+            self._seen_initialised = bool(self.initialized)  # one host read, until it is True
+        return not self._seen_initialised
+
+
+class ActNorm(_InitialisedOnce, Transform):
     r"""Per-feature affine map y_i = (x_i + b) * exp(s) applied to every present element.
 
     References:
@@ -84,18 +104,6 @@ class ActNorm(Transform):
         self.log_scale = nn.Parameter(torch.zeros(dim))
         self.shift = nn.Parameter(torch.zeros(dim), requires_grad=not zero_com)
         self.register_buffer("initialized", torch.tensor(False))
-        self._seen_initialised = False  # the buffer read once as True: no more reads (syncs)
-
-    def _load_from_state_dict(self, *args, **kwargs) -> None:
-        super()._load_from_state_dict(*args, **kwargs)
-        # the loaded buffer decides, read once here: a resumed training step reads nothing
-        # back (and under torch.compile, breaks no graph on it)
-        self._seen_initialised = bool(self.initialized)
-
-    def _needs_initialisation(self) -> bool:
-        if not self._seen_initialised:
-            self._seen_initialised = bool(self.initialized)  # one host read, until it is True
-        return not self._seen_initialised
 
     @torch.no_grad()
     def initialise(self, x: Tensor, mask: Tensor | None = None) -> None:
@@ -177,13 +185,14 @@ def feature_moments(
     return mean, torch.where(std > floor, std, torch.ones_like(std))
 
 
-class _CentroidActNorm(VectorActNorm):
+class _CentroidActNorm(_InitialisedOnce, VectorActNorm):
     """nflows' ActNorm of vectors (B, D), initialised by :func:`feature_moments`.
 
     nflows divides by the batch's standard deviation unguarded: a batch of one vector, or a
     coordinate that is constant in the batch, gives an infinite scale. Here such a coordinate
-    keeps the scale 1. The parametrisation (y = x exp(s) + b) and the state are nflows', so
-    saved flows load unchanged.
+    keeps the scale 1. nflows also reads its ``initialized`` flag at every training call; here
+    it is read until it is True. The parametrisation (y = x exp(s) + b) and the state are
+    nflows', so saved flows load unchanged.
     """
 
     def _initialize(self, inputs: Tensor) -> None:
@@ -192,6 +201,16 @@ class _CentroidActNorm(VectorActNorm):
             self.log_scale.data = -torch.log(std).to(self.log_scale)
             self.shift.data = (-mean / std).to(self.shift)
             self.initialized.fill_(True)  # in place: the buffer stays on its device
+            self._seen_initialised = True
+
+    def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
+        if inputs.dim() != 2:
+            raise InputError(f"the centroid flow's ActNorm takes vectors (B, D), got shape "
+                             f"{tuple(inputs.shape)}")
+        if self.training and self._needs_initialisation():
+            self._initialize(inputs)
+        outputs = inputs * torch.exp(self.log_scale) + self.shift
+        return outputs, self.log_scale.sum() * outputs.new_ones(inputs.shape[0])
 
 
 class _LUMatrix(nn.Module):
@@ -418,7 +437,7 @@ class SetLocation(Transform):
             [0.0, 0.0, 1.0, 1.0]
         """
         first = getattr(self.centroid_flow, "_transforms", [None])[0]
-        if not isinstance(first, _CentroidActNorm) or bool(first.initialized):
+        if not isinstance(first, _CentroidActNorm) or not first._needs_initialisation():
             return
         mask = check_sets(x, mask, dim=self.dim)
         first._initialize(self._centroid(x, mask)[0])

@@ -100,24 +100,26 @@ def test_a_training_step_reads_no_tensor_back_but_the_entry_check(host_reads):
     assert sum(reads.values()) == 1 and all("validation.py" in k for k in reads), reads
 
 
-@pytest.mark.parametrize("flow_kind", ["splines", "pair-splines", "coupling"])
+@pytest.mark.parametrize("flow_kind", ["splines", "pair-splines", "location", "coupling"])
 def test_spline_layers_read_no_tensor_back(host_reads, flow_kind):
     """The splines select their interval without reading anything back (nflows' spline reads
-    up to three values a call), so a step of a residual flow with splines reads only the entry
-    check; in a coupling flow (splines, and the centroid flow's autoregressive splines) no read
-    comes from a spline (its dot-product conditioner reads on the CPU, as attention does)."""
+    up to three values a call, nflows' ActNorm its flag), so a step of a residual flow with
+    splines and a centroid flow reads only the entry check; in a coupling flow (splines, and
+    the centroid flow's autoregressive splines) no read comes from a spline or an ActNorm (its
+    dot-product conditioner reads on the CPU, as attention does)."""
     torch.manual_seed(0)
     if flow_kind == "coupling":
         flow = coupling_flow(dim=2, layers=2, hidden=16, blocks=1)
     else:
         flow = set_flow(dim=2, blocks=2, heads=1, interaction="linear", logdet=SERIES,
-                        splines=flow_kind == "splines", pair_splines=flow_kind == "pair-splines")
+                        splines=flow_kind in ("splines", "location"),
+                        pair_splines=flow_kind == "pair-splines", location=flow_kind == "location")
     x = 3 * torch.randn(8, 5, 2)  # some coordinates outside the splines' intervals
     flow.log_prob(x)  # ActNorm's data-dependent initialisation reads its flag once
 
     reads = host_reads(lambda: flow.log_prob(x).mean().backward())
     spline_files = ("splines.py", "layers.py", "pairs.py", "coupling.py", "rational_quadratic.py",
-                    "autoregressive.py")
+                    "autoregressive.py", "normalization.py")
     assert not [k for k in reads if k.startswith(spline_files)], reads
     if flow_kind != "coupling":
         assert sum(reads.values()) == 1 and all("validation.py" in k for k in reads), reads
