@@ -415,6 +415,8 @@ COMPILE_CASES = {
                      {"data": "shape-sets", "splines": True, "blocks": 8}),
     "shape-sets-24": ("shape-sets, attention + splines, 24 blocks (the namesake flow)",
                       {"data": "shape-sets", "splines": True, "blocks": 24}),
+    "shape-sets-coupling": ("shape-sets, `--preset large` (12 set-coupling layers)",
+                            {"data": "shape-sets", "preset": "large"}),
 }
 
 
