@@ -18,10 +18,11 @@ softmax with a floor, inner slopes by a softplus with a floor), and the values a
 
 nflows selects the inputs inside the interval with boolean indexing, checks the interval by
 reading a minimum and a maximum back and asserts the inverse's discriminant: a shape that
-depends on the data and three host synchronisations a call, which on a GPU stall the stream and
-under ``torch.compile`` break the graph. Here every input goes through the same operations (the
-spline is evaluated at the input clamped to [-B, B], and the identity is selected outside), so a
-flow of spline layers compiles into whole graphs and runs without reading anything back.
+depends on the data and up to four host synchronisations a call, which on a GPU stall the
+stream and under ``torch.compile`` break the graph. Here every input goes through the same
+operations (the spline is evaluated at the input clamped to [-B, B], and the identity is
+selected outside), so a flow of spline layers compiles into whole graphs and runs without
+reading anything back.
 
 Examples:
     >>> w, h, d = torch.zeros(5, 8), torch.zeros(5, 8), torch.zeros(5, 7)
@@ -86,27 +87,27 @@ def rational_quadratic(
         return values.gather(-1, index).squeeze(-1)
 
     x_k, width, y_k, height = at(x_knots), at(x_sizes), at(y_knots), at(y_sizes)
-    slope = at(y_sizes / x_sizes)
+    slope = height / width
     d_k, d_k1 = at(slopes[..., :-1]), at(slopes[..., 1:])
     curvature = d_k + d_k1 - 2 * slope
 
-    if inverse:
+    if inverse:  # θ from the quadratic, the root in [0, 1]
         t = x - y_k
         a = t * curvature + height * (slope - d_k)
         b = height * d_k - t * curvature
         c = -slope * t
         discriminant = (b * b - 4 * a * c).clamp_min(0)  # >= 0 but for rounding
         theta = (2 * c) / (-b - discriminant.sqrt())
-        outputs = theta * width + x_k
     else:
         theta = (x - x_k) / width
-        mixed = theta * (1 - theta)
-        outputs = y_k + height * (slope * theta**2 + d_k * mixed) / (slope + curvature * mixed)
     mixed = theta * (1 - theta)
+    denominator = slope + curvature * mixed
     numerator = slope**2 * (d_k1 * theta**2 + 2 * slope * mixed + d_k * (1 - theta) ** 2)
-    logslope = numerator.log() - 2 * (slope + curvature * mixed).log()
+    logslope = numerator.log() - 2 * denominator.log()
     if inverse:
-        logslope = -logslope
+        outputs, logslope = theta * width + x_k, -logslope
+    else:
+        outputs = y_k + height * (slope * theta**2 + d_k * mixed) / denominator
     outputs = torch.where(inside, outputs, inputs)
     return outputs, torch.where(inside, logslope, torch.zeros_like(logslope))
 

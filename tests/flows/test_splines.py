@@ -3,9 +3,12 @@ derivative, the inverse, the tails, and one graph under torch.compile."""
 
 import pytest
 import torch
-from nflows.transforms.splines.rational_quadratic import unconstrained_rational_quadratic_spline
+from nflows.transforms.splines.rational_quadratic import (
+    DEFAULT_MIN_BIN_WIDTH,
+    unconstrained_rational_quadratic_spline,
+)
 
-from flowattn.flows.splines import rational_quadratic
+from flowattn.flows.splines import _knots, rational_quadratic
 
 DT = torch.float64
 BOUND = 2.0
@@ -45,10 +48,7 @@ def test_values_and_gradients_are_nflows(inverse):
 
 def test_an_input_at_an_inner_knot_goes_to_the_same_bin_as_in_nflows():
     x, w, h, d = _case(seed=1)
-    bins = w.shape[-1]
-    sizes = 1e-3 + (1 - 1e-3 * bins) * torch.softmax(w, dim=-1)
-    knots = 2 * BOUND * torch.cumsum(sizes, dim=-1) - BOUND
-    x = knots[..., 2]  # exactly on the third inner knot
+    x = _knots(w, BOUND, DEFAULT_MIN_BIN_WIDTH)[0][..., 3]  # exactly on the third inner knot
     for a, b in zip(rational_quadratic(x, w, h, d, BOUND), _nflows(x, w, h, d),
                     strict=True):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
