@@ -19,11 +19,14 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "sets.md"
 # the values docs/sets.md states, written out: a change of PRESETS must change this too
 DOCUMENTED = {
     "small": {"flow": "coupling", "coupling_layers": 8, "coupling_hidden": 64,
-              "coupling_blocks": 2, "coupling_bins": 8, "steps": 1500, "keep_best": True},
+              "coupling_blocks": 2, "coupling_bins": 8, "steps": 1500, "keep_best": True,
+              "ema": 0.999},
     "medium": {"flow": "coupling", "coupling_layers": 8, "coupling_hidden": 64,
-               "coupling_blocks": 2, "coupling_bins": 8, "steps": 3000, "keep_best": True},
+               "coupling_blocks": 2, "coupling_bins": 8, "steps": 3000, "keep_best": True,
+               "ema": 0.999},
     "large": {"flow": "coupling", "coupling_layers": 12, "coupling_hidden": 64,
-              "coupling_blocks": 2, "coupling_bins": 8, "steps": 4500, "keep_best": True},
+              "coupling_blocks": 2, "coupling_bins": 8, "steps": 4500, "keep_best": True,
+              "ema": 0.999},
 }
 
 
@@ -48,10 +51,11 @@ def test_each_preset_resolves_to_the_values_in_the_docs(name):
     assert len(rows) == 1, f"docs/sets.md needs one table row for the {name} preset"
     cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
     values = DOCUMENTED[name]
-    assert cells[1:8] == [values["flow"], str(values["coupling_layers"]),
+    assert cells[1:9] == [values["flow"], str(values["coupling_layers"]),
                           str(values["coupling_hidden"]), str(values["coupling_blocks"]),
                           str(values["coupling_bins"]), str(values["steps"]),
-                          {True: "best", False: "last"}[values["keep_best"]]]
+                          {True: "best", False: "last"}[values["keep_best"]],
+                          str(values["ema"])]
     assert str(values["steps"]) in SetsRunConfig.model_fields["flow"].annotation \
         .model_fields["preset"].description
 
