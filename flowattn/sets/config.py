@@ -37,8 +37,8 @@ COUPLING_SETTINGS = ("coupling_layers", "coupling_hidden", "coupling_blocks", "c
 # Named settings for data that are not Gaussian: set-coupling flows (exact log-det, so no
 # estimator to choose) of growing depth and training length, scored with a moving average of
 # their parameters and ending with the average of lowest validation loss. Each was measured on
-# shape-sets (docs/benchmarks.md, "Presets and the flattened baseline"); a setting the user
-# gives wins.
+# shape-sets (docs/benchmarks.md, "Presets and the flattened baseline" and "The presets with a
+# moving average of their parameters"); a setting the user gives wins.
 _COUPLING = {"flow": "coupling", "coupling_hidden": 64, "coupling_blocks": 2,
              "coupling_bins": 8, "keep_best": True, "ema": 0.999}
 PRESETS: dict[str, dict[str, Any]] = {
