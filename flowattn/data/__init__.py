@@ -1,7 +1,7 @@
 """Data for density estimation on sets: users' ``.npz`` files, particles, synthetic sets."""
 
 from ..errors import DataError
-from .augment import random_orthogonal, rotate_sets
+from .augment import random_orthogonal, random_signs, reflect_sets, rotate_sets
 from .particles import (
     PARTICLE_SYSTEMS,
     ParticleSystem,
@@ -33,6 +33,8 @@ from .synthetic import cluster_sets, cluster_sets_log_prob, gaussian_sets, gauss
 __all__ = [
     "DataError",
     "random_orthogonal",
+    "random_signs",
+    "reflect_sets",
     "rotate_sets",
     "SetData",
     "load_npz",

@@ -1,4 +1,4 @@
-r"""Data augmentation for sets whose density is invariant under rotations and reflections.
+r"""Data augmentation for sets whose density is invariant under rotations or reflections.
 
 A particle system's Boltzmann density depends only on the distances between its particles, so
 rotating and reflecting a configuration about its centre of mass leaves its density unchanged:
@@ -7,6 +7,13 @@ flow, whose splines act on Cartesian coordinates) has to learn that symmetry fro
 drawing a fresh Q for every set each time it is used shows it every orientation, and since the
 rotated sets follow the same distribution, maximum likelihood on them still targets the data's
 density. Only use it where that invariance holds.
+
+Some densities are invariant under a smaller group: planar shapes that look the same mirrored
+left to right and upside down (``shape-sets``: its triangles swap, with equal weights) keep their
+density under x_i -> x_i S for every S = diag(±1, ..., ±1), flipping coordinate axes through the
+origin, but not under rotations. Drawing S for every set shows the flow each of the 2^D mirror
+images; for a flow that has to learn the symmetry from a finite training set this is, in effect,
+2^D times the data.
 """
 
 from __future__ import annotations
@@ -16,7 +23,7 @@ from torch import Tensor
 
 from ..errors import InputError
 
-__all__ = ["random_orthogonal", "rotate_sets"]
+__all__ = ["random_orthogonal", "random_signs", "reflect_sets", "rotate_sets"]
 
 
 def random_orthogonal(count: int, dim: int, generator: torch.Generator | None = None,
@@ -65,3 +72,36 @@ def rotate_sets(x: Tensor, mask: Tensor | None, q: Tensor) -> Tensor:
     w = mask.to(x.dtype).unsqueeze(-1)
     centre = (x * w).sum(dim=1, keepdim=True) / w.sum(dim=1, keepdim=True).clamp_min(1)
     return torch.where(mask.unsqueeze(-1), centre + (x - centre) @ q, x)
+
+
+def random_signs(count: int, dim: int, generator: torch.Generator | None = None,
+                 dtype: torch.dtype = torch.float64) -> Tensor:
+    r"""``count`` sign vectors (count, dim), each entry +1 or -1 with probability 1/2: the
+    diagonals of matrices drawn uniformly from the 2^dim reflections through coordinate axes.
+
+    Examples:
+        >>> s = random_signs(1000, 2, torch.Generator().manual_seed(0))
+        >>> sorted(set(s.flatten().tolist()))
+        [-1.0, 1.0]
+        >>> bool(s.mean().abs() < 0.1)
+        True
+    """
+    if count < 0 or dim < 1:
+        raise InputError(f"need count >= 0 and dim >= 1, got count={count}, dim={dim}")
+    bits = torch.randint(2, (count, dim), generator=generator)
+    return (2 * bits - 1).to(dtype)
+
+
+def reflect_sets(x: Tensor, signs: Tensor) -> Tensor:
+    r"""Each set of ``x`` (B, N, D) mirrored through the origin's coordinate axes by its own
+    signs (B, D): x_i -> x_i S with S = diag(signs). Padded elements (zeros) stay zeros.
+
+    Examples:
+        >>> x = torch.tensor([[[1.0, 2.0], [3.0, -4.0]]])
+        >>> reflect_sets(x, torch.tensor([[-1.0, 1.0]])).tolist()
+        [[[-1.0, 2.0], [-3.0, -4.0]]]
+    """
+    if signs.shape != (x.shape[0], x.shape[-1]):
+        raise InputError(f"signs must have shape {(x.shape[0], x.shape[-1])}, got "
+                         f"{tuple(signs.shape)}")
+    return x * signs.to(device=x.device, dtype=x.dtype).unsqueeze(1)

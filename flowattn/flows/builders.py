@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -35,9 +37,10 @@ from .monotone import InverseMonotoneResidual, MonotoneResidual
 from .pairs import PairSplines
 from .residual import InvertibleResidual, TransformerResidualPair
 
-__all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS"]
+__all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS", "SYMMETRIES"]
 
 INTERACTIONS = ("attention", "radial", "linear", "none")
+SYMMETRIES = ("none", "reflections")
 
 
 class SetFlow(nn.Module):
@@ -58,23 +61,60 @@ class SetFlow(nn.Module):
     data moved by c and scaled by a have log-likelihoods lower by exactly n D log|a|. The layers
     after it see data of unit scale near 0, whatever the offset and scale of the raw data.
 
+    With ``symmetry="reflections"`` the density is the average of the flow's own density q
+    (the one above) over the 2^D mirror images through the coordinate axes,
+
+        p(X) = 2^-D sum_S q(X S),   S = diag(±1, ..., ±1),
+
+    a density (each S has |det S| = 1) that is exactly invariant under those reflections, for
+    data whose density is (such as ``shape-sets``). For such data its expected log-likelihood
+    is never below q's: log p(X) >= 2^-D sum_S log q(X S) (Jensen), whose expectation over the
+    data is q's expected log-likelihood. That bound, drawn with one random S per set, is what
+    training maximises (:meth:`component_log_prob` on mirrored sets); :meth:`log_prob` costs
+    2^D passes of the flow. Sampling draws X from q and mirrors it by a random S.
+
     Arguments:
         transform: an nflows transform on (B, N, D) taking the mask as ``context``.
         dim: feature width D.
         zero_com: zero-centre-of-mass mode.
+        symmetry: ``"none"`` or ``"reflections"`` (the mirror average above).
 
     Examples:
         >>> flow = set_flow(dim=2, blocks=1, heads=1, logdet=LogDetOptions("exact")).eval()
         >>> flow.log_prob(torch.randn(3, 4, 2)).shape
         torch.Size([3])
+        >>> mirrored = SetFlow(flow.transform, dim=2, symmetry="reflections").eval()
+        >>> x = torch.randn(3, 4, 2)
+        >>> bool(torch.allclose(mirrored.log_prob(x), mirrored.log_prob(-x)))
+        True
     """
 
-    def __init__(self, transform: Transform, dim: int, zero_com: bool = False) -> None:
+    def __init__(self, transform: Transform, dim: int, zero_com: bool = False,
+                 symmetry: str = "none") -> None:
         super().__init__()
         self.transform = transform
         self.dim = dim
         self.zero_com = bool(zero_com)
         self.standardisation = _fixed_actnorm(dim, self.zero_com)
+        self.symmetry = symmetry
+
+    @property
+    def symmetry(self) -> str:
+        """``"none"``, or ``"reflections"``: the density is the mirror average (class doc)."""
+        return self._symmetry
+
+    @symmetry.setter
+    def symmetry(self, symmetry: str) -> None:
+        if symmetry not in SYMMETRIES:
+            raise InputError(f"symmetry must be one of {', '.join(SYMMETRIES)}, got {symmetry!r}")
+        self._symmetry = symmetry
+        # the 2^D sign patterns, the identity first; derived from the setting, not saved
+        signs = (torch.tensor(list(itertools.product((1.0, -1.0), repeat=self.dim)))
+                 if symmetry == "reflections" else None)
+        ref = next(self.parameters(), None)
+        if signs is not None and ref is not None:
+            signs = signs.to(ref.device)
+        self.register_buffer("reflections", signs, persistent=False)
 
     def standardise(self, x: Tensor, mask: Tensor | None = None, isotropic: bool = False) -> None:
         """Set the standardisation from the present elements of training sets ``x`` (M, N, D).
@@ -178,7 +218,20 @@ class SetFlow(nn.Module):
         return self._forward(x, mask)[0]
 
     def log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
-        """log p(x) per set, shape (B,): exact in eval mode where feasible, else an estimate."""
+        """log p(x) per set, shape (B,): exact in eval mode where feasible, else an estimate;
+        the mirror average for ``symmetry="reflections"``."""
+        if self.reflections is None:
+            return self._log_prob(x, mask, self.transform)
+        signs = self.reflections.to(x.dtype)
+        count = signs.shape[0]
+        mirrored = (x.unsqueeze(0) * signs[:, None, None, :]).flatten(0, 1)  # (2^D B, N, D)
+        masks = None if mask is None else mask.repeat(count, 1)
+        log_q = self._log_prob(mirrored, masks, self.transform).view(count, -1)
+        return torch.logsumexp(log_q, dim=0) - math.log(count)
+
+    def component_log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
+        """log q(x), the flow's own density before any mirror average (:meth:`log_prob` for
+        ``symmetry="none"``): what training maximises."""
         return self._log_prob(x, mask, self.transform)
 
     def _log_prob(self, x: Tensor, mask: Tensor | None, transform: Transform) -> Tensor:
@@ -221,7 +274,7 @@ class SetFlow(nn.Module):
                             alignment=alignment)
 
     def compiled_log_prob(self, **options: Any) -> Callable[..., Tensor]:
-        """:meth:`log_prob` with each layer of the flow compiled on its own
+        """:meth:`component_log_prob` with each layer of the flow compiled on its own
         (``torch.compile(layer, **options)``), for training.
 
         Layers of one kind share their compiled code (their parameters are inputs of the
@@ -270,9 +323,16 @@ class SetFlow(nn.Module):
         mask: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> Tensor:
-        """Draw ``num_samples`` sets of ``set_size`` elements (or with the given ``mask``)."""
+        """Draw ``num_samples`` sets of ``set_size`` elements (or with the given ``mask``);
+        with ``symmetry="reflections"`` each mirrored by one of the 2^D reflections at random."""
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
-        return self._inverse(z, mask)[0]
+        x = self._inverse(z, mask)[0]
+        if self.reflections is None:
+            return x
+        device = z.device if generator is None else generator.device
+        pick = torch.randint(self.reflections.shape[0], (num_samples,), generator=generator,
+                             device=device).to(z.device)
+        return x * self.reflections.to(x.dtype)[pick].unsqueeze(1)
 
     def sample_and_log_prob(
         self,
@@ -281,7 +341,11 @@ class SetFlow(nn.Module):
         mask: Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Samples and their log-densities, log p(x) = log N(z) - log|det dx/dz|."""
+        """Samples and their log-densities, log p(x) = log N(z) - log|det dx/dz| (for
+        ``symmetry="reflections"``, mirrored samples and their :meth:`log_prob`)."""
+        if self.reflections is not None:
+            x = self.sample(num_samples, set_size, mask, generator)
+            return x, self.log_prob(x, mask)
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
         return self._from_noise(z, mask)
 
@@ -292,7 +356,8 @@ class SetFlow(nn.Module):
         Differentiable in the flow's parameters wherever its inverse is (residual blocks by
         implicit differentiation): what training by energy needs, E_q[E(x) + log q(x)] with
         z ~ N(0, I) fixed and the flow's parameters varying. In zero-centre-of-mass mode ``z``
-        must lie on the subspace (as :meth:`sample` draws it).
+        must lie on the subspace (as :meth:`sample` draws it). These are the flow's own sets
+        and density q, before any mirror average (``symmetry``).
 
         Examples:
             >>> flow = set_flow(dim=2, blocks=1, heads=1, logdet=LogDetOptions("exact")).eval()

@@ -86,10 +86,13 @@ class SetsData(Section):
     set_size: int | None = Field(None, ge=1, description="elements per set of a data set that "
                                  "takes a size (surface-clouds; none: its default, 1000)")
     val_sets: int = Field(500, ge=1, description="validation sets scored at each evaluation")
-    augment: Literal["none", "rotations"] = Field(
+    augment: Literal["none", "rotations", "reflections"] = Field(
         "none", description="rotations: each training set rotated and reflected about its "
         "centroid at random (Haar on O(D)) every time it is drawn; only for data whose density "
-        "does not change under that, such as particle systems")
+        "does not change under that, such as particle systems; reflections: each training set "
+        "mirrored through the coordinate axes (x -> x diag(±1), about the origin, all 2^D sign "
+        "patterns equally likely); only for data whose density does not change under that, "
+        "such as shape-sets")
 
     @model_validator(mode="after")
     def _check_set_size(self) -> SetsData:
@@ -217,6 +220,12 @@ class SetsFlow(Section):
                                         "features (none: 2)")
     coupling_bins: int | None = Field(None, ge=1, description="coupling, or resflow with "
                                       "coupling_layers: spline bins (none: 8)")
+    symmetry: Literal["none", "reflections"] = Field(
+        "none", description="reflections: the density is the flow's averaged over the 2^D "
+        "mirror images through the coordinate axes, p(X) = 2^-D sum_S q(X S), S = diag(±1), "
+        "exactly invariant under them (2^D flow passes per evaluation); training maximises "
+        "the lower bound E_S log q(X S) on training sets mirrored at random; only for data "
+        "whose density does not change under these reflections, such as shape-sets")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> SetsFlow:
@@ -285,6 +294,9 @@ class SetsFlow(Section):
             raise ValueError("energy_weight is a setting of residual and coupling flows: a "
                              "continuous flow's samples would need the solver's graph (use "
                              "flow=resflow or flow=coupling)")
+        if self.symmetry != "none" and self.energy_weight > 0:
+            raise ValueError("symmetry averages the density over reflections, which training "
+                             "by energy does not: use energy_weight 0 or symmetry none")
         if self.energy_samples is not None and self.energy_weight == 0:
             raise ValueError("energy_samples sets how many configurations training by energy "
                              "draws: give energy_weight > 0 too, or energy_samples none")
@@ -330,6 +342,14 @@ class SetsRunConfig(RunConfig):
     @classmethod
     def _apply_preset(cls, values: Any) -> Any:
         return apply_preset(values) if isinstance(values, Mapping) else values
+
+    @model_validator(mode="after")
+    def _check_symmetry(self) -> SetsRunConfig:
+        if self.flow.symmetry == "reflections" and self.data.augment == "rotations":
+            raise ValueError("symmetry reflections trains on sets mirrored at random; "
+                             "augment rotations would turn them too: use augment none or "
+                             "reflections")
+        return self
 
     @model_validator(mode="after")
     def _check_energy(self) -> SetsRunConfig:
@@ -469,6 +489,12 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
             settings where the interaction resolves to another one, a coupling flow on
             one-dimensional elements).
     """
+    built = _build_flow(flow, dim, set_size, zero_com)
+    built.symmetry = flow.symmetry
+    return built
+
+
+def _build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     from nflows.transforms import CompositeTransform
 
     from ..flows.builders import SetFlow, set_flow

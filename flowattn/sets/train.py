@@ -18,7 +18,15 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..attention import frozen_certificates
-from ..data import PARTICLE_SYSTEMS, SetData, load_dataset, random_orthogonal, rotate_sets
+from ..data import (
+    PARTICLE_SYSTEMS,
+    SetData,
+    load_dataset,
+    random_orthogonal,
+    random_signs,
+    reflect_sets,
+    rotate_sets,
+)
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
@@ -46,7 +54,8 @@ class _LogProb(nn.Module):
         super().__init__()
         self.flow = flow
         # compiled layer by layer (SetFlow.compiled_log_prob): sharing the flow's parameters
-        self.log_prob = flow.compiled_log_prob() if compile else flow.log_prob
+        # the flow's own density (before a mirror average: training maximises its bound)
+        self.log_prob = flow.compiled_log_prob() if compile else flow.component_log_prob
 
     def forward(self, x: Tensor, mask: Tensor | None, z: Tensor | None = None):
         log_prob = self.log_prob(x, mask)
@@ -90,7 +99,8 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     Returns NLL in nats per set (``nll``), per degree of freedom (``nll_per_dim``; (n - 1) D per
     set in zero-centre-of-mass mode, the E-NF convention), their standard errors from the
     probes of estimated log-determinants (``nll_se``, ``nll_per_dim_se``: 0 where every
-    log-det is exact, ``None`` where a continuous flow estimates its divergence), the standard
+    log-det is exact, ``None`` where a continuous flow estimates its divergence or a
+    mirror-averaged flow (``symmetry``) estimates log-dets), the standard
     errors of the means over the finite set of scored sets (``nll_sampling_se``,
     ``nll_per_dim_sampling_se``; ``None`` for fewer than 2 sets), ``logdet``
     (``"exact"`` or ``"estimated"``) and the number of sets.
@@ -122,6 +132,7 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     batch_size = eval_batch_size(batch_size, data.set_size)
     residuals = [m for m in flow.modules() if isinstance(m, InvertibleResidual)]
     unknown = any(getattr(m, "eval_divergence", "exact") != "exact" for m in flow.modules())
+    mirrored = flow.symmetry != "none"  # estimated log-dets pass through a log-sum-exp
     # sums over sets of the NLLs y, degrees of freedom d, y², y d and d², and of the probes'
     # variances: read back once for the whole split
     sums = torch.zeros(6, dtype=torch.float64, device=device)
@@ -147,7 +158,7 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     nll, dims, *moments, variance = sums.tolist()
     if not math.isfinite(nll):
         raise NonFiniteError(f"non-finite log-likelihood while evaluating {data.name}")
-    se = None if unknown else math.sqrt(variance)
+    se = None if unknown or (mirrored and estimated) else math.sqrt(variance)
     sampling_se = _sampling_errors(nll, dims, moments, count)
     return {"nll": nll / count, "nll_per_dim": nll / dims,
             "nll_se": None if se is None else se / count,
@@ -293,6 +304,9 @@ class SetsTask:
         if self.config.data.augment == "rotations":  # drawn for the whole batch: every process
             q = random_orthogonal(size, x.shape[-1], generator)  # keeps its share of it
             x = rotate_sets(x, mask, q[dist.rank :: dist.world])
+        elif "reflections" in (self.config.data.augment, self.config.flow.symmetry):
+            signs = random_signs(size, x.shape[-1], generator)
+            x = reflect_sets(x, signs[dist.rank :: dist.world])
         if self.matching:  # the base draws and times, for the whole batch
             shape = (size, self.train_data.set_size, self.train_data.dim)
             noise = torch.randn(shape, generator=generator, dtype=x.dtype)

@@ -1,12 +1,13 @@
-"""Tests for rotation augmentation: Haar-distributed O(D) matrices, rotations of sets about
-their centroids, and the training batches of `sets fit --augment rotations`."""
+"""Tests for rotation and reflection augmentation: Haar-distributed O(D) matrices, rotations of
+sets about their centroids, mirror images through the coordinate axes, and the training batches
+of `sets fit --augment rotations|reflections`."""
 
 import math
 
 import pytest
 import torch
 
-from flowattn.data import random_orthogonal, rotate_sets
+from flowattn.data import load_dataset, random_orthogonal, random_signs, reflect_sets, rotate_sets
 from flowattn.errors import InputError
 from flowattn.sets.config import SetsRunConfig
 from flowattn.sets.train import SetsTask
@@ -70,3 +71,52 @@ def test_augmented_batches_are_rotated_copies_of_the_same_sets():
     # without augmentation the batches are those of earlier versions (nothing else is drawn)
     again, _ = plain.batch(torch.Generator().manual_seed(3), plain.dist)
     assert torch.equal(again, x)
+
+
+def test_random_signs_draw_every_reflection_equally_often():
+    count = 40_000
+    s = random_signs(count, 2, torch.Generator().manual_seed(0))
+    assert set(s.flatten().tolist()) == {-1.0, 1.0}
+    patterns = (s > 0).long() @ torch.tensor([1, 2])  # which of the 4 reflections
+    share = torch.bincount(patterns, minlength=4).double() / count
+    assert (share - 0.25).abs().max() < 5 * math.sqrt(0.25 * 0.75 / count)
+    with pytest.raises(InputError, match="dim >= 1"):
+        random_signs(2, 0)
+
+
+def test_reflect_sets_mirrors_each_set_and_keeps_padding():
+    x = torch.randn(3, 5, 2, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    x[1, 3:] = 0.0  # padding
+    signs = torch.tensor([[-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]], dtype=torch.float64)
+    y = reflect_sets(x, signs)
+    torch.testing.assert_close(y[0], x[0] * torch.tensor([-1.0, 1.0], dtype=x.dtype))
+    torch.testing.assert_close(y[2], -x[2])
+    assert torch.equal(y[1, 3:], x[1, 3:])
+    with pytest.raises(InputError, match="signs must have shape"):
+        reflect_sets(x, signs[:2])
+
+
+@pytest.mark.parametrize("name", ["shape-sets", "shape-sets-varsize"])
+def test_shape_sets_density_is_invariant_under_the_reflections_only(name):
+    # what makes --augment reflections valid on these data: log p(X S) = log p(X) for each of
+    # the four S = diag(±1, ±1); a quarter turn is not a symmetry (the triangles point up and
+    # down only)
+    data = load_dataset(name, seed=0)["test"]
+    x, mask = data.x[:500].double(), None if data.mask is None else data.mask[:500]
+    log_p = data.true_log_prob(x, mask)
+    for pattern in ([-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]):
+        signs = torch.tensor(pattern, dtype=x.dtype).expand(len(x), 2)
+        torch.testing.assert_close(data.true_log_prob(reflect_sets(x, signs), mask), log_p)
+    quarter = torch.tensor([[0.0, 1.0], [-1.0, 0.0]], dtype=x.dtype)
+    assert (data.true_log_prob(x @ quarter, mask) - log_p).abs().max() > 1.0
+
+
+def test_reflected_batches_are_mirror_images_of_the_same_sets():
+    plain, mirrored = _task("none"), _task("reflections")
+    x, _ = plain.batch(torch.Generator().manual_seed(3), plain.dist)
+    y, mask = mirrored.batch(torch.Generator().manual_seed(3), mirrored.dist)
+    assert mask is None
+    signs = y[:, 0] / x[:, 0]  # each set's own sign pattern, the same for all its points
+    assert set(signs.round().flatten().tolist()) == {-1.0, 1.0}
+    torch.testing.assert_close(y, x * signs.round().unsqueeze(1))
+    assert (signs.round() < 0).any(dim=1).sum() >= 8  # most of the 16 sets are mirrored
