@@ -117,6 +117,25 @@ def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(cap
     assert results[1]["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
 
 
+def test_eval_scores_the_mirror_average_of_a_fitted_flow(capsys, tiny_run):
+    from flowattn.data import load_dataset
+
+    results = {}
+    for symmetry in ("auto", "none", "reflections"):
+        assert run_cli("eval", "--checkpoint", str(tiny_run), "--data", "gaussian-sets",
+                       "--symmetry", symmetry, "--json") == 0
+        results[symmetry] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert results["auto"] == results["none"]  # the run's own: no symmetry
+    flow, _ = load_flow(tiny_run)
+    x = load_dataset("gaussian-sets")["test"].x
+    signs = torch.tensor([[1.0, 1.0], [-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]])
+    with torch.no_grad():
+        log_q = torch.stack([flow.log_prob(x * s) for s in signs]).double()
+    expected = -(torch.logsumexp(log_q, 0) - math.log(4)).mean().item()
+    assert results["reflections"]["nll"] == pytest.approx(expected, rel=1e-5)
+    assert abs(results["reflections"]["nll"] - results["none"]["nll"]) > 1e-3
+
+
 def test_eval_reports_the_sets_scored_and_takes_a_thread_count(tmp_path, capsys, tiny_run):
     out = tiny_run
     capsys.readouterr()

@@ -91,6 +91,8 @@ def _eval(args: argparse.Namespace) -> int:
     flow, record, device = _load(args)
     if args.divergence != "auto":
         _set_eval_divergence(flow, args.divergence, record)
+    if args.symmetry != "auto":
+        flow.symmetry = args.symmetry
     if args.data.endswith(".npz") or Path(args.data).exists():
         data = load_npz(args.data)
     else:  # a built-in name: its test split, with the fitted run's set size if it had one
@@ -318,6 +320,11 @@ def add_sets_subparsers(subparsers) -> None:
                     help="continuous flows: the trace in the log-det (auto: the run's "
                     "eval_divergence; hutchinson: one probe per set, far cheaper for large "
                     "N D, its noise in the sampling error; default: %(default)s)")
+    ev.add_argument("--symmetry", choices=("auto", "none", "reflections"), default="auto",
+                    help="the density scored: the flow's own (none), or its average over the "
+                    "2^D mirror images through the coordinate axes (reflections; a density "
+                    "for any flow, better for data whose density those reflections keep); "
+                    "auto: the run's own symmetry (default: %(default)s)")
     ev.add_argument("--no-progress", action="store_true", help="no report of the sets scored "
                     "(a bar on a terminal, a line a minute in a log)")
     ev.add_argument("--json", action="store_true", help="end with a JSON line of the results")
