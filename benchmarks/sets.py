@@ -29,6 +29,8 @@ interactions.
         --variants resflow linear iid                             # sets that need interactions
     python benchmarks/sets.py --data dw4 --num-train 100000 --steps 4000 --variants resflow
     python benchmarks/sets.py --data shape-sets --variants large nflows-maf  # side by side
+    python benchmarks/sets.py --data shape-sets --variants large nflows-maf \
+        --symmetry reflections                          # both averaged over mirror images
     python benchmarks/sets.py --data repulsive-sets \
         --variants attention linear iid resflow nflows-maf   # resflow: radial, its default
     python benchmarks/sets.py --data shape-sets \
@@ -94,16 +96,18 @@ def best_iid_nll(data_name: str, seed: int) -> float:
 
 
 def run_baseline(data: str, seconds: float, num_train: int | None, seed: int,
-                 orders: int) -> dict:
+                 orders: int, reflections: bool = False) -> dict:
     """The flattened nflows baseline on ``data``: trained for ``seconds``, scored on the test
-    split (NLL per set), with its training time and sampling cost."""
-    from flowattn.sets.baseline import fit_flattened, flattened_nll
+    split (NLL per set), with its training time and sampling cost; with ``reflections``,
+    trained on mirrored sets and scored by its average over the mirror images too."""
+    from flowattn.sets.baseline import FlattenedSettings, fit_flattened, flattened_nll
 
     sizes = None if num_train is None else {"train": num_train}
     splits = load_dataset(data, sizes, seed=seed)
-    flow, info = fit_flattened(splits["train"], seconds, seed=seed, val=splits["val"])
+    settings = FlattenedSettings(reflections=reflections)
+    flow, info = fit_flattened(splits["train"], seconds, settings, seed=seed, val=splits["val"])
     test = splits.get("test", splits["val"])
-    nll = flattened_nll(flow, test, orders=orders, seed=seed)
+    nll = flattened_nll(flow, test, orders=orders, seed=seed, reflections=reflections)
     start = time.perf_counter()
     with torch.no_grad():
         flow.sample(500)
@@ -130,6 +134,11 @@ def main() -> None:
                         "(default: the train_seconds of the variant before it on the data)")
     parser.add_argument("--orders", type=int, default=10, help="random element orders "
                         "nflows-maf averages its density over at test time")
+    parser.add_argument("--symmetry", choices=("none", "reflections"), default="none",
+                        help="reflections: every flowattn variant with symmetry reflections "
+                        "(the density averaged over the mirror images through the coordinate "
+                        "axes, trained on mirrored sets), and nflows-maf trained and scored "
+                        "the same way; only for data whose density those reflections keep")
     parser.add_argument("--quick", action="store_true", help="30 steps, small training split")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -145,7 +154,8 @@ def main() -> None:
             if variant == BASELINE:
                 print(baseline_row(data, seconds, num_train, args), flush=True)
                 continue
-            settings = {"data": data, "num_train": num_train, **VARIANTS[variant]}
+            settings = {"data": data, "num_train": num_train, "symmetry": args.symmetry,
+                        **VARIANTS[variant]}
             if steps:
                 settings["steps"] = steps
             if args.blocks:
@@ -179,7 +189,8 @@ def baseline_row(data: str, seconds: float | None, num_train: int | None,
     if load_dataset(data, {"train": 2, "val": 1, "test": 1})["train"].mask is not None:
         return (f"| {data} | {BASELINE} | skipped: sets of several sizes (a flow on vectors "
                 "has one length) | | | | | | |")
-    result = run_baseline(data, seconds, num_train, 0, args.orders)
+    result = run_baseline(data, seconds, num_train, 0, args.orders,
+                          args.symmetry == "reflections")
     per_set, dims = result["test_nll"], result["dims"]
     true = result["true_nll"]
     target = float("nan") if true is None else true / dims

@@ -362,3 +362,28 @@ def test_interleaved_timing_reports_a_mode_whose_values_differ_from_todays(monke
     results["before"] = torch.ones(2)
     assert not interleaved.timed(lambda: results[state["mode"]], modes, 1, 1, "cpu",
                                  torch.equal)[1]
+
+
+def test_sets_symmetry_treats_the_flowattn_flow_and_the_baseline_alike(monkeypatch):
+    sets = _script("sets")
+    seen = {}
+
+    def fit(config, out, **kwargs):
+        seen["flow"] = config.flow.symmetry
+        return {"test_nll_per_dim": 0.7, "test_nll": 11.2, "true_nll_per_dim": 0.6,
+                "true_nll": 9.6, "train_seconds": 12.0}
+
+    def run_baseline(data, seconds, num_train, seed, orders, reflections=False):
+        seen["baseline"] = (seconds, reflections)
+        return {"test_nll": 11.0, "train_seconds": seconds, "steps": 5, "best_step": 5,
+                "sample_ms": 1.0, "true_nll": 9.6, "dims": 16}
+
+    monkeypatch.setattr(sets, "fit", fit)
+    monkeypatch.setattr(sets, "run_baseline", run_baseline)
+    monkeypatch.setattr(sets, "sampling_ms_per_set", lambda run, data: 1.0)
+    monkeypatch.setattr(sets, "best_iid_nll", lambda data, seed: 16.0)
+    for symmetry, mirrored in (("none", False), ("reflections", True)):
+        monkeypatch.setattr(sys, "argv", ["sets.py", "--data", "shape-sets", "--variants",
+                                          "large", "nflows-maf", "--symmetry", symmetry])
+        sets.main()
+        assert seen == {"flow": symmetry, "baseline": (12.0, mirrored)}

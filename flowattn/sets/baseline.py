@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from itertools import permutations
+from itertools import permutations, product
 
 import torch
 from torch import Tensor
 
-from ..data import SetData
+from ..data import SetData, random_signs, reflect_sets
 from ..errors import DataError, InputError, NonFiniteError
 from ..flows.layers import feature_moments
 from ..training.loop import adamw
@@ -50,6 +50,11 @@ class FlattenedSettings:
         warmup: warm-up steps.
         min_lr: final learning rate.
         grad_clip: gradient-norm clip.
+        reflections: train on sets mirrored through the coordinate axes at random
+            (x_i -> x_i S, S = diag(±1)) and score the density averaged over the 2^D mirror
+            images as well as the element orders (:func:`flattened_nll`): the treatment of a
+            flowattn flow with ``symmetry: reflections``, for data whose density keeps its
+            value under these reflections.
     """
 
     layers: int = 5
@@ -62,6 +67,7 @@ class FlattenedSettings:
     warmup: int = 50
     min_lr: float = 1e-5
     grad_clip: float = 10.0
+    reflections: bool = False
 
 
 def flattened_flow(train: SetData, settings: FlattenedSettings = FlattenedSettings()):
@@ -167,7 +173,7 @@ def fit_flattened(
         elapsed = time.perf_counter() - start
         done = elapsed >= seconds or (max_steps is not None and step >= max_steps)
         if val is not None and step and (done or step % eval_every == 0):
-            score = flattened_nll(flow.eval(), val, seed=step)
+            score = flattened_nll(flow.eval(), val, seed=step, reflections=settings.reflections)
             flow.train()
             history.append([step, time.perf_counter() - start, score])
             if best is None or score < best[0]:
@@ -177,6 +183,8 @@ def fit_flattened(
         for group in optimiser.param_groups:
             group["lr"] = _learning_rate(step, elapsed / seconds, settings)
         x = shuffled_batch(train.x, settings.batch_size, generator)
+        if settings.reflections:
+            x = reflect_sets(x, random_signs(x.shape[0], dim, generator, x.dtype))
         loss = -flow.log_prob(x.reshape(settings.batch_size, size * dim)).mean() / (size * dim)
         if not torch.isfinite(loss):
             raise NonFiniteError(f"flattened baseline: non-finite loss at step {step}")
@@ -198,14 +206,16 @@ def fit_flattened(
 
 
 def flattened_nll(flow: torch.nn.Module, data: SetData, orders: int = 1, seed: int = 0,
-                  batch_size: int = 256) -> float:
+                  batch_size: int = 256, reflections: bool = False) -> float:
     r"""Mean NLL in nats per set of ``data`` under the symmetrised flattened flow.
 
     A flow q of ordered sets defines the exchangeable density q_sym(X) = (1/N!) \sum_\pi
     q(\pi X). With ``orders`` >= N! every order is summed and the result is -log q_sym
     exactly; otherwise K = ``orders`` random orders give -log (1/K) \sum_k q(\pi_k X), whose
     mean is an upper bound on -log q_sym (Jensen) and equals the NLL of the flow itself in a
-    random order at K = 1.
+    random order at K = 1. With ``reflections`` the average runs over the 2^D mirror images
+    X S (S = diag(±1)) of each ordered set as well: -log (1/(2^D K)) \sum_S \sum_k
+    q(\pi_k X S).
 
     Raises:
         InputError: if ``orders`` < 1.
@@ -227,6 +237,7 @@ def flattened_nll(flow: torch.nn.Module, data: SetData, orders: int = 1, seed: i
     generator = torch.Generator().manual_seed(seed)
     if math.factorial(size) <= orders:
         every = torch.tensor(list(permutations(range(size))))
+    signs = torch.tensor(list(product((1.0, -1.0), repeat=dim)), dtype=data.x.dtype)
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for first in range(0, len(data), batch_size):
@@ -236,8 +247,10 @@ def flattened_nll(flow: torch.nn.Module, data: SetData, orders: int = 1, seed: i
                 order = every[None].expand(count, -1, -1)
             else:
                 order = torch.rand(count, orders, size, generator=generator).argsort(2)
-            k = order.shape[1]
             xs = x[torch.arange(count)[:, None, None], order]  # (B, K, N, D)
+            if reflections:  # (B, 2^D K, N, D): every order in every mirror image
+                xs = (xs[:, None] * signs[None, :, None, None, :]).flatten(1, 2)
+            k = xs.shape[1]
             log_q = flow.log_prob(xs.reshape(count * k, size * dim)).reshape(count, k)
             total += (torch.logsumexp(log_q.double(), 1) - math.log(k)).sum()
     nll = -float(total) / len(data)
