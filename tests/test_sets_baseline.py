@@ -84,18 +84,37 @@ def test_nll_with_reflections_averages_every_order_in_every_mirror_image():
     assert nll < flattened_nll(flow, test, orders=2)  # Jensen, strict for this flow
 
 
-def test_training_on_mirrored_sets_runs_and_learns():
+def test_training_on_mirrored_sets_runs_and_learns(monkeypatch):
+    import flowattn.sets.baseline as baseline
+
     splits = load_dataset("shape-sets", {"train": 500, "val": 8, "test": 200})
     settings = FlattenedSettings(**{**SMALL.__dict__, "reflections": True})
     torch.manual_seed(0)
     initial = flattened_nll(flattened_flow(splits["train"], settings), splits["test"])
     flow, info = fit_flattened(splits["train"], seconds=120, settings=settings, max_steps=40)
-    plain, _ = fit_flattened(splits["train"], seconds=120, settings=SMALL, max_steps=40)
     fitted = flattened_nll(flow, splits["test"], reflections=True)
     assert fitted < initial - 1.0, (initial, fitted)
-    # the batches differ from those of plain training: other weights
-    assert any(not torch.equal(a, b) for a, b in zip(flow.state_dict().values(),
-                                                    plain.state_dict().values(), strict=True))
+    # what the flow trains on: sets of positive points come mirrored, each set whole
+    seen = []
+
+    def recording(train, settings):
+        flow = flattened_flow(train, settings)
+        log_prob = flow.log_prob
+        flow.log_prob = lambda x: seen.append(x.detach().clone()) or log_prob(x)
+        return flow
+
+    monkeypatch.setattr(baseline, "flattened_flow", recording)
+    positive = SetData(splits["train"].x.abs() + 0.1)
+    for mirrored, options in ((True, settings), (False, SMALL)):
+        seen.clear()
+        fit_flattened(positive, seconds=120, settings=options, max_steps=3)
+        signs = torch.cat(seen).view(-1, 8, 2).sign()  # (sets, N, D)
+        assert (signs == signs[:, :1]).all()  # one pattern per set
+        negative = (signs[:, 0] < 0).double().mean(0)  # share of sets flipped, per axis
+        if mirrored:
+            assert ((negative - 0.5).abs() < 0.15).all(), negative
+        else:
+            assert (negative == 0).all()
 
 
 def test_shuffled_batches_permute_the_elements_of_each_set_in_fresh_orders():
