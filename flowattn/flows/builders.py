@@ -222,11 +222,13 @@ class SetFlow(nn.Module):
         the mirror average for ``symmetry="reflections"``."""
         if self.reflections is None:
             return self._log_prob(x, mask, self.transform)
+        x, mask = self._prepare(x, mask)  # checked once, then mirrored
         signs = self.reflections.to(x.dtype)
         count = signs.shape[0]
         mirrored = (x.unsqueeze(0) * signs[:, None, None, :]).flatten(0, 1)  # (2^D B, N, D)
         masks = None if mask is None else mask.repeat(count, 1)
-        log_q = self._log_prob(mirrored, masks, self.transform).view(count, -1)
+        with trusted_inputs():
+            log_q = self._log_prob(mirrored, masks, self.transform).view(count, -1)
         return torch.logsumexp(log_q, dim=0) - math.log(count)
 
     def component_log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:

@@ -74,6 +74,10 @@ def test_samples_are_mirror_images_of_the_flows_own_samples():
 def test_symmetry_setting_is_checked_and_rebuilt():
     with pytest.raises(InputError, match="symmetry must be one of"):
         SetFlow(coupling_flow(2, layers=1, hidden=8).transform, dim=2, symmetry="rotations")
+    mirrored = SetFlow(coupling_flow(2, layers=1, hidden=8).transform, dim=2,
+                       symmetry="reflections")
+    with pytest.raises(InputError, match="width D=3, but the module expects D=2"):
+        mirrored.log_prob(torch.randn(3, 4, 3))  # named, not a broadcasting error
     with pytest.raises(ConfigError, match="augment none or reflections"):
         SetsRunConfig.build({"flow": "coupling", "symmetry": "reflections",
                              "augment": "rotations"})
