@@ -136,6 +136,17 @@ def test_eval_scores_the_mirror_average_of_a_fitted_flow(capsys, tiny_run):
     assert abs(results["reflections"]["nll"] - results["none"]["nll"]) > 1e-3
 
 
+def test_eval_scores_the_test_split_of_the_runs_own_seed(tmp_path, capsys):
+    out = tmp_path / "seed1"
+    assert run_cli("fit", *TINY, "--steps", "2", "--seed", "1", "--out", str(out),
+                   "--config", str(tiny_config(tmp_path))) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    capsys.readouterr()
+    assert run_cli("eval", "--checkpoint", str(out), "--data", "gaussian-sets", "--json") == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["nll"] == pytest.approx(summary["test_nll"], rel=1e-6)
+
+
 def test_eval_reports_the_sets_scored_and_takes_a_thread_count(tmp_path, capsys, tiny_run):
     out = tiny_run
     capsys.readouterr()

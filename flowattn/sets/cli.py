@@ -95,10 +95,10 @@ def _eval(args: argparse.Namespace) -> int:
         flow.symmetry = args.symmetry
     if args.data.endswith(".npz") or Path(args.data).exists():
         data = load_npz(args.data)
-    else:  # a built-in name: its test split, with the fitted run's set size if it had one
-        fitted = record["config"].data
-        set_size = fitted.set_size if fitted.data == args.data else None
-        data = load_dataset(args.data, set_size=set_size)["test"]
+    else:  # a built-in name: its test split; the fitted run's own (its seed and set size)
+        fitted, own = record["config"], record["config"].data.data == args.data
+        data = load_dataset(args.data, seed=fitted.train.seed if own else 0,
+                            set_size=fitted.data.set_size if own else None)["test"]
     spec = record["data"]
     if data.dim != spec["dim"]:
         raise DataError(f"{args.data}: elements have D={data.dim}, the model was fitted to "
@@ -310,7 +310,7 @@ def add_sets_subparsers(subparsers) -> None:
     ev.add_argument("--checkpoint", required=True, metavar="DIR",
                     help="a run folder written by fit (or its checkpoint file)")
     ev.add_argument("--data", required=True, help=".npz file (or a built-in name: its test "
-                    "split)")
+                    "split, the one the run was scored on if it was fitted to that data set)")
     ev.add_argument("--batch-size", type=int, default=256, help="sets per batch (default: "
                     "%(default)s)")
     ev.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
