@@ -44,12 +44,17 @@ def test_flattened_flow_with_its_standardisation_integrates_to_one():
     assert mass == pytest.approx(1.0, abs=2e-3)
 
 
-def test_symmetrised_nll_sums_every_order_when_orders_cover_them():
+def _flow_and_pairs():
+    """A perturbed flattened flow (float64) of sets of two points in the plane, and five sets."""
     g = torch.Generator().manual_seed(2)
     train = SetData(torch.randn(64, 2, 2, generator=g, dtype=torch.float64))
     torch.manual_seed(0)
     test = SetData(torch.randn(5, 2, 2, generator=g, dtype=torch.float64))
-    flow = _perturbed(flattened_flow(train, SMALL).double(), 3).eval()
+    return _perturbed(flattened_flow(train, SMALL).double(), 3).eval(), test
+
+
+def test_symmetrised_nll_sums_every_order_when_orders_cover_them():
+    flow, test = _flow_and_pairs()
     with torch.no_grad():
         forward = flow.log_prob(test.x.flatten(1))
         swapped = flow.log_prob(test.x.flip(1).flatten(1))
@@ -64,11 +69,7 @@ def test_symmetrised_nll_sums_every_order_when_orders_cover_them():
 
 
 def test_nll_with_reflections_averages_every_order_in_every_mirror_image():
-    g = torch.Generator().manual_seed(2)
-    train = SetData(torch.randn(64, 2, 2, generator=g, dtype=torch.float64))
-    torch.manual_seed(0)
-    test = SetData(torch.randn(5, 2, 2, generator=g, dtype=torch.float64))
-    flow = _perturbed(flattened_flow(train, SMALL).double(), 3).eval()
+    flow, test = _flow_and_pairs()
     signs = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]],
                          dtype=torch.float64)
     with torch.no_grad():
