@@ -295,7 +295,9 @@ class SetsTask:
                                                   self.dist.device))
         x, mask = _batch(self.train_data, torch.arange(size), self.dist.device)
         with torch.no_grad():  # values only: a continuous flow would keep its solve's graph
-            self.flow.log_prob(x, mask)
+            # the flow's own density: a mirror average (symmetry) starts where the flow
+            # trained on mirrored sets (augment) starts, and follows the same steps
+            self.flow.component_log_prob(x, mask)
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         size = self.config.train.batch_size
