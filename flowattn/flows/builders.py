@@ -224,12 +224,9 @@ class SetFlow(nn.Module):
             return self._log_prob(x, mask, self.transform)
         x, mask = self._prepare(x, mask)  # checked once, then mirrored
         signs = self.reflections.to(x.dtype)
-        count = signs.shape[0]
-        mirrored = (x.unsqueeze(0) * signs[:, None, None, :]).flatten(0, 1)  # (2^D B, N, D)
-        masks = None if mask is None else mask.repeat(count, 1)
-        with trusted_inputs():
-            log_q = self._log_prob(mirrored, masks, self.transform).view(count, -1)
-        return torch.logsumexp(log_q, dim=0) - math.log(count)
+        with trusted_inputs():  # one image at a time: the memory of one pass, not of 2^D
+            log_q = torch.stack([self._log_prob(x * s, mask, self.transform) for s in signs])
+        return torch.logsumexp(log_q, dim=0) - math.log(signs.shape[0])
 
     def component_log_prob(self, x: Tensor, mask: Tensor | None = None) -> Tensor:
         """log q(x), the flow's own density before any mirror average (:meth:`log_prob` for
