@@ -902,8 +902,8 @@ def test_the_initialising_pass_keeps_no_graph(monkeypatch):
     one = Distributed(rank=0, world=1, device=torch.device("cpu"))
     task = SetsTask(config, one, plots=False)
     seen = []
-    log_prob = task.flow.log_prob
-    monkeypatch.setattr(task.flow, "log_prob",
+    log_prob = task.flow.component_log_prob  # the flow's own density (before any symmetry)
+    monkeypatch.setattr(task.flow, "component_log_prob",
                         lambda *a: seen.append(torch.is_grad_enabled()) or log_prob(*a))
     task.initialise()
     assert seen == [False]
