@@ -1,7 +1,13 @@
 """Data for density estimation on sets: users' ``.npz`` files, particles, synthetic sets."""
 
 from ..errors import DataError
-from .augment import random_orthogonal, random_signs, reflect_sets, rotate_sets
+from .augment import (
+    random_orthogonal,
+    random_signs,
+    reflect_sets,
+    reflection_signs,
+    rotate_sets,
+)
 from .particles import (
     PARTICLE_SYSTEMS,
     ParticleSystem,
@@ -35,6 +41,7 @@ __all__ = [
     "random_orthogonal",
     "random_signs",
     "reflect_sets",
+    "reflection_signs",
     "rotate_sets",
     "SetData",
     "load_npz",

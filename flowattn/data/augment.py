@@ -18,12 +18,15 @@ images; for a flow that has to learn the symmetry from a finite training set thi
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import Tensor
 
 from ..errors import InputError
 
-__all__ = ["random_orthogonal", "random_signs", "reflect_sets", "rotate_sets"]
+__all__ = ["random_orthogonal", "random_signs", "reflection_signs", "reflect_sets",
+           "rotate_sets"]
 
 
 def random_orthogonal(count: int, dim: int, generator: torch.Generator | None = None,
@@ -90,6 +93,19 @@ def random_signs(count: int, dim: int, generator: torch.Generator | None = None,
         raise InputError(f"need count >= 0 and dim >= 1, got count={count}, dim={dim}")
     bits = torch.randint(2, (count, dim), generator=generator)
     return (2 * bits - 1).to(dtype)
+
+
+def reflection_signs(dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    r"""All 2^dim sign vectors (2^dim, dim), the identity first: the diagonals of the
+    reflections through coordinate axes, for averages over every mirror image.
+
+    Examples:
+        >>> reflection_signs(2).tolist()
+        [[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]]
+    """
+    if dim < 1:
+        raise InputError(f"need dim >= 1, got dim={dim}")
+    return torch.tensor(list(itertools.product((1.0, -1.0), repeat=dim)), dtype=dtype)
 
 
 def reflect_sets(x: Tensor, signs: Tensor) -> Tensor:

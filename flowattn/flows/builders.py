@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +18,7 @@ from ..branches import (
     NeighbourhoodInteraction,
     RadialInteraction,
 )
+from ..data.augment import reflection_signs
 from ..errors import InputError
 from ..validation import (
     check_deferred,
@@ -109,8 +109,7 @@ class SetFlow(nn.Module):
             raise InputError(f"symmetry must be one of {', '.join(SYMMETRIES)}, got {symmetry!r}")
         self._symmetry = symmetry
         # the 2^D sign patterns, the identity first; derived from the setting, not saved
-        signs = (torch.tensor(list(itertools.product((1.0, -1.0), repeat=self.dim)))
-                 if symmetry == "reflections" else None)
+        signs = reflection_signs(self.dim) if symmetry == "reflections" else None
         ref = next(self.parameters(), None)
         if signs is not None and ref is not None:
             signs = signs.to(ref.device)

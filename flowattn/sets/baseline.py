@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from itertools import permutations, product
+from itertools import permutations
 
 import torch
 from torch import Tensor
 
-from ..data import SetData, random_signs, reflect_sets
+from ..data import SetData, random_signs, reflect_sets, reflection_signs
 from ..errors import DataError, InputError, NonFiniteError
 from ..flows.layers import feature_moments
 from ..training.loop import adamw
@@ -237,7 +237,7 @@ def flattened_nll(flow: torch.nn.Module, data: SetData, orders: int = 1, seed: i
     generator = torch.Generator().manual_seed(seed)
     if math.factorial(size) <= orders:
         every = torch.tensor(list(permutations(range(size))))
-    signs = torch.tensor(list(product((1.0, -1.0), repeat=dim)), dtype=data.x.dtype)
+    signs = reflection_signs(dim, data.x.dtype)
     total = torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
         for first in range(0, len(data), batch_size):
