@@ -182,8 +182,10 @@ def test_data_defaults_yield_to_given_settings_and_apply_only_to_radial_residual
         flat = SetsRunConfig.build({"data": "dw4", **other}).flat()
         assert {key: flat[key] for key in DATA_DOCUMENTED["dw4"]} == \
             {key: general[key] for key in DATA_DOCUMENTED["dw4"]}, other
-    for data in ("gaussian-sets", "shape-sets"):
-        assert SetsRunConfig.build({"data": data}).flat() == {**general, "data": data}
+    assert SetsRunConfig.build({"data": "gaussian-sets"}).flat() == general
+    # shape-sets: only the mirror average of its own default (MIRROR_DATA)
+    assert SetsRunConfig.build({"data": "shape-sets"}).flat() == \
+        {**general, "data": "shape-sets", "symmetry": "reflections"}
     # defaults measured with radial interactions: any other interaction, an explicit auto
     # (attention on these data) included, starts from the general defaults
     for interaction in ("auto", "attention", "linear", "none"):
@@ -202,3 +204,32 @@ def test_runs_saved_before_the_data_defaults_keep_the_settings_they_ran_with():
     config = SetsRunConfig.build(legacy_settings(settings)).flat()
     assert config["radial_max_slope"] is None and config["warmup"] == general["warmup"]
     assert config["val_sets"] == general["val_sets"] and config["blocks"] == 4
+
+
+def test_mirror_symmetric_data_take_the_mirror_average_unless_told_otherwise():
+    from flowattn.data import DATASETS
+    from flowattn.sets.config import MIRROR_DATA, legacy_settings
+
+    # both shape data sets, whose invariance the tests of the data check for each name here
+    assert set(MIRROR_DATA) == {"shape-sets", "shape-sets-varsize"} and \
+        set(MIRROR_DATA) <= set(DATASETS)
+    for data in MIRROR_DATA:
+        for preset in ("none", "small", "large"):
+            config = SetsRunConfig.build({"data": data, "preset": preset})
+            assert config.flow.symmetry == "reflections", (data, preset)
+        for flow in ("resflow", "cnf", "coupling"):
+            assert SetsRunConfig.build({"data": data, "flow": flow}).flow.symmetry == \
+                "reflections"
+        assert SetsRunConfig.build({"data": data, "symmetry": "none"}).flow.symmetry == "none"
+        # turned sets are not what the mirror average trains on: it stays off
+        assert SetsRunConfig.build({"data": data, "augment": "rotations"}).flow.symmetry == \
+            "none"
+        # a run stored before the setting existed scored the flow's own density, and still does
+        stored = SetsRunConfig.from_stored({"data": {"data": data}, "flow": {"blocks": 2}})
+        assert stored.flow.symmetry == "none"
+        assert SetsRunConfig.build(legacy_settings({"data": data})).flow.symmetry == "none"
+        # every setting is stored explicitly: the default holds on resume
+        again = SetsRunConfig.from_stored(SetsRunConfig.build({"data": data}).to_dict())
+        assert again.flow.symmetry == "reflections"
+    for data in ("gaussian-sets", "cluster-sets", "repulsive-sets", "dw4"):
+        assert SetsRunConfig.build({"data": data}).flow.symmetry == "none"

@@ -19,13 +19,17 @@ from ..training.config import Field, RunConfig, Section, TrainSettings
 
 __all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
            "resolved_interaction", "resolved_field", "legacy_settings", "PRESETS",
-           "DATA_DEFAULTS", "apply_preset"]
+           "DATA_DEFAULTS", "MIRROR_DATA", "apply_preset", "apply_symmetry"]
 
 INTERACTIONS = ("attention", "radial", "linear", "none")
 # built-in data sets whose set size is a setting (flowattn.data.SIZED_DATASETS; no torch here)
 SIZED_DATA = ("surface-clouds",)
 # built-in data sets with a known energy (flowattn.data.PARTICLE_SYSTEMS; no torch here)
 PARTICLE_DATA = ("dw4", "lj13", "lj55")
+# built-in data sets whose density keeps under the mirror images x -> x diag(±1) through the
+# coordinate axes (flowattn.data.shapes; checked by the tests to 1e-13): their flows take
+# symmetry reflections where none is given (docs/benchmarks.md, "Mirror images")
+MIRROR_DATA = ("shape-sets", "shape-sets-varsize")
 # Probes per round of an estimated log-det in evaluation (N D > 512; smaller sets are exact).
 # Rounds continue until the standard error is <= 2e-3 nats per dimension; Hutchinson's standard
 # error per dimension falls as 1 / sqrt(N D), so at N D = 3000 the first round of 4 probes is
@@ -225,7 +229,8 @@ class SetsFlow(Section):
         "mirror images through the coordinate axes, p(X) = 2^-D sum_S q(X S), S = diag(±1), "
         "exactly invariant under them (2^D flow passes per evaluation); training maximises "
         "the lower bound E_S log q(X S) on training sets mirrored at random; only for data "
-        "whose density does not change under these reflections, such as shape-sets")
+        "whose density does not change under these reflections; not given: reflections for "
+        f"the built-in {' and '.join(MIRROR_DATA)} (unless augment is rotations), else none")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> SetsFlow:
@@ -341,7 +346,7 @@ class SetsRunConfig(RunConfig):
     @model_validator(mode="before")
     @classmethod
     def _apply_preset(cls, values: Any) -> Any:
-        return apply_preset(values) if isinstance(values, Mapping) else values
+        return apply_symmetry(apply_preset(values)) if isinstance(values, Mapping) else values
 
     @model_validator(mode="after")
     def _check_symmetry(self) -> SetsRunConfig:
@@ -362,7 +367,8 @@ class SetsRunConfig(RunConfig):
     def from_stored(cls, values: Mapping[str, Any], source: str = "") -> SetsRunConfig:
         """The settings an earlier run stored: those it stored without ``keep_best`` (written
         before the setting existed, and before the presets turned it on) ended with their last
-        state, and keep doing so.
+        state, and keep doing so; those stored without ``symmetry`` scored the flow's own
+        density, and keep doing so on any data.
 
         Examples:
             >>> stored = {"flow": {"preset": "large"}, "train": {"steps": 4500}}
@@ -372,6 +378,7 @@ class SetsRunConfig(RunConfig):
         nested = cls.nest(values, source or "stored settings")
         train = nested.setdefault("train", {})
         train.setdefault("keep_best", False)
+        nested.setdefault("flow", {}).setdefault("symmetry", "none")  # stored before it existed
         return cls.build(nested, source)
 
 
@@ -434,6 +441,30 @@ def apply_preset(values: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def apply_symmetry(values: Mapping[str, Any]) -> dict[str, Any]:
+    """Nested settings with ``symmetry: reflections`` filled in for the built-in data sets whose
+    density keeps under the mirror images through the coordinate axes (:data:`MIRROR_DATA`),
+    where no symmetry is given and the training sets are not turned at random (``augment:
+    rotations``, which the mirror average refuses).
+
+    Examples:
+        >>> apply_symmetry({"data": {"data": "shape-sets"}})["flow"]
+        {'symmetry': 'reflections'}
+        >>> apply_symmetry({"data": {"data": "shape-sets"}, "flow": {"symmetry": "none"}})["flow"]
+        {'symmetry': 'none'}
+        >>> apply_symmetry({"data": {"data": "cluster-sets"}}).get("flow")
+    """
+    out = {key: dict(value) if isinstance(value, Mapping) else value
+           for key, value in values.items()}
+    data = out.get("data")
+    data = data if isinstance(data, dict) else {}
+    if data.get("data") in MIRROR_DATA and data.get("augment", "none") != "rotations":
+        flow = out.setdefault("flow", {})
+        if isinstance(flow, dict):
+            flow.setdefault("symmetry", "reflections")
+    return out
+
+
 def legacy_settings(settings: dict) -> dict:
     """The settings of a checkpoint of format version 1 (one flat dict), as a nested config.
 
@@ -446,7 +477,7 @@ def legacy_settings(settings: dict) -> dict:
             if settings.get(name) == old_default:
                 settings[name] = None  # now "the field's default", which is the same
     settings = {"location": False, "radial_basis": 32, "radial_range": 6.0, "manybody": False,
-                **settings}
+                "symmetry": "none", **settings}
     # a data set's own defaults came later: what such a run did not store, it ran without
     leaves = SetsRunConfig.leaves()
     for key in {key for chosen in DATA_DEFAULTS.values() for key in chosen}:

@@ -9,7 +9,7 @@ import torch
 
 from flowattn.data import load_dataset, random_orthogonal, random_signs, reflect_sets, rotate_sets
 from flowattn.errors import InputError
-from flowattn.sets.config import SetsRunConfig
+from flowattn.sets.config import MIRROR_DATA, SetsRunConfig
 from flowattn.sets.train import SetsTask
 from flowattn.training.distributed import Distributed
 
@@ -55,7 +55,8 @@ def test_rotate_sets_keeps_distances_centroids_and_padding():
 
 def _task(augment):
     config = SetsRunConfig.build({"data": "shape-sets", "num_train": 64, "val_sets": 8,
-                                  "batch_size": 16, "blocks": 1, "augment": augment})
+                                  "batch_size": 16, "blocks": 1, "augment": augment,
+                                  "symmetry": "none"})
     return SetsTask(config, Distributed(rank=0, world=1, device=torch.device("cpu")),
                     plots=False)
 
@@ -96,11 +97,11 @@ def test_reflect_sets_mirrors_each_set_and_keeps_padding():
         reflect_sets(x, signs[:2])
 
 
-@pytest.mark.parametrize("name", ["shape-sets", "shape-sets-varsize"])
+@pytest.mark.parametrize("name", MIRROR_DATA)
 def test_shape_sets_density_is_invariant_under_the_reflections_only(name):
-    # what makes --augment reflections valid on these data: log p(X S) = log p(X) for each of
-    # the four S = diag(±1, ±1); a quarter turn is not a symmetry (the triangles point up and
-    # down only)
+    # what makes --augment reflections valid on these data, and symmetry reflections their
+    # default (MIRROR_DATA): log p(X S) = log p(X) for each of the four S = diag(±1, ±1); a
+    # quarter turn is not a symmetry (the triangles point up and down only)
     data = load_dataset(name, seed=0)["test"]
     x, mask = data.x[:500].double(), None if data.mask is None else data.mask[:500]
     log_p = data.true_log_prob(x, mask)
