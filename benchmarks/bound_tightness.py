@@ -21,7 +21,12 @@ Lower bounds (each value found is a valid lower bound, Kim et al. 2021, App. H):
 
 All restarts form one batch (independent sets, element-wise Adam: the same as separate runs).
 Initial inputs X ~ s N(0, 1) with s log-uniform on [0.1, 10] d^{1/4} / max_h ||W^{Q,h}||_2 (the
-scale at which the softmax is neither uniform nor one-hot), learning rate 0.05 s.
+scale at which the softmax is neither uniform nor one-hot), learning rate 0.05 s. For the
+2-norm a second batch (``--structured-2``) starts from the core's worst configurations
+(docs/attention.md, step 7): one element midway between two clusters of about (N - 1) / 2
+elements each, placed along the top singular direction of one head's query weights (or of all
+heads' together) at a core distance of 1.6-2.0, with a little noise; the larger of the two
+batches' values is the lower bound.
 
     python benchmarks/bound_tightness.py                     # the full grid, inf and 2
     python benchmarks/bound_tightness.py --norms 2,inf       # the mixed norm
@@ -53,6 +58,30 @@ def initial_inputs(module: L2MHA, n: int, restarts: int, generator: torch.Genera
     return x, scale
 
 
+def structured_inputs(module: L2MHA, n: int, restarts: int, generator: torch.Generator):
+    """Sets (R, N, D) in the core's worst arrangement for the 2-norm: element 0 midway between
+    two clusters along the top singular direction of W^{Q,h} (h = r mod (H + 1); h = H: all
+    heads' [W^{Q,1}, ..., W^{Q,H}]), at core distance u ~ U[1.6, 2.0] from each, plus noise of
+    5 % of the cluster distance; returns the sets and their scales (largest |x_ij|)."""
+    wq = module.head_weights(module.w_q).detach()  # (H, D, d)
+    heads, dim, head_dim = wq.shape
+    sets = []
+    for r in range(restarts):
+        h = r % (heads + 1)
+        w = wq[h] if h < heads else wq.permute(1, 0, 2).reshape(dim, heads * head_dim)
+        left, sigma, _ = torch.linalg.svd(w, full_matrices=False)
+        u = 1.6 + 0.4 * torch.rand((), generator=generator, dtype=torch.float64)
+        spread = u * head_dim**0.25 / sigma[0]  # |z_i - z_0| = u on that head
+        shift = int(torch.randint(-2, 3, (), generator=generator))
+        first = max(0, min(n - 1, (n - 1) // 2 + shift))  # elements on the negative side
+        side = torch.cat([torch.zeros(1), -torch.ones(first), torch.ones(n - 1 - first)])
+        x = side.to(torch.float64)[:, None] * spread * left[:, 0]
+        noise = torch.randn(n, dim, generator=generator, dtype=torch.float64)
+        sets.append(x + 0.05 * spread * noise)
+    x = torch.stack(sets)
+    return x, x.flatten(1).abs().amax(dim=1).view(-1, 1, 1)
+
+
 def block_row_norm(module: L2MHA, x: torch.Tensor, u: torch.Tensor, norm: str):
     """Norm of block row 0 of the Jacobian of each set of x (R, N, D), differentiable in x."""
     out = module(x)[:, 0]  # (R, D)
@@ -80,9 +109,10 @@ def spectral_value(module: L2MHA, x, u, v, iterations: int):
     return (jtu * v).flatten(1).sum(dim=1)
 
 
-def lower_bound(module: L2MHA, n: int, norm: str, restarts: int, steps: int, seed: int) -> float:
+def lower_bound(module: L2MHA, n: int, norm: str, restarts: int, steps: int, seed: int,
+                start=initial_inputs) -> float:
     g = torch.Generator().manual_seed(seed)
-    x0, scale = initial_inputs(module, n, restarts, g)
+    x0, scale = start(module, n, restarts, g)
     # x = scale * y with Adam on y: each set moves at a rate proportional to its own scale
     y = (x0 / scale).requires_grad_(True)
     u = torch.randn(restarts, module.dim, generator=g, dtype=torch.float64, requires_grad=True)
@@ -124,6 +154,8 @@ def main() -> None:
     parser.add_argument("--restarts-2", type=int, default=16,
                         help="restarts for the 2-norm (its steps are cheap)")
     parser.add_argument("--steps-2", type=int, default=400)
+    parser.add_argument("--structured-2", type=int, default=16,
+                        help="2-norm restarts from the core's worst arrangement (0: none)")
     parser.add_argument("--parametrization", default="raw", choices=["raw", "orthogonal"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--coeff", type=float, default=0.9)
@@ -138,13 +170,14 @@ def main() -> None:
         args.inducing = [None]
     if args.quick:
         args.sizes, args.dims, args.heads, args.restarts, args.steps = [2, 8], [4], [1, 2], 2, 20
-        args.restarts_2, args.steps_2 = 2, 20
+        args.restarts_2, args.steps_2, args.structured_2 = 2, 20, 2
     torch.set_num_threads(torch.get_num_threads())
     print(f"torch {torch.__version__}, {cpu_name()}, {torch.get_num_threads()} thread(s); "
           f"{'L2MHA' if args.attention == 'l2' else 'InducedL2MHA'} ({args.parametrization}), "
           f"Glorot weights (seed {args.seed}), float64; "
           f"{args.restarts} restarts x {args.steps} Adam steps "
-          f"({args.restarts_2} x {args.steps_2} for the 2-norm)\n")
+          f"({args.restarts_2} random and {args.structured_2} structured x {args.steps_2} "
+          f"for the 2-norm)\n")
     print(f"| D | H | M | N | norm | tight | Thm 3.2 | lower bound | tight / lower | "
           f"Thm 3.2 / lower | contractive c={args.coeff} reaches | s |")
     print("| ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
@@ -173,6 +206,9 @@ def main() -> None:
                 restarts, steps = ((args.restarts_2, args.steps_2) if norm == "2"
                                    else (args.restarts, args.steps))
                 lower = lower_bound(module, n, norm, restarts, steps, args.seed)
+                if norm == "2" and args.structured_2 > 0 and args.attention == "l2":
+                    lower = max(lower, lower_bound(module, n, norm, args.structured_2, steps,
+                                                   args.seed, start=structured_inputs))
                 if lower > tight * (1 + 1e-9):
                     raise AssertionError(f"certificate {tight} below a measured Jacobian "
                                          f"norm {lower} (D={dim}, H={heads}, N={n}, {norm})")
