@@ -387,3 +387,39 @@ def test_sets_symmetry_treats_the_flowattn_flow_and_the_baseline_alike(monkeypat
                                           "large", "nflows-maf", "--symmetry", symmetry])
         sets.main()
         assert seen == {"flow": symmetry, "baseline": (12.0, mirrored)}
+
+
+def test_bound_tightness_structured_starts_are_the_cores_worst_arrangement(monkeypatch):
+    # benchmarks/bound_tightness.py: element 0 between two clusters along a head's top query
+    # direction at core distance 1.6-2.0; and the 2-norm values they lead to never exceed the
+    # certificate (each is a lower bound)
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    bound_tightness = _script("bound_tightness")
+    from flowattn.attention import L2MHA
+
+    torch.manual_seed(0)
+    module = L2MHA(8, 2).double()  # d = 4: the core's scale d^(1/4) is not near 1
+    for p in module.parameters():
+        p.requires_grad_(False)
+    n, restarts = 9, 3  # heads 0 and 1, then both heads together
+    generator = torch.Generator().manual_seed(0)
+    x, scale = bound_tightness.structured_inputs(module, n, restarts, generator)
+    assert x.shape == (restarts, n, 8) and scale.shape == (restarts, 1, 1)
+    assert torch.equal(scale, x.flatten(1).abs().amax(1).view(-1, 1, 1))
+    wq = module.head_weights(module.w_q)
+    for r in range(restarts):
+        # the core coordinates of the head whose direction this set was built along
+        w = wq[r] if r < 2 else wq.permute(1, 0, 2).reshape(8, 8)
+        z = (x[r] - x[r, :1]) @ w / module.head_dim**0.25
+        along = z @ torch.linalg.svd(w).Vh[0]
+        sides = along[1:].sign()
+        assert (sides < 0).any() and (sides > 0).any()  # two clusters, one on each side
+        assert int((sides < 0).sum()) in range((n - 1) // 2 - 2, (n - 1) // 2 + 3)
+        if r < 2:  # each cluster at core distance 1.6-2.0 from element 0, up to the noise
+            for side in (-1, 1):
+                mean = along[1:][sides == side].abs().mean()
+                assert 1.5 < mean < 2.1, (r, side, mean)
+    tight = float(module.lipschitz_bound(n, 2, method="tight"))
+    lower = bound_tightness.lower_bound(module, n, "2", restarts, 5, 0,
+                                        start=bound_tightness.structured_inputs)
+    assert 0 < lower <= tight
