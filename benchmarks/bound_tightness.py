@@ -74,8 +74,9 @@ def structured_inputs(module: L2MHA, n: int, restarts: int, generator: torch.Gen
         spread = u * head_dim**0.25 / sigma[0]  # |z_i - z_0| = u on that head
         shift = int(torch.randint(-2, 3, (), generator=generator))
         first = max(0, min(n - 1, (n - 1) // 2 + shift))  # elements on the negative side
-        side = torch.cat([torch.zeros(1), -torch.ones(first), torch.ones(n - 1 - first)])
-        x = side.to(torch.float64)[:, None] * spread * left[:, 0]
+        side = torch.ones(n, dtype=torch.float64)  # element 0 at the origin, the rest at -1 | +1
+        side[0], side[1:first + 1] = 0.0, -1.0
+        x = side[:, None] * spread * left[:, 0]
         noise = torch.randn(n, dim, generator=generator, dtype=torch.float64)
         sets.append(x + 0.05 * spread * noise)
     x = torch.stack(sets)
