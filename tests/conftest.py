@@ -1,12 +1,22 @@
 """Fixtures shared by the test modules."""
 
 import collections
+import os
 import traceback
 
 import pytest
 import torch
 
 from flowattn.attention.contractive import ContractiveAttention
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (``-n auto``) every worker keeps to one core: torch's default of one
+    thread per core in each of them, and in the commands they start, would oversubscribe the
+    machine several-fold."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        torch.set_num_threads(1)
 
 
 @pytest.fixture
