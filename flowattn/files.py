@@ -6,7 +6,9 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["atomic_write", "atomic_write_text"]
+from .errors import InputError
+
+__all__ = ["atomic_write", "atomic_write_text", "check_output_file"]
 
 
 def _umask() -> int:
@@ -19,10 +21,15 @@ def atomic_write(path: str | os.PathLike, write) -> None:
     """Call ``write(handle)`` on a temporary file beside ``path``, then rename it into place.
 
     A reader never sees half a file; the file gets the permissions of an ordinary new file
-    (0666 less the umask), not the temporary file's 0600.
+    (0666 less the umask), not the temporary file's 0600. A file that cannot be written (no
+    such folder, no permission, a folder in its place, a full disk) is an
+    :class:`~flowattn.errors.InputError` naming it, and leaves nothing behind.
     """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:
+        raise InputError(f"cannot write {path}: {err.strerror or err}") from None
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
@@ -30,6 +37,9 @@ def atomic_write(path: str | os.PathLike, write) -> None:
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise InputError(f"cannot write {path}: {err.strerror or err}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -38,3 +48,28 @@ def atomic_write(path: str | os.PathLike, write) -> None:
 def atomic_write_text(text: str, path: str | os.PathLike) -> None:
     """Write ``text`` to ``path`` atomically (see :func:`atomic_write`)."""
     atomic_write(path, lambda handle: handle.write(text.encode()))
+
+
+def check_output_file(path: str | os.PathLike, suffix: str) -> Path:
+    """``path`` as a file a command may write once its work is done, checked before the work:
+    it ends in ``suffix``, is not a folder, and its folder exists and takes new files.
+
+    Raises:
+        InputError: naming what is wrong with ``path``.
+    """
+    path = Path(path)
+    if path.suffix != suffix:
+        raise InputError(f"--out must name a {suffix} file, got {path}")
+    if path.is_dir():
+        raise InputError(f"cannot write {path}: it is a folder")
+    folder = path.parent
+    if folder.exists() and not folder.is_dir():
+        raise InputError(f"cannot write {path}: {folder} is a file, not a folder")
+    if not folder.is_dir():
+        raise InputError(f"cannot write {path}: folder {folder} does not exist")
+    try:  # what the final write will need: a new file in that folder
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".tmp"):
+            pass
+    except OSError as err:
+        raise InputError(f"cannot write {path}: {err.strerror or err}") from None
+    return path

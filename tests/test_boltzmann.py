@@ -268,6 +268,8 @@ def test_floor_prints_the_entropy_floor_with_its_error(tmp_path, capsys, small_p
     result = json.loads(printed.strip().splitlines()[-1])
     assert result["nll"] == pytest.approx(result["mean_energy"] + result["log_z"])
     assert result["error"] > 0 and result["nll_per_dim"] == pytest.approx(result["nll"] / 6)
+    # a warning exactly when fewer than 30 of the 100 chains carry the weight
+    assert ("warning: only" in printed) == (result["ess"] * 100 < 30)
     assert main(["sets", "floor", "--data", "gaussian-sets"]) == 2
     assert "no known energy" in capsys.readouterr().err
     assert main(["sets", "floor", "--data", "lj55"]) == 2  # refused before any sampling

@@ -150,6 +150,13 @@ def test_malformed_npz_raises_a_one_line_data_error(tmp_path, arrays, message):
     assert "\n" not in str(err.value)
 
 
+def test_values_finite_in_the_file_but_not_in_float32_are_named_as_such(tmp_path):
+    x = np.random.default_rng(0).normal(size=(3, 4, 2)) * 1e40  # float64, finite
+    with pytest.raises(DataError, match=r"too large for torch.float32 \(\|x\| up to"):
+        load_npz(_write(tmp_path / "huge.npz", x=x))
+    assert torch.isfinite(load_npz(_write(tmp_path / "ok.npz", x=x / 1e10)).x).all()
+
+
 def test_missing_or_corrupt_file_raises_data_error(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         load_npz(tmp_path / "absent.npz")

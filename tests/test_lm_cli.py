@@ -86,6 +86,12 @@ def test_invert_check_reconstructs_embeddings_of_an_invertible_lm_below_1e_4(
     code, stdout, _ = run(capsys, "lm", "invert-check", "--checkpoint", out, "--threshold",
                           "1e-30", "--json")
     assert code == 1 and not last_json(stdout)["passed"]
+    # an inverse that does not converge fails the check (status 1, its report), naming the flags
+    code, stdout, err = run(capsys, "lm", "invert-check", "--checkpoint", out, "--max-iter", "1",
+                            "--json")
+    report = last_json(stdout)
+    assert code == 1 and not report["passed"] and not report["converged"] and not err
+    assert "--max-iter" in stdout and "--method anderson" in stdout
 
 
 def one_line_error(capsys, *argv, code=2) -> str:
@@ -98,6 +104,44 @@ def one_line_error(capsys, *argv, code=2) -> str:
     assert status == code
     assert len(err) == 1, err
     return err[0]
+
+
+def test_sample_refuses_bad_temperatures_and_seeds_and_draws_no_unknown_character(
+        trained, capsys, tmp_path):
+    out, _ = trained
+    for flag, value in (("--temperature", "nan"), ("--temperature", "inf"),
+                        ("--temperature", "0"), ("--seed", str(2**64))):
+        line = one_line_error(capsys, "lm", "sample", "--checkpoint", out, flag, value)
+        assert value in line or "temperature" in line, line
+    # a temperature far below float32's range: greedy decoding, no NaN probabilities
+    code, stdout, _ = run(capsys, "lm", "sample", "--checkpoint", out, "--prompt", "to be",
+                          "--max-new-tokens", "20", "--temperature", "1e-300", "--json")
+    assert code == 0 and len(last_json(stdout)["text"]) == 25
+    # a vocabulary with an unknown-character id (validation text the training text lacks):
+    # hot samples never draw it
+    train, val = tmp_path / "train.txt", tmp_path / "val.txt"
+    train.write_text(TEXT)
+    val.write_text(TEXT[:400] + "$%&#@" * 20)
+    run_dir = tmp_path / "unknown"
+    code, _, _ = run(capsys, "lm", "train", "--data", train, "--val-data", val, *TINY,
+                     "--steps", "2", "--eval-every", "2", "--out", run_dir)
+    assert code == 0
+    code, stdout, _ = run(capsys, "lm", "sample", "--checkpoint", run_dir, "--prompt", "to be",
+                          "--max-new-tokens", "400", "--temperature", "50", "--json")
+    assert code == 0 and "\ufffd" not in last_json(stdout)["text"]
+
+
+def test_a_checkpoint_with_non_finite_weights_is_refused(trained, capsys, tmp_path):
+    out, _ = trained
+    record = torch.load(out / "checkpoint.pt", weights_only=True)
+    name = next(iter(record["model"]))
+    record["model"][name] = torch.full_like(record["model"][name], math.nan)
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    torch.save(record, damaged / "checkpoint.pt")
+    for command in (["eval"], ["sample"]):
+        line = one_line_error(capsys, "lm", *command, "--checkpoint", damaged)
+        assert "weights hold NaN or Inf values" in line and name in line
 
 
 def test_invert_check_refuses_a_non_invertible_checkpoint(trained, capsys):

@@ -103,6 +103,37 @@ def test_sample_draws_in_batches_and_reports_its_progress(tmp_path, capsys, tiny
     assert "--batch-size must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_sample_refuses_an_output_it_cannot_write_before_sampling(tmp_path, capsys, tiny_run,
+                                                                    monkeypatch):
+    import flowattn.sets.cli as sets_cli
+
+    (tmp_path / "folder.npz").mkdir()
+    (tmp_path / "file").write_text("")
+    drawn = []
+    monkeypatch.setattr(sets_cli, "_load", lambda args: drawn.append(1))  # never reached
+    for out, message in ((tmp_path / "folder.npz", "it is a folder"),
+                         (tmp_path / "file" / "x.npz", "is a file, not a folder"),
+                         (tmp_path / "absent" / "x.npz", "does not exist"),
+                         (tmp_path / "x.txt", "must name a .npz file")):
+        assert run_cli("sample", "--checkpoint", str(tiny_run), "--num", "2", "--out",
+                       str(out)) == 2
+        err = capsys.readouterr().err.strip()
+        assert message in err and len(err.splitlines()) == 1, err
+    assert not drawn
+
+
+def test_atomic_write_names_the_file_it_cannot_write_and_leaves_nothing(tmp_path):
+    from flowattn.errors import InputError
+    from flowattn.files import atomic_write_text
+
+    with pytest.raises(InputError, match="cannot write .*absent/x.json: No such file"):
+        atomic_write_text("{}", tmp_path / "absent" / "x.json")
+    (tmp_path / "x.json").mkdir()  # a folder where the file should go: the rename fails
+    with pytest.raises(InputError, match="cannot write .*x.json: Is a directory"):
+        atomic_write_text("{}", tmp_path / "x.json")
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
 def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(capsys, tiny_run):
     out = tiny_run
     summary = json.loads((out / "summary.json").read_text())

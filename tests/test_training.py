@@ -813,15 +813,62 @@ def test_divergence_behaves_the_same_in_both_commands(tmp_path, capsys, corpus):
         saved = json.loads((run / "diverged.json").read_text())
         assert "non-finite" in saved["reason"]
         assert [r["event"] for r in records(run) if r["split"] == "event"] == ["diverged"]
+        # diverged at its first step, before any checkpoint: it says so, not "the checkpoint
+        # keeps the last good state"
+        assert not (run / "checkpoint.pt").exists()
+        assert saved["message"].endswith(f"so {run} holds no trained state")
+    assert "holds no trained state" in text and "keeps the last good" not in text
 
 
 # ----------------------------------------------------------------------------- reports, errors
 
 
+def test_a_run_on_a_relative_data_file_resumes_from_anywhere(tmp_path, capsys, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    save_npz(work / "sets.npz", torch.randn(40, 5, 2))
+    monkeypatch.chdir(work)
+    flags = [*SETS_FLAGS[2:], "--out", "run"]
+    code, _, err = cli(capsys, "sets", "fit", "--data", "sets.npz", *flags, "--steps", "2")
+    assert code == 0, err
+    stored = json.loads((work / "run" / "config.json").read_text())["data"]["data"]
+    assert stored == str((work / "sets.npz").resolve())  # stored by absolute path
+    # a run stored before that, with the path as typed: found through its data fingerprint
+    record = torch.load(work / "run" / "checkpoint.pt", weights_only=True)
+    record["config"]["data"]["data"] = "sets.npz"
+    torch.save(record, work / "run" / "checkpoint.pt")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = cli(capsys, "sets", "fit", "--out", "work/run", "--resume", "--steps", "4")
+    assert code == 0, err
+    # --print-config with --resume shows the run's own settings with the flags that may change
+    code, text, _ = cli(capsys, "sets", "fit", "--out", "work/run", "--resume", "--steps", "6",
+                        "--print-config", "json")
+    printed = json.loads(text)
+    assert code == 0 and printed["data"]["data"] == stored
+    assert printed["train"]["steps"] == 6 and printed["flow"]["hidden"] == 8
+    # the same file named from here is no change; another file is
+    code, _, err = cli(capsys, "sets", "fit", "--out", "work/run", "--resume", "--steps", "6",
+                       "--data", "work/sets.npz")
+    assert code == 0, err
+    save_npz(tmp_path / "other.npz", torch.randn(40, 5, 2))
+    line = one_line(capsys, "sets", "fit", "--out", "work/run", "--resume", "--steps", "8",
+                    "--data", "other.npz")
+    assert "cannot change the run's settings when resuming: data" in line
+
+
+def test_file_data_refuse_a_training_split_size(tmp_path, capsys):
+    data = tmp_path / "sets.npz"
+    save_npz(data, torch.randn(40, 5, 2))
+    line = one_line(capsys, "sets", "fit", "--data", data, "--num-train", "10", "--out",
+                    tmp_path / "run")
+    assert "num_train=10 sizes a built-in data set's training split" in line
+    assert not (tmp_path / "run").exists()
+
+
 def test_fit_on_a_file_names_the_split_it_reports(tmp_path, capsys):
     data = tmp_path / "sets.npz"
     save_npz(data, torch.randn(40, 5, 2))
-    code, text, _ = cli(capsys, "sets", "fit", "--data", data, *SETS_FLAGS, "--steps", "2",
+    code, text, _ = cli(capsys, "sets", "fit", "--data", data, *SETS_FLAGS[2:], "--steps", "2",
                         "--out", tmp_path / "run")
     assert code == 0 and "val NLL (the data have no test split)" in text
     assert "test NLL" not in text

@@ -91,7 +91,8 @@ def load_dataset(
 
     A built-in name gives independent ``train``, ``val`` and ``test`` splits (sizes from
     ``sizes``, else the defaults); an ``.npz`` path is shuffled and split 90/10 into ``train``
-    and ``val``. ``set_size`` sets the elements per set of the data sets in
+    and ``val`` (``sizes`` does not apply to it; the command line refuses ``num_train`` with a
+    file). ``set_size`` sets the elements per set of the data sets in
     :data:`SIZED_DATASETS` (``None``: their default).
 
     Raises:

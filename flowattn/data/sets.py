@@ -165,6 +165,11 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
     if not np.issubdtype(x_np.dtype, np.floating):
         raise DataError(f"{path}: x must be floating point, got dtype {x_np.dtype}")
     x = torch.from_numpy(np.ascontiguousarray(x_np)).to(dtype)
+    overflow = torch.from_numpy(np.isfinite(x_np)) & ~torch.isfinite(x)
+    if overflow.any():  # finite in the file, out of range once cast
+        largest = float(np.abs(x_np[overflow.numpy()]).max())
+        raise DataError(f"{path}: x holds values too large for {dtype} (|x| up to "
+                        f"{largest:.3g}): rescale the data")
     mask = None
     if mask_np is not None:
         if mask_np.dtype != np.bool_:

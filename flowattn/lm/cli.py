@@ -10,13 +10,14 @@ import argparse
 import math
 import sys
 
-from ..errors import InputError
+from ..errors import InputError, InverseNotConverged
 from ..training.cli import (
     add_run_arguments,
     is_main_process,
     json_line,
     print_run_config,
     run_summary_lines,
+    seed,
 )
 from ..training.config import add_arguments, given_flags
 from .config import DEFAULT_CORPUS, LMRunConfig
@@ -53,7 +54,7 @@ def _add_train(sub) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     if args.print_config:
-        return print_run_config(LMRunConfig, args)
+        return print_run_config(LMRunConfig, args, "lm")
     from ..training.loop import EXIT_DIVERGED
     from .train import train
 
@@ -89,6 +90,8 @@ def _corpus_for(ckpt: dict, vocab, data: str | None):
     try:
         corpus = load_corpus(path, record["format"] if data is None else "auto", val, vocab=vocab)
     except DataError as err:
+        if data is not None:  # the file the user named: its own message says what is wrong
+            raise
         raise DataError(f"{err} (the checkpoint's corpus; pass --data PATH)") from None
     if data is None and corpus.sha256 != record["sha256"]:
         print(f"warning: {source} differs from the text the model was trained on",
@@ -156,7 +159,7 @@ def _add_sample(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=500, help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.8, help="(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
-    p.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    p.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="(default: cpu)")
     p.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     p.set_defaults(handler=_sample)
@@ -169,7 +172,8 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if not args.prompt:
         raise InputError("--prompt must not be empty")
-    if args.temperature <= 0 or (args.top_k is not None and args.top_k < 1):
+    if not (math.isfinite(args.temperature) and args.temperature > 0) or (
+            args.top_k is not None and args.top_k < 1):
         raise InputError(f"--temperature must be positive and --top-k at least 1, got "
                          f"{args.temperature} and {args.top_k}")
     model, _, vocab, device = _load(args)
@@ -178,7 +182,9 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"the prompt holds characters the model never saw: {''.join(missing)!r}")
     idx = vocab.encode(args.prompt).unsqueeze(0).to(device)
     generator = torch.Generator().manual_seed(args.seed)
-    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, generator)
+    unknown = () if vocab.unknown_id is None else (vocab.unknown_id,)  # U+FFFD: never drawn
+    out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, generator,
+                         exclude=unknown)
     text = vocab.decode(out[0])
     _emit({"prompt": args.prompt, "text": text}, args.json, [text])
     return 0
@@ -269,8 +275,16 @@ def _invert_check(args: argparse.Namespace) -> int:
     check_block_size(corpus, block)
     n = min(args.sequences, (len(corpus.val) - 1) // block)
     idx = corpus.val[: n * block].reshape(n, block).to(device)  # held-out text
-    report = reconstruction_report(model, idx, args.tol, args.max_iter, args.method)
-    report.update(dtype=args.dtype, threshold=args.threshold, sequences=n,
+    try:
+        report = reconstruction_report(model, idx, args.tol, args.max_iter, args.method)
+    except InverseNotConverged as err:  # the check failed: report it as such, not as bad input
+        _emit({"passed": False, "converged": False, "residual": err.residual,
+               "iterations": err.iterations, "dtype": args.dtype, "sequences": n}, args.json, [
+            f"the inverse did not converge: a relative residual of {err.residual:.3e} after "
+            f"{err.iterations} iterations (--tol {args.tol:g}); raise --max-iter, loosen "
+            "--tol, or use --method anderson"])
+        return EXIT_CHECK_FAILED
+    report.update(dtype=args.dtype, threshold=args.threshold, sequences=n, converged=True,
                   passed=report["max_error"] <= args.threshold)
     _emit(report, args.json, [
         f"max reconstruction error {report['max_error']:.3e} over {report['tokens']} tokens "

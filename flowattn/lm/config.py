@@ -451,6 +451,7 @@ class LMRunConfig(RunConfig):
     RESUMABLE: ClassVar[frozenset[str]] = frozenset(
         {"steps", "device", "threads", "compile", "eval_every", "checkpoint_every", "log_every",
          "eval_iters", "spectral_norms"})
+    PATHS: ClassVar[frozenset[str]] = frozenset({"data", "val_data"})
 
     data: LMData = LMData()
     network: LMSettings = LMSettings()

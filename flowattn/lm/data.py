@@ -306,11 +306,15 @@ def check_block_size(corpus: CharCorpus, block_size: int) -> None:
     characters (inputs and shifted targets)."""
     if block_size < 1:
         raise InputError(f"block size must be >= 1, got {block_size}")
-    for name, data in (("training", corpus.train), ("validation", corpus.val)):
+    val_source = corpus.val_source or corpus.source  # a separate validation file, or the split
+    for name, data, source in (("training", corpus.train, corpus.source),
+                               ("validation", corpus.val, val_source)):
         if len(data) <= block_size:
+            where = (f"the {name} split of {source}" if source == corpus.source
+                     and not (name == "validation" and corpus.val_source) else source)
             raise InputError(
-                f"block size {block_size} is longer than the corpus: the {name} split of "
-                f"{corpus.source} has {len(data)} characters, at least {block_size + 1} needed"
+                f"block size {block_size} is longer than the corpus: {where} has {len(data)} "
+                f"characters, at least {block_size + 1} needed"
             )
 
 

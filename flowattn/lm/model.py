@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -487,18 +488,26 @@ class _CharLM(nn.Module):
         temperature: float = 1.0,
         top_k: int | None = None,
         generator: torch.Generator | None = None,
+        exclude: Sequence[int] = (),
     ) -> Tensor:
         """Extend ``idx`` (B, T) by sampling ``max_new_tokens`` tokens, one at a time, each from
         the model's distribution given the last ``block_size`` tokens (temperature-scaled,
-        optionally restricted to the ``top_k`` most likely). Draws are made on the CPU from
-        ``generator``, so that a seed gives the same text on every device."""
-        if temperature <= 0:
-            raise InputError(f"temperature must be positive, got {temperature}")
+        optionally restricted to the ``top_k`` most likely), never one of the ids in
+        ``exclude`` (such as a vocabulary's unknown-character id). Draws are made on the CPU
+        from ``generator``, so that a seed gives the same text on every device."""
+        if not (math.isfinite(temperature) and temperature > 0):
+            raise InputError(f"temperature must be a positive number, got {temperature}")
         if top_k is not None and top_k < 1:
             raise InputError(f"top_k must be >= 1, got {top_k}")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
-            logits = logits[:, -1, :] / temperature
+            logits = logits[:, -1, :]
+            if exclude:
+                logits = logits.index_fill(-1, torch.tensor(list(exclude), device=logits.device),
+                                           -math.inf)
+            # differences to the largest logit (<= 0), divided in float64: a tiny temperature
+            # sends the others to -inf (greedy), never to inf - inf
+            logits = (logits - logits.amax(-1, keepdim=True)).double() / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
                 logits = logits.masked_fill(logits < kth, -math.inf)

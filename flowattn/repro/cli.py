@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from ..training.cli import seed
 from . import REPRODUCTIONS, run_reproduction
 
 __all__ = ["add_repro_subparsers", "describe"]
@@ -45,7 +46,7 @@ def add_repro_subparsers(subparsers) -> None:
     p.add_argument(
         "--out", default="repro", metavar="DIR", help="output folder (default: %(default)s)"
     )
-    p.add_argument("--seed", type=int, help="replace the grid's seed")
+    p.add_argument("--seed", type=seed, help="replace the grid's seed")
     p.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     p.set_defaults(grid="default", handler=_run)
 

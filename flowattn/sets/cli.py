@@ -17,6 +17,7 @@ from ..training.cli import (
     json_line,
     print_run_config,
     run_summary_lines,
+    seed,
 )
 from ..training.config import add_arguments, given_flags
 from .config import SetsRunConfig
@@ -26,7 +27,7 @@ __all__ = ["add_sets_subparsers"]
 
 def _fit(args: argparse.Namespace) -> int:
     if args.print_config:
-        return print_run_config(SetsRunConfig, args)
+        return print_run_config(SetsRunConfig, args, "sets")
     from ..training.loop import EXIT_DIVERGED
     from .train import fit
 
@@ -142,6 +143,7 @@ def _sample(args: argparse.Namespace) -> int:
 
     from ..data import save_npz
     from ..errors import NonFiniteError
+    from ..files import check_output_file
     from ..progress import progress_batches
     from ..training.device import set_threads
 
@@ -157,11 +159,7 @@ def _sample(args: argparse.Namespace) -> int:
     if args.energy and args.num < 2:
         raise InputError(f"--energy needs --num >= 2 (an error needs two weights), got "
                          f"{args.num}")
-    out = Path(args.out)
-    if out.suffix != ".npz":
-        raise InputError(f"--out must name a .npz file, got {out}")
-    if not out.parent.is_dir():
-        raise InputError(f"cannot write {out}: folder {out.parent} does not exist")
+    out = check_output_file(args.out, ".npz")
     set_threads(args.threads)
     flow, record, device = _load(args)
     if args.energy:
@@ -179,6 +177,9 @@ def _sample(args: argparse.Namespace) -> int:
     return 0
 
 
+#: below this many effective samples (or annealing chains) the reweighted estimates and their
+#: errors are reported with a warning
+MIN_EFFECTIVE = 30
 #: sets drawn at a time by ``sets sample`` (and scored, with --energy, by most flows)
 SAMPLE_BATCH = 1000
 #: with --energy, a continuous flow scored with the exact trace takes batches of about this
@@ -259,7 +260,7 @@ def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: 
           f"{summary['close_pairs_reweighted_error']:.2%}")
     print(f"so the test NLL is at least {summary['close_pairs_kl']:.3f} nats above the entropy "
           "floor (KL >= kl(p(close) || q(close)))")
-    if summary["ess_samples"] < 30:
+    if summary["ess_samples"] < MIN_EFFECTIVE:
         print(f"warning: only {summary['ess_samples']:.1f} effective samples: the reweighted "
               "estimates and their errors are unreliable")
     if args.json:
@@ -280,6 +281,10 @@ def _floor(args: argparse.Namespace) -> int:
           f"over {floor.configurations} configurations")
     print(f"entropy floor: {floor.nll:.3f} ± {floor.error:.3f} nats/configuration, "
           f"{floor.nll_per_dim:.4f} nats/dim (E-NF convention)")
+    effective = z.ess * z.chains
+    if effective < MIN_EFFECTIVE:
+        print(f"warning: only {effective:.1f} effective chains: log Z, the floor and their "
+              "errors are unreliable (more --chains or --stages)")
     if args.json:
         print(json.dumps({"data": args.data, "nll": floor.nll, "error": floor.error,
                           "nll_per_dim": floor.nll_per_dim, "mean_energy": floor.mean_energy,
@@ -337,7 +342,7 @@ def add_sets_subparsers(subparsers) -> None:
     sample.add_argument("--set-size", type=int, help="elements per set (default: the training "
                         "sets' size)")
     sample.add_argument("--out", required=True, help="output .npz file")
-    sample.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    sample.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
                         "%(default)s)")
     sample.add_argument("--energy", action="store_true", help="particle systems (dw4, lj13, "
@@ -366,7 +371,7 @@ def add_sets_subparsers(subparsers) -> None:
                        help="dw4 or lj13 (lj55 has no annealing settings yet)")
     floor.add_argument("--chains", type=int, help="annealing chains (default: the system's)")
     floor.add_argument("--stages", type=int, help="annealing stages (default: the system's)")
-    floor.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    floor.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     floor.add_argument("--no-progress", action="store_true", help="no progress bars")
     floor.add_argument("--json", action="store_true", help="end with a JSON line of the results")
     floor.set_defaults(handler=_floor)

@@ -103,6 +103,10 @@ class SetsData(Section):
         if self.set_size is not None and self.data not in SIZED_DATA:
             raise ValueError(f"set_size={self.set_size} applies to {', '.join(SIZED_DATA)}; "
                              f"the sets of {self.data!r} have a fixed size: drop set_size")
+        if self.num_train is not None and self.data.endswith(".npz"):
+            raise ValueError(f"num_train={self.num_train} sizes a built-in data set's training "
+                             f"split; {self.data!r} is split 90/10 into train and val: drop "
+                             "num_train (or pass a file of fewer sets)")
         return self
 
 
@@ -338,6 +342,7 @@ class SetsRunConfig(RunConfig):
     RESUMABLE: ClassVar[frozenset[str]] = frozenset(
         {"steps", "device", "threads", "compile", "eval_every", "checkpoint_every",
          "log_every", "val_sets", "energy_weight", "energy_samples", "energy_max"})
+    PATHS: ClassVar[frozenset[str]] = frozenset({"data"})
 
     data: SetsData = SetsData()
     flow: SetsFlow = SetsFlow()

@@ -107,13 +107,21 @@ def read_model(location: str | os.PathLike, kind: str,
     read as it is. Returns what :func:`read_checkpoint` returns.
 
     Raises:
-        CheckpointError: as :func:`read_checkpoint`.
+        CheckpointError: as :func:`read_checkpoint`, or if the model's weights hold NaN or Inf.
     """
     record = read_checkpoint(location, kind, map_location)
     best = Path(record["path"]).parent / BEST
     keep_best = (record.get("config") or {}).get("train", {}).get("keep_best", False)
     if Path(location).is_dir() and keep_best and best.is_file():
-        return read_checkpoint(best, kind, map_location)
+        record = read_checkpoint(best, kind, map_location)
+    model = record.get("model")
+    bad = [name for name, value in (model.items() if isinstance(model, dict) else ())
+           if isinstance(value, torch.Tensor) and value.is_floating_point()
+           and not bool(torch.isfinite(value).all())]
+    if bad:
+        raise CheckpointError(f"{record['path']}: the model's weights hold NaN or Inf values "
+                              f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
+                              "the file is damaged or was written by a diverged run")
     return record
 
 

@@ -11,9 +11,10 @@ import math
 import os
 
 from .config import RunConfig, from_sources, given_flags, print_config
+from .metrics import json_safe
 
 __all__ = ["add_run_arguments", "print_run_config", "run_summary_lines", "is_main_process",
-           "json_line"]
+           "json_line", "seed"]
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
@@ -37,9 +38,28 @@ def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None
                        help="end with the summary as one JSON line")
 
 
-def print_run_config(config_class: type[RunConfig], args: argparse.Namespace) -> int:
-    """Print the settings a run with these arguments would use; exit status 0."""
-    config = from_sources(config_class, args.config, given_flags(args, config_class))
+def seed(text: str) -> int:
+    """An argparse type: a seed that ``torch.manual_seed`` takes (an integer from -2^63 to
+    2^64 - 1); anything else is a usage error naming the value."""
+    value = int(text)  # not an integer: argparse reports "invalid seed value"
+    if not -(2**63) <= value <= 2**64 - 1:
+        raise argparse.ArgumentTypeError(f"a seed must lie between -2^63 and 2^64 - 1, got "
+                                         f"{value}")
+    return value
+
+
+def print_run_config(config_class: type[RunConfig], args: argparse.Namespace,
+                     kind: str) -> int:
+    """Print the settings a run with these arguments would use (with ``--resume``: the stored
+    ones of the run in ``--out``, with the flags that may change); exit status 0."""
+    flags = given_flags(args, config_class)
+    if args.resume:
+        from .run import plan_run  # reads the run's checkpoint: torch
+
+        config = plan_run(args.out, kind, config_class, resume=True, file=args.config,
+                          flags=flags).config
+    else:
+        config = from_sources(config_class, args.config, flags)
     print(print_config(config, args.print_config).rstrip())
     return 0
 
@@ -58,21 +78,11 @@ def run_summary_lines(summary: dict) -> list[str]:
         div = summary["divergence"]
         loss = div.get("loss")
         shown = "nan" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"
-        return [f"diverged: {div['reason']} at step {div['step']} (loss {shown}); the "
-                f"checkpoint in {summary['out']} keeps the last good state"]
+        kept = div.get("note", f"the checkpoint in {summary['out']} keeps the last good state")
+        return [f"diverged: {div['reason']} at step {div['step']} (loss {shown}); {kept}"]
     return []
-
-
-def _finite(value):
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN
-    return value
 
 
 def json_line(payload: dict) -> str:
     """``payload`` as one line of strict JSON (non-finite numbers become null)."""
-    return json.dumps(_finite(payload), allow_nan=False, default=str)
+    return json.dumps(json_safe(payload), allow_nan=False, default=str)

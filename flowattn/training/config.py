@@ -32,7 +32,7 @@ import argparse
 import json
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Union, get_args, get_origin
 
@@ -121,6 +121,9 @@ class RunConfig(Section):
     """
 
     RESUMABLE: ClassVar[frozenset[str]] = frozenset()
+    #: leaves that may name data files: a run stores them by absolute path (see
+    #: :meth:`with_absolute_paths`), so that it resumes from any working directory
+    PATHS: ClassVar[frozenset[str]] = frozenset()
 
     @classmethod
     def sections(cls) -> dict[str, type[Section]]:
@@ -187,6 +190,28 @@ class RunConfig(Section):
             merged[section].update(values)
         return type(self).build(merged, source)
 
+    def with_absolute_paths(self, recorded: Sequence[str] = ()):
+        """A copy whose data files (the leaves in ``PATHS``) are named by absolute path.
+
+        A relative path is looked up first among ``recorded`` (the absolute paths in a run's
+        data fingerprint, for the settings a run stored), then from the working directory. Bare
+        names (built-in data sets) and paths that name no file are left as they are.
+        """
+        changes = {}
+        for key, value in self.flat().items():
+            if key not in self.PATHS or not isinstance(value, str) or Path(value).is_absolute():
+                continue
+            path = Path(value)
+            if not (path.suffix or len(path.parts) > 1):
+                continue  # a bare name: a built-in data set, not a file
+            found = [Path(c) for c in recorded
+                     if Path(c).parts[-len(path.parts):] == path.parts and Path(c).is_file()]
+            if found:
+                changes[key] = str(found[0])
+            elif path.is_file():
+                changes[key] = str(path.resolve())
+        return self.updated(changes) if changes else self
+
     def changed(self, other: RunConfig) -> dict[str, tuple[Any, Any]]:
         """``leaf -> (mine, theirs)`` for every setting that differs."""
         mine, theirs = self.flat(), other.flat()
@@ -197,9 +222,11 @@ def read_config_file(path: str | Path) -> dict:
     """A config file's settings: a JSON or YAML mapping (by suffix: .json, .yaml, .yml)."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ConfigError(f"cannot read config {path}: {err.strerror or err}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config {path} is not UTF-8 text") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
             import yaml
@@ -422,7 +449,8 @@ class TrainSettings(Section):
                             "and later evaluations and samples of the run folder use them")
     checkpoint_every: int = Field(250, ge=1, description="steps between checkpoints")
     log_every: int = Field(10, ge=1, description="steps between training-metric records")
-    seed: int = Field(0, ge=0, description="seed of every random number generator")
+    seed: int = Field(0, ge=0, le=2**64 - 1, description="seed of every random number "
+                      "generator")
     device: str = Field("cpu", pattern=DEVICE_PATTERN, description="cpu, cuda, cuda:N or "
                         "auto (cuda when available)")
     threads: int | None = Field(None, ge=1, description="intra-op CPU threads; none: torch's "

@@ -34,7 +34,7 @@ from ..progress import Progress
 from .average import ParameterAverage
 from .checkpoint import BEST, CHECKPOINT, read_checkpoint, save_checkpoint
 from .distributed import Distributed
-from .metrics import MetricsLog
+from .metrics import MetricsLog, json_safe
 from .run import DIVERGED_FILE, SUMMARY_FILE, RunPlan
 from .schedule import learning_rate
 
@@ -290,15 +290,19 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                "world_size": dist.world, "diverged": divergence is not None,
                "divergence": divergence}
     if divergence is not None:
+        # what the run leaves: the last good state, unless it diverged before its first save
+        divergence["note"] = (
+            f"the checkpoint in {out} keeps the last good state" if (out / CHECKPOINT).is_file()
+            else f"it diverged before its first checkpoint, so {out} holds no trained state")
         message = (f"training diverged at step {divergence['step']}: {divergence['reason']}; "
-                   "the checkpoint keeps the last good state")
+                   f"{divergence['note']}")
         summary["message"] = message
         metrics.log(divergence["step"], "event", event="diverged",
                     **{k: v for k, v in divergence.items() if k != "step"})
         if main:
             log(message)
-            atomic_write_text(json.dumps({**divergence, "message": message}, indent=2) + "\n",
-                              out / DIVERGED_FILE)
+            atomic_write_text(json.dumps(json_safe({**divergence, "message": message}),
+                                         indent=2) + "\n", out / DIVERGED_FILE)
     elif main:
         if cfg.keep_best and (out / BEST).is_file():  # the final report is the best state's
             model.load_state_dict(read_checkpoint(out / BEST, plan.kind, dist.device)["model"])
@@ -312,9 +316,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             metrics.log(step, "test", **report["test"])
     metrics.close()
     if main:
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in summary.items()}
-        atomic_write_text(json.dumps(clean, indent=2) + "\n", out / SUMMARY_FILE)
+        atomic_write_text(json.dumps(json_safe(summary), indent=2) + "\n", out / SUMMARY_FILE)
     # DistributedDataParallel's reducer must go while its process group still exists: freed
     # after the group (when this frame unwinds), it could block a process for good on the
     # rendezvous store that process 0 has already taken down with it

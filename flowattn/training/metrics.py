@@ -52,9 +52,15 @@ def read_metrics(path: str | Path) -> list[dict]:
     return records
 
 
-def _json_value(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float, also inside dicts and lists, as None: strict
+    JSON has no NaN or Infinity."""
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
-        return None  # JSON has no NaN
+        return None
     return value
 
 
@@ -101,7 +107,7 @@ class MetricsLog:
         if not self.enabled:
             return
         record = {"step": step, "split": split, "time": time.time(),
-                  **{k: _json_value(v) for k, v in values.items()}}
+                  **json_safe(values)}
         with self.path.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         writer = self._tensorboard()

@@ -40,6 +40,7 @@ from typing import Any
 from ..errors import ConfigError, DataError, RunError
 from ..files import atomic_write_text
 from .checkpoint import (
+    BEST,
     CHECKPOINT,
     LEGACY_NAMES,
     check_resumable,
@@ -85,9 +86,13 @@ class RunPlan:
         return 0 if self.checkpoint is None else int(self.checkpoint["step"])
 
     def prepare(self) -> None:
-        """Create the folder, check it is writable, clear a stale start, write run.json and
-        config.json (call on the first process only)."""
+        """Create the folder, check it is writable, clear a stale start and the temporary files
+        of writes that a killed process left unfinished, write run.json and config.json (call
+        on the first process only)."""
         prepare_out_dir(self.out)
+        for name in (*_OUTPUTS, RUN_FILE, CONFIG_FILE, CHECKPOINT, BEST):
+            for stale in self.out.glob(f".{name}.*.tmp"):  # atomic_write's temporary names
+                stale.unlink(missing_ok=True)
         if self.checkpoint is None:  # from step 0: nothing of an earlier attempt survives
             for name in _OUTPUTS:
                 (self.out / name).unlink(missing_ok=True)
@@ -203,11 +208,13 @@ def plan_run(
             raise RunError(f"{out} already holds a run (checkpoint at step {record['step']}): "
                            "pass --resume to continue it, or choose another --out")
         check_resumable(record)
+        recorded = record.get("data_fingerprint") or (manifest or {}).get("data")
         stored = config_class.from_stored(record["config"], f"{checkpoint_file}")
-        config = stored.updated(overrides, "resume") if overrides else stored
+        stored = stored.with_absolute_paths(_sources(recorded))
+        config = _resumed(stored, overrides)
         _check_changes(stored, config, int(record["step"]))
         data = fingerprint(config) if fingerprint else {}
-        _check_data(record.get("data_fingerprint") or (manifest or {}).get("data"), data, out)
+        _check_data(recorded, data, out)
         finished = int(record["step"]) >= config.train.steps and \
             (out / SUMMARY_FILE).exists()
         return RunPlan(out, kind, config, data, record, finished, notes=notes)
@@ -218,15 +225,28 @@ def plan_run(
     if resume:  # interrupted before its first checkpoint: its stored settings, from step 0
         stored = config_class.from_stored(read_config_file(out / CONFIG_FILE),
                                           str(out / CONFIG_FILE))
-        config = stored.updated(overrides, "resume") if overrides else stored
+        stored = stored.with_absolute_paths(_sources(manifest.get("data")))
+        config = _resumed(stored, overrides)
         _check_changes(stored, config, 0)
         notes.append(f"{out} holds no checkpoint yet: the run starts again from step 0")
     else:
-        config = from_sources(config_class, file, flags)
+        config = from_sources(config_class, file, flags).with_absolute_paths()
         if restart:
             notes.append(f"{out} held a run stopped before its first checkpoint: starting over")
     data = fingerprint(config) if fingerprint else {}
     return RunPlan(out, kind, config, data, None, False, restart, notes)
+
+
+def _sources(fingerprint: Mapping | None) -> list[str]:
+    """The absolute paths a run's data fingerprint recorded (none for built-in data)."""
+    source = (fingerprint or {}).get("source")
+    return [source] if isinstance(source, str) else list(source or [])
+
+
+def _resumed(stored: RunConfig, overrides: Mapping) -> RunConfig:
+    """The stored settings with the ones given now; data files given now are taken from the
+    working directory, so a file named differently but the same is no change."""
+    return stored.updated(overrides, "resume").with_absolute_paths() if overrides else stored
 
 
 def data_fingerprint(*paths: str | os.PathLike | None) -> dict:
