@@ -148,7 +148,8 @@ def test_a_cnf_trained_by_matching_reaches_its_data_likelihood():
     truth = 0.5 * math.log(2 * math.pi * sigma ** 2) + 0.5
     test = data(512)
     flow.eval()
-    before = -flow.log_prob(test).mean().item() / dims
+    with torch.no_grad():  # scored without a graph of the solve: 0.5 GB instead of 4
+        before = -flow.log_prob(test).mean().item() / dims
     flow.train()
     for _ in range(300):
         loss = flow.matching_loss(data(128), generator=generator).mean()
@@ -156,6 +157,7 @@ def test_a_cnf_trained_by_matching_reaches_its_data_likelihood():
         loss.backward()
         optimiser.step()
     flow.eval()
-    after = -flow.log_prob(test).mean().item() / dims
+    with torch.no_grad():
+        after = -flow.log_prob(test).mean().item() / dims
     assert before - truth > 0.25
     assert abs(after - truth) < 0.03, (before, after, truth)
