@@ -94,11 +94,21 @@ def records(out: Path) -> list[dict]:
         ({"ema": 0}, r"train: ema: Input should be greater than 0 \(got 0\)"),
         ({"nope": 1}, r"unknown setting 'nope'"),
         ({"train": {"stepz": 1}}, r"train: stepz: unknown setting"),
+        ({"train": {"steps": 3}, "steps": 4}, r"steps is given twice \(steps and train.steps\)"),
+        ({"seed": 2**64}, r"train: seed: Input should be less than or equal to"),
+        ({"data": "x.npz", "num_train": 10}, r"num_train=10 sizes a built-in data set's"),
     ],
 )
 def test_config_refuses_each_bad_value_naming_key_and_value(values, message):
     with pytest.raises(ConfigError, match=message):
         SetsRunConfig.build(values)
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line_naming_it(tmp_path, capsys):
+    (tmp_path / "bin.yaml").write_bytes(b"\xff\xfe")
+    line = one_line(capsys, "sets", "fit", "--config", tmp_path / "bin.yaml", "--out",
+                    tmp_path / "run")
+    assert "bin.yaml is not UTF-8 text" in line
 
 
 def test_config_files_are_json_or_yaml_flat_or_nested(tmp_path):

@@ -132,7 +132,8 @@ def run_reproduction(
     Arguments:
         name: a key of ``REPRODUCTIONS``.
         grid: ``"quick"``, ``"default"`` or ``"full"``.
-        out: folder for ``NAME.png``, ``NAME.csv`` and ``NAME.json`` (created if needed).
+        out: folder for ``NAME.png``, ``NAME.csv`` and ``NAME.json``, NAME with ``-`` as
+            ``_`` (created if needed).
         seed: replaces the grid's seed.
         overrides: configuration fields to change (e.g. ``ns=(100, 1000)``).
     """

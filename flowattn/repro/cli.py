@@ -19,8 +19,9 @@ def add_repro_subparsers(subparsers) -> None:
         help="reproduce a figure or table of Kim et al. (2021)",
         description="Reproduce an experiment of Kim, Papamakarios & Mnih, 'The Lipschitz "
         f"constant of self-attention' (ICML 2021): {listing}; 'all' runs each in turn. Writes "
-        "NAME.png, NAME.csv and NAME.json to --out. The default grid is sized for a laptop "
-        "CPU (minutes); --full uses the paper's settings where they are known.",
+        "NAME.png, NAME.csv and NAME.json to --out (NAME with - as _, e.g. "
+        "bound_tightness.png). The default grid is sized for a laptop CPU (minutes); --full "
+        "uses the paper's settings where they are known.",
     )
     p.add_argument(
         "repro_command",

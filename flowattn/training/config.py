@@ -145,15 +145,21 @@ class RunConfig(Section):
         """Sort flat keys (``steps``) into their sections; nested ones pass through."""
         sections, leaves = cls.sections(), cls.leaves()
         nested: dict[str, dict] = {}
+        def put(section: str, name: str, value: Any) -> None:
+            if name in nested.get(section, {}):  # both flat and in its section
+                raise ConfigError(f"{source}: {name} is given twice ({name} and "
+                                  f"{section}.{name}): keep one")
+            nested.setdefault(section, {})[name] = value
+
         for key, value in values.items():
             if key in sections and (isinstance(value, Mapping) or key not in leaves):
                 if not isinstance(value, Mapping):
                     raise ConfigError(f"{source}: {key} must be a mapping of settings, got "
                                       f"{value!r}")
                 for name, inner in value.items():
-                    nested.setdefault(key, {})[name] = inner
+                    put(key, name, inner)
             elif key in leaves:
-                nested.setdefault(leaves[key][0], {})[key] = value
+                put(leaves[key][0], key, value)
             else:
                 raise ConfigError(f"{source}: unknown setting {key!r} (see --print-config for "
                                   "every key)")
