@@ -340,7 +340,8 @@ def add_sets_subparsers(subparsers) -> None:
                         help="a run folder written by fit (or its checkpoint file)")
     sample.add_argument("--num", type=int, required=True, help="number of sets to draw")
     sample.add_argument("--set-size", type=int, help="elements per set (default: the training "
-                        "sets' size)")
+                        "sets' size; for sets of several sizes, padded with a mask, the "
+                        "largest)")
     sample.add_argument("--out", required=True, help="output .npz file")
     sample.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
