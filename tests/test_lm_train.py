@@ -306,6 +306,9 @@ def test_resume_refuses_settings_that_no_longer_build_the_checkpoints_model(corp
     assert record["task"]["model_config"]["contractive_norm"] == "2,inf"
     record["config"]["network"]["contractive_norm"] = "2"  # what another "auto" could mean
     torch.save(record, path)
+    settings = json.loads((out / "config.json").read_text())  # the folder's settings agree
+    settings["network"]["contractive_norm"] = "2"
+    (out / "config.json").write_text(json.dumps(settings))
     with pytest.raises(CheckpointError, match=r"contractive_norm \('2,inf' in the checkpoint, "
                                               r"'2' now\)"):
         train(out=out, resume=True, flags={"steps": 4}, progress=False, tensorboard=False)

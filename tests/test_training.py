@@ -866,6 +866,19 @@ def test_a_run_on_a_relative_data_file_resumes_from_anywhere(tmp_path, capsys, m
     assert "cannot change the run's settings when resuming: data" in line
 
 
+def test_a_checkpoint_copied_in_from_another_run_is_refused(tmp_path, capsys):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for out, blocks in ((one, "1"), (two, "2")):
+        code, _, err = cli(capsys, "sets", "fit", *SETS_FLAGS, "--blocks", blocks, "--steps",
+                           "2", "--out", out)
+        assert code == 0, err
+    (two / "checkpoint.pt").write_bytes((one / "checkpoint.pt").read_bytes())
+    line = one_line(capsys, "sets", "fit", "--out", two, "--resume", "--steps", "4")
+    assert "describe different runs (they differ in blocks)" in line
+    code, _, err = cli(capsys, "sets", "fit", "--out", one, "--resume", "--steps", "4")
+    assert code == 0, err  # its own checkpoint resumes
+
+
 def test_file_data_refuse_a_training_split_size(tmp_path, capsys):
     data = tmp_path / "sets.npz"
     save_npz(data, torch.randn(40, 5, 2))

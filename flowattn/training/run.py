@@ -149,6 +149,25 @@ def _check_changes(stored: RunConfig, requested: RunConfig, step: int) -> None:
                           f"({step})")
 
 
+def _check_same_run(stored: RunConfig, out: Path, recorded: list[str],
+                    checkpoint_file: Path) -> None:
+    """Refuse a checkpoint whose run settings disagree with the folder's config.json beyond
+    what a resume may change: a checkpoint copied in from another run."""
+    path = out / CONFIG_FILE
+    if not path.is_file():
+        return
+    try:
+        folder = type(stored).from_stored(read_config_file(path), str(path))
+    except ConfigError:
+        return  # unreadable settings: the checkpoint's own are the run's
+    changed = stored.changed(folder.with_absolute_paths(recorded))
+    refused = sorted(k for k in changed if k not in type(stored).RESUMABLE)
+    if refused:
+        raise RunError(f"{checkpoint_file} and {path} describe different runs (they differ in "
+                       f"{', '.join(refused[:4])}{', ...' if len(refused) > 4 else ''}): the "
+                       "checkpoint was copied from another run; choose the right folder")
+
+
 def _check_data(stored: Mapping | None, now: dict, where: Path) -> None:
     if not stored or stored.get("sha256") is None or now.get("sha256") is None:
         return
@@ -211,6 +230,7 @@ def plan_run(
         recorded = record.get("data_fingerprint") or (manifest or {}).get("data")
         stored = config_class.from_stored(record["config"], f"{checkpoint_file}")
         stored = stored.with_absolute_paths(_sources(recorded))
+        _check_same_run(stored, out, _sources(recorded), checkpoint_file)
         config = _resumed(stored, overrides)
         _check_changes(stored, config, int(record["step"]))
         data = fingerprint(config) if fingerprint else {}
