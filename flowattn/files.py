@@ -37,11 +37,10 @@ def atomic_write(path: str | os.PathLike, write) -> None:
             os.fsync(handle.fileno())
         os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
-        raise InputError(f"cannot write {path}: {err.strerror or err}") from None
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if isinstance(err, OSError):
+            raise InputError(f"cannot write {path}: {err.strerror or err}") from None
         raise
 
 

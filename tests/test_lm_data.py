@@ -91,6 +91,13 @@ def test_block_size_longer_than_a_split_is_refused_with_sizes(tmp_path):
     check_block_size(corpus, 9)
     with pytest.raises(ValueError, match=r"block size 10 is longer .* validation split .* 10 "):
         check_block_size(corpus, 10)
+    # a separate validation file that is too short is named itself, not as a split of the corpus
+    short = write(tmp_path, "v.txt", b"abcde")
+    corpus = load_corpus(tmp_path / "s.txt", val_path=short)
+    with pytest.raises(ValueError, match=r"corpus: \S*v.txt has 5 characters, at least 11 "):
+        check_block_size(corpus, 10)
+    with pytest.raises(ValueError, match=r"the training split of \S*s.txt has 100 characters"):
+        check_block_size(corpus, 100)
 
 
 PTB = " a e r _ b a n k n o t e\n t h e _ e n d _ <\n"

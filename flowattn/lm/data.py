@@ -306,12 +306,11 @@ def check_block_size(corpus: CharCorpus, block_size: int) -> None:
     characters (inputs and shifted targets)."""
     if block_size < 1:
         raise InputError(f"block size must be >= 1, got {block_size}")
-    val_source = corpus.val_source or corpus.source  # a separate validation file, or the split
-    for name, data, source in (("training", corpus.train, corpus.source),
-                               ("validation", corpus.val, val_source)):
+    # a separate validation file is named as such; otherwise both are splits of the corpus
+    val_where = corpus.val_source or f"the validation split of {corpus.source}"
+    for data, where in ((corpus.train, f"the training split of {corpus.source}"),
+                        (corpus.val, val_where)):
         if len(data) <= block_size:
-            where = (f"the {name} split of {source}" if source == corpus.source
-                     and not (name == "validation" and corpus.val_source) else source)
             raise InputError(
                 f"block size {block_size} is longer than the corpus: {where} has {len(data)} "
                 f"characters, at least {block_size + 1} needed"

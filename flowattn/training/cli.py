@@ -78,8 +78,7 @@ def run_summary_lines(summary: dict) -> list[str]:
         div = summary["divergence"]
         loss = div.get("loss")
         shown = "nan" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"
-        kept = div.get("note", f"the checkpoint in {summary['out']} keeps the last good state")
-        return [f"diverged: {div['reason']} at step {div['step']} (loss {shown}); {kept}"]
+        return [f"diverged: {div['reason']} at step {div['step']} (loss {shown}); {div['note']}"]
     return []
 
 
