@@ -935,9 +935,10 @@ def test_the_initialising_pass_keeps_no_graph(monkeypatch):
     seen = []
     log_prob = task.flow.component_log_prob  # the flow's own density (before any symmetry)
     monkeypatch.setattr(task.flow, "component_log_prob",
-                        lambda *a: seen.append(torch.is_grad_enabled()) or log_prob(*a))
+                        lambda x, m: seen.append((torch.is_grad_enabled(), len(x)))
+                        or log_prob(x, m))
     task.initialise()
-    assert seen == [False]
+    assert seen == [(False, 6), (True, 1)]  # the batch without a graph; then the memory check
 
 
 def test_flow_matching_is_refused_where_it_cannot_train_the_flow(tmp_path, capsys):
