@@ -710,7 +710,28 @@ def test_a_run_folder_of_another_command_is_refused(tmp_path, capsys, corpus):
     foreign = tmp_path / "other"
     foreign.mkdir()
     (foreign / "metrics.jsonl").write_text("{}\n")
-    assert "another program" in one_line(capsys, "sets", "fit", "--out", foreign)
+    assert "files of another run" in one_line(capsys, "sets", "fit", "--out", foreign)
+
+
+def test_a_folder_of_a_users_own_files_is_refused_but_the_runs_own_inputs_may_be_there(
+        tmp_path, capsys):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine\n")
+    (folder / ".hidden").write_text("")
+    message = one_line(capsys, "sets", "fit", *SETS_FLAGS, "--steps", "2", "--out", folder)
+    assert "1 file(s) or folder(s) of its own (e.g. 'notes.txt')" in message
+    assert sorted(p.name for p in folder.iterdir()) == [".hidden", "notes.txt"]  # untouched
+    # the config file and the data file the run reads may sit in its folder, as may hidden files
+    run = tmp_path / "experiment"
+    run.mkdir()
+    save_npz(run / "sets.npz", torch.randn(40, 5, 2, generator=torch.Generator().manual_seed(1)))
+    (run / "run.yaml").write_text("steps: 2\nblocks: 1\nhidden: 8\nbatch_size: 8\n")
+    (run / ".hidden").write_text("")
+    code, _, err = cli(capsys, "sets", "fit", "--config", run / "run.yaml", "--data",
+                       run / "sets.npz", "--no-progress", "--no-tensorboard", "--out", run)
+    assert code == 0, err
+    assert (run / "checkpoint.pt").exists()
 
 
 # ----------------------------------------------------------------------------- checkpoints

@@ -9,6 +9,7 @@ anything is written:
 request                                                outcome
 =====================================================  =======================================
 fresh run, empty or new folder                         start at step 0
+folder holds other files and no run                    refused: choose a new or empty ``--out``
 fresh run, folder holds a checkpoint                   refused: pass ``--resume`` or another
                                                        ``--out``
 fresh run or ``--resume``, folder holds a run that     restart clean at step 0 (its old
@@ -209,10 +210,6 @@ def plan_run(
         raise RunError(f"{out} holds a flowattn {manifest.get('kind')} run, not a {kind} run: "
                        "choose another --out")
     checkpoint_file = _has_checkpoint(out, kind) if out.is_dir() else None
-    if manifest is None and checkpoint_file is None and out.is_dir() and \
-            any((out / name).exists() for name in (*_OUTPUTS, CONFIG_FILE)):
-        raise RunError(f"{out} holds files of another program or run (no {RUN_FILE}): choose "
-                       "another --out")
     overrides: dict = {}
     if file is not None:
         overrides.update(config_class.nest(read_config_file(file), str(file)))
@@ -251,10 +248,32 @@ def plan_run(
         notes.append(f"{out} holds no checkpoint yet: the run starts again from step 0")
     else:
         config = from_sources(config_class, file, flags).with_absolute_paths()
+        if not restart:
+            _check_free(out, config, file)
         if restart:
             notes.append(f"{out} held a run stopped before its first checkpoint: starting over")
     data = fingerprint(config) if fingerprint else {}
     return RunPlan(out, kind, config, data, None, False, restart, notes)
+
+
+def _check_free(out: Path, config: RunConfig, file: str | os.PathLike | None) -> None:
+    """Refuse to start a run in a folder that holds files of its own: a run writes several
+    files and folders into ``out``, never among a user's. Hidden entries (a file manager's)
+    and the files the run reads (its ``--config`` file, its data files) may be there."""
+    if not out.is_dir():
+        return
+    reads = {Path(path).resolve() for path in
+             [file, *(config.flat()[key] for key in config.PATHS)] if isinstance(path, str | Path)}
+    foreign = sorted(entry.name for entry in out.iterdir()
+                     if not entry.name.startswith(".") and entry.resolve() not in reads)
+    if not foreign:
+        return
+    if any(name in (*_OUTPUTS, CONFIG_FILE) for name in foreign):
+        raise RunError(f"{out} holds files of another run (no {RUN_FILE}): choose a new or "
+                       "empty --out")
+    raise RunError(f"{out} holds {len(foreign)} file(s) or folder(s) of its own (e.g. "
+                   f"{foreign[0]!r}) and no flowattn run: choose a new or empty --out (a run "
+                   "writes its files there)")
 
 
 def _sources(fingerprint: Mapping | None) -> list[str]:
