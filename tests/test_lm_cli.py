@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -261,8 +262,8 @@ def test_eval_sample_and_invert_check_read_checkpoints_stored_before_version_2(
 ):
     # an invertible model trained with the settings that were the defaults then
     out = tmp_path / "old"
-    old = ["--self-offset", "0", "--position-bias", "0", "--init", "default", "--init-scale",
-           "0.0625", "--contractive-norm", "inf"]
+    old = ["--self-offset", "0", "--position-bias", "0", "--init", "default",
+           "--contractive-norm", "inf"]  # (init_scale: not read under init default)
     code, _, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--invertible", *old,
                      "--steps", "4", "--eval-every", "4", "--out", out)
     assert code == 0
@@ -281,3 +282,50 @@ def test_eval_sample_and_invert_check_read_checkpoints_stored_before_version_2(
              for c in commands]
     assert after == before
     assert before[2]["passed"] and before[2]["max_branch_bound"] <= 0.9 + 1e-9
+
+
+BASE = ["--layers", "1", "--dim", "16", "--block-size", "16", "--batch-size", "4",
+        "--steps", "1", "--no-progress", "--no-tensorboard"]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--residual-alpha", "0.5"], "residual_alpha=0.5 is not read by this model: it needs "
+                                  "weighted_residual true"),
+    (["--contractive-norm", "2"], "contractive_norm='2' .* needs attention contractive-l2"),
+    (["--attention", "l2-tied", "--spectral-norms", "squarings"], "spectral_norms="),
+    (["--contractive-coeff", "0.5"], "contractive_coeff=0.5 .* or invertible true"),
+    (["--attention", "none", "--ortho-attention", "0.1"], "ortho_attention=0.1 .* attention "
+                                                          "weights"),
+    (["--max-distance", "8"], "max_distance=8 .* needs a position bias"),
+    (["--init-scale", "0.5"], "init_scale=0.5 .* needs init glorot-l2"),
+    (["--model", "lstm", "--heads", "2", "--ortho-attention", "0.1"],
+     "heads, ortho_attention: setting.* the LSTM baseline does not read"),
+])
+def test_settings_the_model_would_not_read_are_refused_by_name(corpus, tmp_path, capsys,
+                                                                flags, message):
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "lm", "train", "--data", corpus, *BASE, *flags, "--out", out)
+    assert code == 2
+    assert re.search(message, err), err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [
+    ["--weighted-residual", "--residual-alpha", "0.5"],
+    ["--attention", "l2-tied", "--init-scale", "0.25"],
+    ["--invertible", "--contractive-norm", "2", "--contractive-coeff", "0.5"],
+    ["--model", "lstm", "--dropout", "0.1"],
+    ["--contractive-norm", "auto"],  # the default, typed
+])
+def test_settings_the_model_reads_are_accepted(corpus, tmp_path, capsys, flags):
+    code, _, err = run(capsys, "lm", "train", "--data", corpus, *BASE, *flags,
+                       "--out", tmp_path / "run")
+    assert code == 0, err
+
+
+def test_a_config_files_settings_are_checked_as_flags_are(corpus, tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("network:\n  residual_alpha: 0.5\n")
+    code, _, err = run(capsys, "lm", "train", "--data", corpus, *BASE, "--config", config,
+                       "--out", tmp_path / "run")
+    assert code == 2 and "residual_alpha=0.5 is not read" in err

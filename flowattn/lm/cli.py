@@ -19,8 +19,8 @@ from ..training.cli import (
     run_summary_lines,
     seed,
 )
-from ..training.config import add_arguments, given_flags
-from .config import DEFAULT_CORPUS, LMRunConfig
+from ..training.config import add_arguments, from_sources, given_flags, read_config_file
+from .config import DEFAULT_CORPUS, LMRunConfig, check_applicable
 
 __all__ = ["add_lm_subparsers", "EXIT_CHECK_FAILED"]
 
@@ -59,6 +59,13 @@ def _train(args: argparse.Namespace) -> int:
     from .train import train
 
     flags = given_flags(args, LMRunConfig)
+    if not args.resume:  # settings typed for a model that would not read them
+        given = set(flags)
+        if args.config:
+            given |= {name for section in
+                      LMRunConfig.nest(read_config_file(args.config), args.config).values()
+                      for name in section}
+        check_applicable(from_sources(LMRunConfig, args.config, flags).network, given)
     summary = train(out=args.out, resume=args.resume, file=args.config, flags=flags,
                     progress=args.progress, tensorboard=args.tensorboard)
     if not is_main_process():  # under torchrun only the first process reports

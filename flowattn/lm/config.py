@@ -8,18 +8,19 @@ when the object is built; errors name the key and the value.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import model_validator
 
+from ..errors import ConfigError
 from ..training.config import Field, RunConfig, Section, TrainSettings
 
 __all__ = ["LMSettings", "LMConfig", "LMData", "LMTrain", "LMRunConfig", "ATTENTIONS", "NORMS",
            "NORM_POSITIONS", "INITS", "MODELS", "FORMATS", "DEFAULT_CORPUS", "AUTO",
            "DEFAULTS_VERSION", "PLAIN_DEFAULTS", "TIED_L2_DEFAULTS", "VERSION_3_CHANGES",
            "VERSION_5_CHANGES", "SHAPE_DEFAULTS", "AUTO_TRAINING", "READOUTS", "auto_settings",
-           "auto_training"]
+           "auto_training", "check_applicable"]
 
 ATTENTIONS = ("dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine", "none")
 NORMS = ("layernorm", "centernorm", "actnorm", "none")
@@ -351,6 +352,60 @@ def _check(config: _Resolved) -> None:
             raise ValueError(f"invalid combination: --invertible with {config.norm}, which "
                              "discards the mean of each token and cannot be inverted; use "
                              "norm 'actnorm' or 'none'")
+
+
+# settings the LSTM baseline does not read (those it refuses outright are checked in _check)
+_TRANSFORMER_ONLY = ("heads", "attention", "self_offset", "position_bias", "max_distance",
+                     "norm", "norm_position", "final_norm", "weighted_residual",
+                     "residual_alpha", "init_scale", "norm_gain", "ff_mult", "bias",
+                     "contractive_coeff", "contractive_norm", "spectral_norms",
+                     "ortho_attention", "ortho_ff", "ortho_affinity")
+
+
+def check_applicable(settings: LMSettings, given: Iterable[str]) -> None:
+    """Refuse settings a user gave (``given``: the command line's flags and the config file's
+    keys) away from their defaults that the model would not read, naming them.
+
+    Only what a user typed is checked: a complete set of settings, such as
+    :data:`PLAIN_DEFAULTS` for every attention or a config stored by an earlier version, may
+    hold values a model does not read.
+
+    Raises:
+        ConfigError: naming the setting and what it needs.
+
+    Examples:
+        >>> check_applicable(LMSettings(attention="l2-tied", init_scale=0.5), ["init_scale"])
+        >>> try:
+        ...     check_applicable(LMSettings(residual_alpha=0.5), ["residual_alpha"])
+        ... except ConfigError as error:
+        ...     print(str(error).split(";")[0])
+        residual_alpha=0.5 is not read by this model: it needs weighted_residual true
+    """
+    given = {name for name in given if name in LMSettings.model_fields
+             and getattr(settings, name) != LMSettings.model_fields[name].default}
+    model = _Resolved(_resolve(settings.model_dump()))
+    if model.model == "lstm":
+        unused = [name for name in _TRANSFORMER_ONLY if name in given]
+        if unused:
+            raise ConfigError(f"{', '.join(unused)}: setting(s) of the Transformer that the "
+                              "LSTM baseline does not read (model lstm): drop them")
+        return
+    contractive = model.attention == "contractive-l2"
+    unread = {
+        "residual_alpha": (not model.weighted_residual, "weighted_residual true"),
+        "contractive_norm": (not contractive, "attention contractive-l2"),
+        "spectral_norms": (not contractive, "attention contractive-l2"),
+        "contractive_coeff": (not (contractive or model.invertible),
+                              "attention contractive-l2 or invertible true"),
+        "ortho_attention": (model.attention == "none", "attention weights (not attention none)"),
+        "ortho_affinity": (model.attention == "none", "attention weights (not attention none)"),
+        "max_distance": (not model.position_bias, "a position bias (position_bias > 0)"),
+        "init_scale": (model.init != "glorot-l2", "init glorot-l2"),
+    }
+    for name, (ignored, needs) in unread.items():
+        if name in given and ignored:
+            raise ConfigError(f"{name}={getattr(settings, name)!r} is not read by this model: "
+                              f"it needs {needs}; drop it or give that too")
 
 
 class LMConfig(LMSettings):
