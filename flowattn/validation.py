@@ -129,6 +129,13 @@ def check_deferred(x: Tensor, name: str, *results: Tensor) -> None:
     if _TRUST.trusted or not _TRUST.deferred[0]:
         return
     _TRUST.deferred[0] = False
+    _check_results(x, name, results)
+
+
+@torch.compiler.disable
+def _check_results(x: Tensor, name: str, results: tuple[Tensor, ...]) -> None:
+    """:func:`check_deferred`'s read-back, always run eagerly: a compiled model's forward
+    leaves its graph here by design, without torch.compile's warning about a graph break."""
     if not _all_finite(*results):
         raise _overflow_error(name, "result", x, "an attention layer's x W is the likely place")
 

@@ -1,5 +1,7 @@
 """Inputs are checked once, where they enter a flow; a layer called directly still checks."""
 
+import logging
+
 import pytest
 import torch
 
@@ -210,3 +212,39 @@ def test_an_overflow_inside_compiled_layers_is_caught_at_the_flow_entry_point(mo
     finally:
         torch._dynamo.reset()
     assert not validation.inputs_trusted()
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+@pytest.mark.parametrize("scale", [1.0, float("inf")], ids=["finite", "overflow"])
+def test_the_deferred_check_leaves_compiled_code_without_a_graph_break_warning(scale):
+    """The entry point's one read-back is a graph break by design: torch.compile skips it as
+    a function run eagerly (and warns of nothing), and it still catches an overflow."""
+    def entry(x):
+        with trusted_inputs():
+            y = validation.check_output(x * scale, x, "layer")  # deferred
+        validation.check_deferred(x, "entry", y)
+        return y + 1
+
+    records = _Records()
+    logger = logging.getLogger("torch._dynamo")  # where torch logs graph breaks
+    logger.addHandler(records)
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(entry, backend="eager")
+        if scale == 1.0:
+            assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+        else:
+            with pytest.raises(NonFiniteError, match="entry overflowed"):
+                compiled(torch.ones(3))
+    finally:
+        logger.removeHandler(records)
+        torch._dynamo.reset()
+    assert not [m for m in records.messages if "Graph break" in m], records.messages
