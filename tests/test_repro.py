@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flowattn.attention import L2MHA
+from flowattn.errors import InputError
 from flowattn.lipschitz import jacobian
 from flowattn.repro import REPRODUCTIONS, run_reproduction
 from flowattn.repro.bound_tightness import attention_row, row_jacobian_norm
@@ -212,3 +213,28 @@ def test_inputs_have_a_zero_first_element_and_glorot_weights_have_the_right_scal
     limit = math.sqrt(6 / 128)  # Glorot for each 64 x 64 block
     assert module.weight.abs().max() <= limit and module.weight.abs().max() > 0.9 * limit
     assert (module.bias == 0).all()
+
+
+@pytest.mark.parametrize("name, overrides, message", [
+    ("bound-tightness", {"ns": ()}, r"ns: Tuple should have at least 1 item"),
+    ("bound-tightness", {"ns": (2.5,)}, r"ns\.0: Input should be a valid integer \(got 2\.5\)"),
+    ("layernorm", {"eps": float("nan")}, r"eps: Input should be a finite number \(got nan\)"),
+    ("layernorm", {"samples": 0}, r"samples: Input should be greater than or equal to 1"),
+    ("invertibility", {"coeffs": (1.2,)}, r"coeffs\.0: Input should be less than 1"),
+    ("invertibility", {"sizes": ((4, 0),)}, r"sizes\.0\.1: .* greater than or equal to 1"),
+    ("runtime", {"attentions": ()}, r"attentions: Tuple should have at least 1 item"),
+    ("dp-divergence", {"lr": -1.0}, r"lr: Input should be greater than 0 \(got -1\.0\)"),
+    ("dp-divergence", {"steps": True}, r"steps: Input should be a valid integer \(got True\)"),
+])
+def test_overrides_of_the_wrong_kind_are_refused_naming_the_field(name, overrides, message):
+    with pytest.raises(InputError, match=message):
+        run_reproduction(name, "quick", **overrides)
+
+
+def test_overrides_are_converted_to_the_fields_kind():
+    from flowattn.repro.bound_tightness import PRESETS, BoundTightnessConfig
+    from flowattn.repro.common import grid_config
+
+    config = grid_config(BoundTightnessConfig, PRESETS, "quick", 3, {"ns": [2, 3], "lr": 1})
+    assert config.ns == (2, 3) and config.lr == 1.0 and config.seed == 3
+    assert config.steps == BoundTightnessConfig(**PRESETS["quick"]).steps  # the grid's own

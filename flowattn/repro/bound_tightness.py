@@ -14,6 +14,10 @@ from ..attention.dot_product import split_heads
 from ..errors import InputError
 from ..lipschitz import jacobian_norm, lambertw0
 from .common import (
+    Count,
+    Counts,
+    NonNegative,
+    Positive,
     ReproResult,
     finish_result,
     log_slope,
@@ -51,16 +55,16 @@ class BoundTightnessConfig:
         seed: seed of the initialisations.
     """
 
-    ns: tuple[int, ...] = (100, 200, 300, 500, 700, 1000)
-    dim: int = 1
-    heads: int = 1
-    restarts: int = 50
-    steps: int = 500
-    lr: float = 0.1
-    c_max: float = 10.0
-    top: int = 5
-    full_jacobian_max_n: int = 200
-    seed: int = 0
+    ns: Counts = (100, 200, 300, 500, 700, 1000)
+    dim: Count = 1
+    heads: Count = 1
+    restarts: Count = 50
+    steps: Count = 500
+    lr: Positive = 0.1
+    c_max: Positive = 10.0
+    top: Count = 5
+    full_jacobian_max_n: NonNegative = 200
+    seed: NonNegative = 0
 
 
 PRESETS = {

@@ -9,10 +9,11 @@ import os
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 from matplotlib.figure import Figure
+from pydantic import Field, TypeAdapter, ValidationError
 from torch import Tensor, nn
 
 from ..errors import InputError
@@ -20,6 +21,14 @@ from ..training.run import prepare_out_dir
 from . import GRIDS
 
 __all__ = [
+    "Count",
+    "Counts",
+    "NonNegative",
+    "Positive",
+    "Positives",
+    "Coefficients",
+    "Names",
+    "Sizes",
     "ReproResult",
     "check_grid",
     "grid_config",
@@ -43,10 +52,33 @@ def check_grid(grid: str) -> str:
     return grid
 
 
+# the kinds of settings of the reproductions' configuration dataclasses, checked by
+# grid_config (pydantic reads the constraints from the annotations)
+Count = Annotated[int, Field(strict=True, ge=1)]
+NonNegative = Annotated[int, Field(strict=True, ge=0)]
+Positive = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Counts = Annotated[tuple[Count, ...], Field(min_length=1)]
+Positives = Annotated[tuple[Positive, ...], Field(min_length=1)]
+Coefficients = Annotated[tuple[Annotated[float, Field(gt=0, lt=1)], ...], Field(min_length=1)]
+Names = Annotated[tuple[str, ...], Field(min_length=1)]
+Sizes = Annotated[tuple[tuple[Count, Count], ...], Field(min_length=1)]
+
+
 def grid_config(cls, presets: dict[str, dict], grid: str, seed: int | None, overrides: dict):
     """Instantiate the configuration dataclass ``cls`` for ``grid``, then apply ``overrides``.
 
-    Unknown override names are an error (a typo should not silently run the default grid).
+    Unknown override names are an error (a typo should not silently run the default grid), and
+    so is a value of the wrong kind (the field's annotation: a count >= 1, a positive finite
+    number, a non-empty tuple of them, ...), named with the value.
+
+    Examples:
+        >>> from flowattn.repro.layernorm import PRESETS, LayerNormConfig
+        >>> grid_config(LayerNormConfig, PRESETS, "quick", None, {"dims": [4]}).dims
+        (4,)
+        >>> grid_config(LayerNormConfig, PRESETS, "quick", None, {"eps": float("nan")})
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: LayerNormConfig: eps: Input should be a finite number (got nan)
     """
     check_grid(grid)
     config = cls(**presets[grid])
@@ -56,7 +88,17 @@ def grid_config(cls, presets: dict[str, dict], grid: str, seed: int | None, over
         raise InputError(f"unknown {cls.__name__} field(s): {', '.join(sorted(unknown))}")
     if seed is not None:
         overrides = {**overrides, "seed": seed}
-    return replace(config, **overrides) if overrides else config
+    if not overrides:
+        return config
+    try:
+        checked = TypeAdapter(cls).validate_python(
+            {f.name: getattr(config, f.name) for f in fields(cls)} | overrides)
+    except ValidationError as err:
+        problem = err.errors()[0]
+        where = ".".join(str(part) for part in problem["loc"])
+        raise InputError(f"{cls.__name__}: {where}: {problem['msg']} (got "
+                         f"{problem['input']!r})") from None
+    return replace(config, **{name: getattr(checked, name) for name in overrides})
 
 
 @dataclass

@@ -12,6 +12,9 @@ from torch import Tensor, nn
 from ..errors import InputError
 from ..lipschitz import jacobian_norm
 from .common import (
+    Count,
+    NonNegative,
+    Positive,
     ReproResult,
     finish_result,
     log_slope,
@@ -40,13 +43,13 @@ class DivergenceConfig:
         seed: seed of the weights and inputs.
     """
 
-    n: int = 8
-    dim: int = 4
-    heads: int = 2
-    restarts: int = 3
-    steps: int = 300
-    lr: float = 0.1
-    seed: int = 0
+    n: Count = 8
+    dim: Count = 4
+    heads: Count = 2
+    restarts: Count = 3
+    steps: Count = 300
+    lr: Positive = 0.1
+    seed: NonNegative = 0
 
 
 PRESETS = {

@@ -13,6 +13,10 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from .common import (
+    Count,
+    Names,
+    NonNegative,
+    Positive,
     ReproResult,
     finish_result,
     new_figure,
@@ -52,16 +56,16 @@ class HistogramConfig:
         seed: seed of weights, inputs and training.
     """
 
-    n: int = 64
-    dim: int = 64
-    heads: int = 8
-    batch: int = 128
-    spread: float = 3.0
-    sources: tuple[str, ...] = SOURCES
-    train_steps: int = 500
+    n: Count = 64
+    dim: Count = 64
+    heads: Count = 8
+    batch: Count = 128
+    spread: Positive = 3.0
+    sources: Names = SOURCES
+    train_steps: Count = 500
     train_data: str | None = None
-    bins: int = 80
-    seed: int = 0
+    bins: Count = 80
+    seed: NonNegative = 0
 
 
 PRESETS = {

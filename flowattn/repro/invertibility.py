@@ -14,7 +14,13 @@ from ..attention import L2MHA, DotProductMHA
 from ..errors import InputError, InverseNotConverged
 from ..flows.inverse import fixed_point_inverse
 from .common import (
+    Coefficients,
+    Count,
+    NonNegative,
+    Positive,
+    Positives,
     ReproResult,
+    Sizes,
     finish_result,
     glorot_init_,
     new_figure,
@@ -50,14 +56,14 @@ class InvertibilityConfig:
         seed: seed of the weights and inputs.
     """
 
-    sizes: tuple[tuple[int, int], ...] = ((64, 64),)
-    heads: int = 8
-    batch: int = 128
-    coeffs: tuple[float, ...] = (0.5, 0.7, 0.9)
-    spreads: tuple[float, ...] = (1.0, 3.0)
-    iterations: int = 50
-    tol: float = 1e-6
-    seed: int = 0
+    sizes: Sizes = ((64, 64),)
+    heads: Count = 8
+    batch: Count = 128
+    coeffs: Coefficients = (0.5, 0.7, 0.9)
+    spreads: Positives = (1.0, 3.0)
+    iterations: Count = 50
+    tol: Positive = 1e-6
+    seed: NonNegative = 0
 
 
 PRESETS = {

@@ -11,7 +11,16 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from ..lipschitz import jacobian_norm, layernorm_lipschitz_bound, lipschitz_lower_bound
-from .common import ReproResult, finish_result, new_figure, save_figure
+from .common import (
+    Count,
+    Counts,
+    NonNegative,
+    Positive,
+    ReproResult,
+    finish_result,
+    new_figure,
+    save_figure,
+)
 
 __all__ = ["LayerNormConfig", "conjectured_layernorm_bound", "run_layernorm"]
 
@@ -33,13 +42,13 @@ class LayerNormConfig:
         seed: seed of the inputs.
     """
 
-    dims: tuple[int, ...] = (2, 3, 4, 8, 16, 32, 64)
-    eps: float = 1e-5
-    samples: int = 100
-    restarts: int = 4
-    steps: int = 150
-    lr: float = 0.1
-    seed: int = 0
+    dims: Counts = (2, 3, 4, 8, 16, 32, 64)
+    eps: Positive = 1e-5
+    samples: Count = 100
+    restarts: Count = 4
+    steps: Count = 150
+    lr: Positive = 0.1
+    seed: NonNegative = 0
 
 
 PRESETS = {

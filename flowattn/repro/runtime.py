@@ -15,7 +15,16 @@ from ..errors import InputError
 from ..lm.config import PLAIN_DEFAULTS
 from ..lm.model import LMConfig, TransformerLM
 from ..training.loop import adamw
-from .common import ReproResult, finish_result, new_figure, save_figure
+from .common import (
+    Count,
+    Counts,
+    Names,
+    NonNegative,
+    ReproResult,
+    finish_result,
+    new_figure,
+    save_figure,
+)
 
 __all__ = ["RuntimeConfig", "time_per_call", "run_runtime", "PAPER_TABLE2", "MODULES"]
 
@@ -61,19 +70,19 @@ class RuntimeConfig:
         seed: seed of weights and data.
     """
 
-    attentions: tuple[str, ...] = ("dp", "l2", "l2-tied", "contractive-l2")
-    layers: tuple[int, ...] = (1, 2, 3, 4, 5)
-    dim: int = 128
-    heads: int = 4
-    block_size: int = 64
-    batch_size: int = 12
-    modules: tuple[str, ...] = tuple(MODULES)
-    lengths: tuple[int, ...] = (64, 256, 1024)
-    module_batch: int = 4
-    steps: int = 5
-    warmup: int = 2
-    rounds: int = 3
-    seed: int = 0
+    attentions: Names = ("dp", "l2", "l2-tied", "contractive-l2")
+    layers: Counts = (1, 2, 3, 4, 5)
+    dim: Count = 128
+    heads: Count = 4
+    block_size: Count = 64
+    batch_size: Count = 12
+    modules: Names = tuple(MODULES)
+    lengths: Counts = (64, 256, 1024)
+    module_batch: Count = 4
+    steps: Count = 5
+    warmup: NonNegative = 2
+    rounds: Count = 3
+    seed: NonNegative = 0
 
 
 PRESETS = {
