@@ -94,3 +94,10 @@ def test_attention_none_on_the_command_line_is_the_baseline_not_the_default(caps
                      "--print-config", "json"]) == 0
         network = json.loads(capsys.readouterr().out)["network"]
         assert network["attention"] == expected and network["norm"] == "none"
+
+
+def test_a_perfectly_predicted_corpus_scores_zero_not_minus_zero():
+    ids = torch.zeros(200, dtype=torch.long)  # one character: every prediction is certain
+    records = ngram_baselines(ids[:150], ids[150:], 1, orders=(1, 2))
+    assert all(r["val_loss"] == 0.0 and math.copysign(1.0, r["val_loss"]) == 1.0
+               for r in records)

@@ -60,7 +60,7 @@ def test_vocab_encode_decode_round_trip_and_rejects_unknown_without_unknown_id()
 def test_empty_file_is_refused(tmp_path):
     with pytest.raises(ValueError, match="empty"):
         read_text(write(tmp_path, "e.txt", ""))
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="holds only whitespace"):
         read_text(write(tmp_path, "w.txt", " \n\t\n"))
 
 

@@ -755,6 +755,9 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(tmp_path, capsys, kin
         torch.save({**record, "kind": "lm"}, path)
     with pytest.raises(CheckpointError, match=str(path)):
         read_checkpoint(run, "sets")
+    if kind == "garbage" and path.read_bytes()[:1] not in (b"P", b"\x80"):
+        with pytest.raises(CheckpointError, match="is not a torch file .*zip archive"):
+            read_checkpoint(run, "sets")
     for argv in (["sets", "eval", "--checkpoint", run, "--data", "gaussian-sets"],
                  ["sets", "sample", "--checkpoint", run, "--num", "2", "--out",
                   tmp_path / "s.npz"],
@@ -762,6 +765,16 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(tmp_path, capsys, kin
                  ["sets", "fit", "--out", run, "--resume"]):
         line = one_line(capsys, *argv)
         assert str(path) in line, line
+
+
+def test_a_checkpoint_holding_python_objects_is_refused_in_one_sentence(tmp_path, capsys):
+    import fractions
+
+    path = tmp_path / "objects.pt"
+    torch.save({"x": fractions.Fraction(1, 2)}, path)  # loads only with weights_only=False
+    line = one_line(capsys, "lm", "eval", "--checkpoint", path)
+    assert line.endswith("it holds Python objects other than tensors and plain data, which "
+                         "are not loaded (weights_only)"), line
 
 
 def test_checkpoints_are_read_with_weights_only_and_refuse_newer_formats(tmp_path):

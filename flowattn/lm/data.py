@@ -160,7 +160,8 @@ def read_text(path: str | Path) -> str:
         raise DataError(f"{path} is a directory, not a text file")
     raw = path.read_bytes()
     if not raw.strip():
-        raise DataError(f"{path} is empty: a corpus needs some text")
+        raise DataError(f"{path} " + ("holds only whitespace" if raw else "is empty") +
+                        ": a corpus needs some text")
     nul = raw.find(b"\x00")
     if nul >= 0:
         raise DataError(f"{path} looks binary (NUL byte at offset {nul}), not UTF-8 text")

@@ -141,7 +141,7 @@ def ngram_baselines(train: Tensor, val: Tensor, vocab_size: int,
         joint, ctx = CharNGram(fit, order, vocab_size, 1.0).counts(held)
         alpha = min(ALPHAS, key=lambda a: -float(torch.log(
             (joint + a) / (ctx + a * vocab_size)).mean()))
-        loss = CharNGram(train, order, vocab_size, alpha).nll(val)
+        loss = max(0.0, CharNGram(train, order, vocab_size, alpha).nll(val))  # never -0.0
         records.append({"order": order, "alpha": alpha, "val_loss": loss,
                         "val_bpc": loss / math.log(2)})
     return records

@@ -78,11 +78,19 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
     if path.stat().st_size == 0:
         raise CheckpointError(f"checkpoint {path} is empty (0 bytes): the run that wrote it was "
                               "interrupted, or the file was truncated")
+    with open(path, "rb") as file:
+        head = file.read(4)
+    if not (head.startswith(b"PK") or head.startswith(b"\x80")):  # a zip archive or a pickle
+        raise CheckpointError(f"checkpoint {path} is not a torch file (it starts with "
+                              f"{head!r}; torch.save writes a zip archive)")
     try:
         record = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError,
             ValueError, AttributeError, KeyError, IndexError, UnicodeDecodeError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if "Weights only load failed" in reason:  # torch's explanation runs for a paragraph
+            reason = ("it holds Python objects other than tensors and plain data, which are "
+                      "not loaded (weights_only)")
         raise CheckpointError(f"checkpoint {path} cannot be read (truncated, corrupted or not a "
                               f"torch file): {reason[:200]}") from None
     if not isinstance(record, dict):
