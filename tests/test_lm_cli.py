@@ -203,6 +203,24 @@ def test_prompt_with_unseen_characters_is_a_one_line_error(trained, capsys):
     assert "never saw" in line
 
 
+@pytest.mark.parametrize("text, prompt", [("ab\nba\n" * 40, "\n"), ("ab ba " * 40, " "),
+                                          ("abba" * 60, "a")],
+                         ids=["newline", "space", "first-character"])
+def test_the_default_prompt_is_a_character_the_model_saw(tmp_path, capsys, text, prompt):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(text)
+    out = tmp_path / "run"
+    code, _, err = run(capsys, "lm", "train", "--data", corpus, *TINY, "--steps", "1",
+                       "--out", out)
+    assert code == 0, err
+    code, stdout, err = run(capsys, "lm", "sample", "--checkpoint", out, "--max-new-tokens",
+                            "5", "--json")
+    assert code == 0, err
+    sample = last_json(stdout)
+    assert sample["prompt"] == prompt and sample["text"].startswith(prompt)
+    assert len(sample["text"]) == 6
+
+
 def test_divergence_exits_with_status_3_and_reports_it_in_the_json(corpus, tmp_path, capsys):
     code, stdout, _ = run(capsys, "lm", "train", "--data", corpus, *TINY, "--lr", "10",
                           "--min-lr", "0", "--schedule", "constant", "--warmup", "0",

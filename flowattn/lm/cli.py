@@ -162,7 +162,8 @@ def _eval(args: argparse.Namespace) -> int:
 def _add_sample(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a checkpoint")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="run folder or checkpoint")
-    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--prompt", default=None, help="text to continue (default: a newline, or a "
+                   "space, or the first character of the vocabulary, whichever the model saw)")
     p.add_argument("--max-new-tokens", type=int, default=500, help="(default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.8, help="(default: %(default)s)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
@@ -177,13 +178,15 @@ def _sample(args: argparse.Namespace) -> int:
 
     if args.max_new_tokens < 0:
         raise InputError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-    if not args.prompt:
+    if args.prompt == "":
         raise InputError("--prompt must not be empty")
     if not (math.isfinite(args.temperature) and args.temperature > 0) or (
             args.top_k is not None and args.top_k < 1):
         raise InputError(f"--temperature must be positive and --top-k at least 1, got "
                          f"{args.temperature} and {args.top_k}")
     model, _, vocab, device = _load(args)
+    if args.prompt is None:  # a corpus without line breaks still samples without a prompt
+        args.prompt = next((c for c in ("\n", " ") if c in vocab.index), vocab.chars[0])
     missing = vocab.missing(args.prompt)
     if missing:
         raise InputError(f"the prompt holds characters the model never saw: {''.join(missing)!r}")
