@@ -976,3 +976,43 @@ def test_splines_put_a_spline_coupling_in_every_block_or_fail_clearly(tmp_path, 
                        "--splines", "--steps", "1", "--out", str(tmp_path / data)) != 0
         err = capsys.readouterr().err
         assert "splines" in err and "D >= 2" in err and len(err.strip().splitlines()) == 1
+
+
+def test_sample_draws_set_sizes_as_often_as_in_training_and_writes_their_mask(tmp_path,
+                                                                               capsys):
+    sizes = torch.tensor([3] * 150 + [5] * 50)  # three quarters of the sets hold 3 elements
+    mask = torch.arange(5) < sizes.unsqueeze(1)
+    x = torch.randn(200, 5, 2, generator=torch.Generator().manual_seed(0)) * mask.unsqueeze(-1)
+    data = tmp_path / "sets.npz"
+    save_npz(data, x, mask)
+    out = tmp_path / "run"
+    assert run_cli("fit", "--data", str(data), "--steps", "2", "--batch-size", "16",
+                   "--no-progress", "--out", str(out), "--config",
+                   str(tiny_config(tmp_path))) == 0
+    drawn = tmp_path / "drawn.npz"
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "400", "--out", str(drawn),
+                   "--no-progress") == 0
+    assert "3-5 elements (sizes drawn as often as in training" in capsys.readouterr().out
+    with np.load(drawn) as saved:
+        got, got_mask = saved["x"], saved["mask"]
+    assert got.shape == (400, 5, 2) and got_mask.shape == (400, 5)
+    counts = got_mask.sum(1)
+    assert set(counts.tolist()) == {3, 5}
+    assert 0.68 < (counts == 3).mean() < 0.82  # 0.75, four standard errors either side
+    assert (got_mask == (np.arange(5) < counts[:, None])).all()  # the first n present
+    assert (got[~got_mask] == 0).all() and np.isfinite(got).all()
+    fixed = tmp_path / "fixed.npz"
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "4", "--set-size", "4",
+                   "--out", str(fixed), "--no-progress") == 0
+    with np.load(fixed) as saved:
+        assert saved["x"].shape == (4, 4, 2) and "mask" not in saved
+    # a checkpoint written before sizes were recorded: the largest size, and a word on it
+    record = torch.load(out / "checkpoint.pt", weights_only=True)
+    del record["task"]["data"]["size_counts"]
+    torch.save(record, out / "checkpoint.pt")
+    old = tmp_path / "old.npz"
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "4", "--out", str(old),
+                   "--no-progress") == 0
+    assert "records no size distribution" in capsys.readouterr().out
+    with np.load(old) as saved:
+        assert saved["x"].shape == (4, 5, 2) and "mask" not in saved

@@ -165,16 +165,41 @@ def _sample(args: argparse.Namespace) -> int:
     if args.energy:
         return _sample_weighted(args, flow, record, device, out)
     set_size = args.set_size or record["data"]["set_size"]
+    counts = record["data"].get("size_counts") if args.set_size is None else None
     generator = torch.Generator(device=device).manual_seed(args.seed)
+    masks = None if counts is None else _size_masks(args.num, counts, generator)
     with torch.no_grad():
-        x = torch.cat([flow.sample(len(batch), set_size, None, generator) for batch in
-                       progress_batches(args.num, args.batch_size or SAMPLE_BATCH, "sampling",
-                                        not args.no_progress, "set")])
+        x = torch.cat([flow.sample(len(batch), set_size,
+                                   None if masks is None else
+                                   masks[batch.start:batch.stop], generator)
+                       for batch in progress_batches(args.num, args.batch_size or SAMPLE_BATCH,
+                                                     "sampling", not args.no_progress, "set")])
+    if masks is not None:
+        x = x.masked_fill(~masks.unsqueeze(-1), 0.0)  # the padding holds zeros
     if not torch.isfinite(x).all():
         raise NonFiniteError("sampling produced non-finite values")
-    save_npz(out, x)
-    print(f"wrote {args.num} sets of {set_size} elements to {out}")
+    save_npz(out, x, masks)
+    if masks is None:
+        sizes = f"{set_size} elements"
+        if record["data"].get("variable_size") and args.set_size is None:
+            sizes += (" (the largest training size: this run's checkpoint records no size "
+                      "distribution; --set-size chooses one)")
+    else:
+        drawn = masks.sum(1)
+        sizes = (f"{int(drawn.min())}-{int(drawn.max())} elements (sizes drawn as often as in "
+                 "training; written with a mask)")
+    print(f"wrote {args.num} sets of {sizes} to {out}")
     return 0
+
+
+def _size_masks(num: int, counts: list[int], generator):
+    """Masks of ``num`` sets whose sizes are drawn from the training split's: n elements with
+    probability counts[n - 1] / sum(counts), the first n positions present."""
+    import torch
+
+    weights = torch.tensor(counts, dtype=torch.float64, device=generator.device)
+    sizes = torch.multinomial(weights, num, replacement=True, generator=generator) + 1
+    return torch.arange(len(counts), device=sizes.device) < sizes.unsqueeze(1)
 
 
 #: below this many effective samples (or annealing chains) the reweighted estimates and their
@@ -340,8 +365,8 @@ def add_sets_subparsers(subparsers) -> None:
                         help="a run folder written by fit (or its checkpoint file)")
     sample.add_argument("--num", type=int, required=True, help="number of sets to draw")
     sample.add_argument("--set-size", type=int, help="elements per set (default: the training "
-                        "sets' size; for sets of several sizes, padded with a mask, the "
-                        "largest)")
+                        "sets' size; for sets of several sizes, sizes drawn as often as they "
+                        "were in training, written with a mask)")
     sample.add_argument("--out", required=True, help="output .npz file")
     sample.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "

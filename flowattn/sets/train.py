@@ -213,8 +213,12 @@ def eval_batch_size(batch_size: int, set_size: int) -> int:
 
 
 def _data_spec(train: SetData) -> dict:
-    return {"name": train.name, "dim": train.dim, "set_size": train.set_size,
+    spec = {"name": train.name, "dim": train.dim, "set_size": train.set_size,
             "zero_com": train.zero_com, "variable_size": train.mask is not None}
+    if train.mask is not None:  # how many training sets have n elements, n = 1 ... N
+        counts = torch.bincount(train.mask.sum(1), minlength=train.set_size + 1)
+        spec["size_counts"] = counts[1:].tolist()
+    return spec
 
 
 class SetsTask:
