@@ -203,6 +203,20 @@ def test_run_reproduction_rejects_unknown_names_grids_and_fields():
         run_reproduction("layernorm", grid="quick", dimz=(4,))
 
 
+def test_an_output_folder_that_is_a_file_is_refused_before_any_work(tmp_path, monkeypatch):
+    import flowattn.repro.layernorm as layernorm
+    from flowattn.errors import RunError
+
+    def work(*args):
+        raise AssertionError("the reproduction ran")
+
+    monkeypatch.setattr(layernorm, "run_layernorm", work)
+    taken = tmp_path / "taken"
+    taken.write_text("")
+    with pytest.raises(RunError, match="taken is a file, not a folder"):
+        run_reproduction("layernorm", grid="quick", out=taken)
+
+
 def test_inputs_have_a_zero_first_element_and_glorot_weights_have_the_right_scale():
     g = torch.Generator().manual_seed(0)
     x = uniform_sets(3, 5, 4, 2.5, g)

@@ -143,4 +143,8 @@ def run_reproduction(
 
     repro = REPRODUCTIONS[name]
     config = grid_config(repro.config, repro.presets, grid, seed, overrides)
+    if out is not None:  # an unusable folder is refused before the work, not after it
+        from ..training.run import prepare_out_dir
+
+        prepare_out_dir(out)
     return repro.run(config, out, grid if not overrides else "custom")

@@ -108,6 +108,8 @@ class RunPlan:
 def prepare_out_dir(out: str | os.PathLike) -> Path:
     """Create the folder ``out`` if needed and check that files can be written in it."""
     path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise RunError(f"output folder {path} is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
