@@ -1319,3 +1319,12 @@ def test_sets_command_line_fits_evaluates_and_samples_on_device(
     code, _ = cli(capsys, "sets", "sample", "--checkpoint", out, "--num", "5", "--set-size", "6",
                   "--device", DEVICE, "--out", samples)
     assert code == 0 and samples.is_file()
+
+
+@pytest.mark.skipif(DEV.type != "cuda", reason="torch's CUDA caching allocator")
+def test_the_memory_available_on_a_gpu_counts_what_torchs_cache_holds_unused():
+    from flowattn.training.memory import available_memory
+
+    block = torch.empty(64 * 2**20, dtype=torch.uint8, device=DEV)
+    del block  # 64 MiB now cached by torch, not free for the driver
+    assert available_memory(DEV) - torch.cuda.mem_get_info(DEV)[0] >= 64 * 2**20

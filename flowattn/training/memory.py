@@ -82,12 +82,14 @@ def available_memory(device: torch.device) -> int | None:
     """Bytes free for tensors on ``device``; None where it cannot be told (then no check).
 
     The host's available memory (the smaller of ``MemAvailable`` and the cgroup's limit less
-    its usage) for the CPU, the driver's free memory for a CUDA device.
+    its usage) for the CPU; for a CUDA device the driver's free memory plus what torch's
+    caching allocator holds unused.
     """
     if device.type == "cpu":
         return _host_available()
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cuda":  # the driver's free memory, and what torch's cache holds unused
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return torch.cuda.mem_get_info(device)[0] + cached
     return None
 
 
