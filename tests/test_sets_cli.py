@@ -938,7 +938,9 @@ def test_the_initialising_pass_keeps_no_graph(monkeypatch):
                         lambda x, m: seen.append((torch.is_grad_enabled(), len(x)))
                         or log_prob(x, m))
     task.initialise()
-    assert seen == [(False, 6), (True, 1)]  # the batch without a graph; then the memory check
+    assert seen == [(False, 6)]  # the batch, without a graph
+    task.check_memory()
+    assert seen == [(False, 6), (True, 1)]  # the memory check: one set, with its graph
 
 
 def test_flow_matching_is_refused_where_it_cannot_train_the_flow(tmp_path, capsys):

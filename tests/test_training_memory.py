@@ -11,7 +11,7 @@ from flowattn.sets.config import SetsRunConfig, build_flow
 from flowattn.sets.train import SetsTask, fit
 from flowattn.training import memory
 from flowattn.training.checkpoint import read_checkpoint
-from flowattn.training.memory import available_memory, check_fits, saved_bytes
+from flowattn.training.memory import available_memory, check_fits, item_bytes, saved_bytes
 
 GIB = 2**30
 TINY = {"data": "gaussian-sets", "num_train": 64, "batch_size": 8, "blocks": 1, "hidden": 8,
@@ -118,3 +118,45 @@ def test_the_check_leaves_the_run_as_it_would_be_without_it(tmp_path, monkeypatc
     assert one.keys() == two.keys()
     for name in one:
         assert torch.equal(one[name], two[name]), name
+
+
+def test_item_bytes_puts_back_the_buffers_a_training_pass_updates():
+    from flowattn.branches.mlp import SpectralLinear
+
+    torch.manual_seed(0)
+    layer = SpectralLinear(64, 64, coeff=0.9)  # power iteration on every training call
+    before = {name: b.clone() for name, b in layer.named_buffers()}
+    x = torch.randn(1, 64)
+    n = item_bytes(layer, lambda: layer(x).sum())
+    assert n > 0
+    assert all(torch.equal(b, before[name]) for name, b in layer.named_buffers())
+    layer(x)  # without it, the pass moves them
+    assert not all(torch.equal(b, before[name]) for name, b in layer.named_buffers())
+
+
+def test_a_resumed_run_is_checked_too(tmp_path, monkeypatch):
+    fit_tiny(tmp_path / "run", steps=2)
+    monkeypatch.setattr(memory, "available_memory", lambda device: 1000)
+    with pytest.raises(ConfigError, match="a training step would need"):
+        fit(out=tmp_path / "run", resume=True, flags={"steps": 4}, progress=False,
+            tensorboard=False, plots=False)
+
+
+def test_a_language_model_run_that_would_not_fit_is_refused(tmp_path, monkeypatch):
+    from flowattn.lm.config import LMRunConfig
+    from flowattn.lm.train import train
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be, that is the question. " * 50)
+    config = LMRunConfig.build({"data": str(corpus), "layers": 1, "dim": 16, "heads": 2,
+                                "block_size": 16, "batch_size": 4, "steps": 2})
+    seen = []
+
+    def available(device):
+        seen.append(device)
+        return 1000
+
+    monkeypatch.setattr(memory, "available_memory", available)
+    with pytest.raises(ConfigError, match=r"batch_size .*block_size, dim or layers"):
+        train(config, tmp_path / "lm", progress=False, tensorboard=False)
+    assert seen == [torch.device("cpu")]

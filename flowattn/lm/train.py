@@ -26,6 +26,7 @@ from ..training.checkpoint import read_model
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
+from ..training.memory import check_fits, item_bytes
 from ..training.run import data_fingerprint, plan_run
 from .config import DEFAULT_CORPUS, LMConfig, LMRunConfig
 from .data import CharCorpus, CharVocab, check_block_size, eval_windows, get_batch, load_corpus
@@ -73,6 +74,18 @@ class LMTask:
 
     def initialise(self) -> None:
         pass
+
+    def check_memory(self) -> None:
+        """Refuse a batch whose training step would not fit in the device's memory
+        (:mod:`flowattn.training.memory`): the tensors one sequence's loss saves for the
+        backward pass, times the sequences of this process's step."""
+        block = self.config.network.block_size
+        x, y = (t.to(self.dist.device) for t in
+                (self.corpus.train[:block].unsqueeze(0), self.corpus.train[1:block + 1]
+                 .unsqueeze(0)))
+        item = item_bytes(self.model, lambda: self.model(x, y)[1]["loss"])
+        check_fits(item, self.config.train.batch_size // self.dist.world, self.dist.device,
+                   hints=("a smaller block_size, dim or layers",))
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         cfg = self.config

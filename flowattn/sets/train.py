@@ -37,7 +37,7 @@ from ..training.checkpoint import read_model
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
-from ..training.memory import check_fits, saved_bytes
+from ..training.memory import check_fits, item_bytes
 from ..training.run import data_fingerprint, plan_run
 from ..validation import trusted_inputs
 from .boltzmann import regularised_energy
@@ -303,24 +303,18 @@ class SetsTask:
             # the flow's own density: a mirror average (symmetry) starts where the flow
             # trained on mirrored sets (augment) starts, and follows the same steps
             self.flow.component_log_prob(x, mask)
-        if not self.matching:
-            self.check_memory()
 
     def check_memory(self) -> None:
         """Refuse a batch whose training step would not fit in the device's memory
         (:mod:`flowattn.training.memory`): the tensors one set's log-density saves for the
         backward pass, times the sets of this process's step. A continuous flow trained
         through its solver needs hundreds of MB per set with the EGNN field; on a CPU the
-        operating system would otherwise kill the run without a word."""
+        operating system would otherwise kill the run without a word. (Flow matching
+        evaluates the field once per set: nothing to check.)"""
+        if self.matching:
+            return
         x, mask = _batch(self.train_data, torch.arange(1), self.dist.device)
-        # the run stays as it would be without the check: the buffers a training pass updates
-        # (power-iteration vectors) are put back, and the loop seeds its random streams after
-        # initialise()
-        buffers = [(b, b.detach().clone()) for b in self.flow.buffers()]
-        _, item = saved_bytes(lambda: self.flow.component_log_prob(x, mask))  # as training
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
+        item = item_bytes(self.flow, lambda: self.flow.component_log_prob(x, mask))
         world = self.dist.world
         items = -(-self.config.train.batch_size // world)
         if self.energy is not None:  # the configurations drawn for the reverse KL, alike

@@ -60,6 +60,11 @@ class Task(Protocol):
     def initialise(self) -> None:
         """Data-dependent initialisation of a fresh model (e.g. ActNorm); may do nothing."""
 
+    def check_memory(self) -> None:
+        """Refuse a step that would not fit in the device's memory
+        (:func:`flowattn.training.memory.check_fits`), before the first step of a fresh or
+        resumed run; it must leave the model as it was (random streams are seeded after it)."""
+
     def batch(self, generator: torch.Generator, dist: Distributed) -> Any:
         """This process's share of the next batch, on its device."""
 
@@ -150,6 +155,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     if plan.checkpoint is not None:
         record = plan.checkpoint
         model.load_state_dict(record.get("training_model", record["model"]))
+        task.check_memory()
         optimizer.load_state_dict(record["optimizer"])
         loop.update(record["loop"])
         states = record["rng"]
@@ -160,6 +166,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                 "restart, so the run will not repeat an uninterrupted one exactly")
     else:
         task.initialise()
+        task.check_memory()
         torch.manual_seed(cfg.seed + dist.rank)  # dropout and probes differ per process
     average = None if cfg.ema is None else ParameterAverage(model, cfg.ema)
     if average is not None and plan.checkpoint is not None:

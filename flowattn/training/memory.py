@@ -19,10 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 from ..errors import ConfigError
 
-__all__ = ["saved_bytes", "available_memory", "check_fits", "PEAK_FACTOR"]
+__all__ = ["saved_bytes", "item_bytes", "available_memory", "check_fits", "PEAK_FACTOR"]
 
 PEAK_FACTOR = 2.5
 
@@ -49,6 +50,24 @@ def saved_bytes(fn: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, int]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         out = fn()
     return out, sum(sizes.values())
+
+
+def item_bytes(model: nn.Module, step: Callable[[], torch.Tensor]) -> int:
+    """The bytes autograd saves for ``step`` (one item's loss through ``model``), leaving the
+    model's buffers as they were (a training pass may update some: power-iteration vectors).
+
+    Examples:
+        >>> layer = nn.Linear(1000, 10)
+        >>> item_bytes(layer, lambda: layer(torch.ones(1, 1000)).sum())  # the input, saved
+        4000
+    """
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    try:
+        return saved_bytes(step)[1]
+    finally:
+        with torch.no_grad():
+            for buffer, value in buffers:
+                buffer.copy_(value)
 
 
 def _read_int(path: Path) -> int | None:
