@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .errors import InputError
 
-__all__ = ["atomic_write", "atomic_write_text", "check_output_file"]
+__all__ = ["atomic_write", "atomic_write_text", "check_output_file", "unwritable"]
 
 
 def _umask() -> int:
@@ -66,9 +66,17 @@ def check_output_file(path: str | os.PathLike, suffix: str) -> Path:
         raise InputError(f"cannot write {path}: {folder} is a file, not a folder")
     if not folder.is_dir():
         raise InputError(f"cannot write {path}: folder {folder} does not exist")
-    try:  # what the final write will need: a new file in that folder
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=f".{path.name}.", suffix=".tmp"):
-            pass
-    except OSError as err:
-        raise InputError(f"cannot write {path}: {err.strerror or err}") from None
+    reason = unwritable(folder)  # what the final write will need: a new file in that folder
+    if reason is not None:
+        raise InputError(f"cannot write {path}: {reason}")
     return path
+
+
+def unwritable(folder: str | os.PathLike) -> str | None:
+    """Why no new file can be created in the existing folder ``folder`` (the operating
+    system's reason), or None when one can: a temporary file is created there and removed."""
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".write-test-", suffix=".tmp"):
+            return None
+    except OSError as err:
+        return str(err.strerror or err)

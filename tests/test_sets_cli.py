@@ -134,6 +134,30 @@ def test_atomic_write_names_the_file_it_cannot_write_and_leaves_nothing(tmp_path
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+def test_a_folder_that_takes_no_new_file_is_named_with_the_reason(tmp_path, monkeypatch):
+    import tempfile
+
+    from flowattn.errors import InputError, RunError
+    from flowattn.files import check_output_file, unwritable
+    from flowattn.training.run import prepare_out_dir
+
+    assert unwritable(tmp_path) is None
+    assert not list(tmp_path.iterdir())  # the test file is removed again
+    (tmp_path / "plain").write_text("x")
+    assert unwritable(tmp_path / "plain") == "Not a directory"
+    assert unwritable(tmp_path / "absent") == "No such file or directory"
+
+    def refuse(*args, **kwargs):  # a read-only folder (root may write anywhere)
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "NamedTemporaryFile", refuse)
+    assert unwritable(tmp_path) == "Permission denied"
+    with pytest.raises(RunError, match="cannot write to output folder .*new: Permission denied"):
+        prepare_out_dir(tmp_path / "new")
+    with pytest.raises(InputError, match="cannot write .*x.npz: Permission denied"):
+        check_output_file(tmp_path / "x.npz", ".npz")
+
+
 def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(capsys, tiny_run):
     out = tiny_run
     summary = json.loads((out / "summary.json").read_text())

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError, RunError
-from ..files import atomic_write_text
+from ..files import atomic_write_text, unwritable
 from .checkpoint import (
     BEST,
     CHECKPOINT,
@@ -112,10 +111,11 @@ def prepare_out_dir(out: str | os.PathLike) -> Path:
         raise RunError(f"output folder {path} is a file, not a folder")
     try:
         path.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=path, prefix=".write-test-"):
-            pass
     except OSError as err:
         raise RunError(f"cannot write to output folder {path}: {err.strerror or err}") from None
+    reason = unwritable(path)
+    if reason is not None:
+        raise RunError(f"cannot write to output folder {path}: {reason}")
     return path
 
 
