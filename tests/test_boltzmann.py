@@ -398,6 +398,19 @@ def _energy_task(settings):
                     plots=False)
 
 
+def test_the_memory_check_of_training_by_energy_counts_and_names_its_samples(
+        small_particles, monkeypatch):
+    from flowattn.errors import ConfigError
+    from flowattn.training import memory
+
+    task = _energy_task({"energy_weight": 0.5, "energy_samples": 5})
+    monkeypatch.setattr(memory, "available_memory", lambda device: 1.0)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    with pytest.raises(ConfigError, match=r", 13 items\).*use less memory per item "
+                                          r"\(batch_size \+ energy_samples 1 alone"):
+        task.check_memory()
+
+
 def test_training_by_energy_adds_the_weighted_reverse_kl_per_dimension(small_particles):
     from flowattn.flows.base import set_dims
     from flowattn.sets.boltzmann import regularised_energy

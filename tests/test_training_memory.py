@@ -62,9 +62,14 @@ def test_a_step_that_does_not_fit_is_refused_with_the_largest_batch_that_does(mo
     assert "batch_size 4 or less; or adjoint true" in message
     with pytest.raises(ConfigError, match=r"batch_size 1 alone needs 25.0 GiB"):
         check_fits(10 * GIB, 1, torch.device("cpu"))
+    # four processes on four hosts: 5 items each; the advice counts the whole step's items
+    with pytest.raises(ConfigError, match=r"5 items in each of 4 processes\).*batch_size 16 or"):
+        check_fits(GIB, 20, torch.device("cpu"), processes=4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes share the host
-    with pytest.raises(ConfigError, match=r"2 processes.*batch_size 2 or less"):
-        check_fits(GIB, 4, torch.device("cpu"))
+    check_fits(GIB, 4, torch.device("cpu"), processes=2)  # 2 * 2 * 2.5 GiB = 10 GiB: fits
+    with pytest.raises(ConfigError, match=r"3 items in each of 2 processes, 2 processes on "
+                                          r"this host.*batch_size 4 or less"):
+        check_fits(GIB, 6, torch.device("cpu"), processes=2)
     monkeypatch.setattr(memory, "available_memory", lambda device: None)
     check_fits(100 * GIB, 100, torch.device("cpu"))  # unknown: no check
 

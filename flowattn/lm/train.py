@@ -84,8 +84,8 @@ class LMTask:
                 (self.corpus.train[:block].unsqueeze(0), self.corpus.train[1:block + 1]
                  .unsqueeze(0)))
         item = item_bytes(self.model, lambda: self.model(x, y)[1]["loss"])
-        check_fits(item, self.config.train.batch_size // self.dist.world, self.dist.device,
-                   hints=("a smaller block_size, dim or layers",))
+        check_fits(item, self.config.train.batch_size, self.dist.device,
+                   processes=self.dist.world, hints=("a smaller block_size, dim or layers",))
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         cfg = self.config

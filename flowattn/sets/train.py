@@ -315,17 +315,17 @@ class SetsTask:
             return
         x, mask = _batch(self.train_data, torch.arange(1), self.dist.device)
         item = item_bytes(self.flow, lambda: self.flow.component_log_prob(x, mask))
-        world = self.dist.world
-        items = -(-self.config.train.batch_size // world)
+        items, what = self.config.train.batch_size, "batch_size"
         if self.energy is not None:  # the configurations drawn for the reverse KL, alike
-            items += -(-self.energy_samples // world)
+            items, what = items + self.energy_samples, "batch_size + energy_samples"
         flow, hints = self.config.flow, []
         if flow.flow == "cnf" and not flow.adjoint:
             hints.append("adjoint true (memory independent of the solver's steps)")
         if any(getattr(m, "divergence", None) == "exact" for m in self.solvers):
             hints.append("divergence hutchinson (one probe per set instead of one backward "
                          "pass per dimension)")
-        check_fits(item, items, self.dist.device, hints=tuple(hints))
+        check_fits(item, items, self.dist.device, processes=self.dist.world, what=what,
+                   hints=tuple(hints))
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         size = self.config.train.batch_size

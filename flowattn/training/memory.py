@@ -112,17 +112,20 @@ def available_memory(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(item_bytes: int, items: int, device: torch.device, *, what: str = "batch_size",
-               hints: tuple[str, ...] = ()) -> None:
+def check_fits(item_bytes: int, items: int, device: torch.device, *, processes: int = 1,
+               what: str = "batch_size", hints: tuple[str, ...] = ()) -> None:
     """Refuse a step of ``items`` items of ``item_bytes`` saved bytes each that would not fit.
 
-    The step's peak is taken as ``PEAK_FACTOR * item_bytes * items``. On the CPU, processes
-    started by ``torchrun`` on one machine share its memory, so their number
-    (``LOCAL_WORLD_SIZE``) multiplies the need.
+    The step's items are shared out over ``processes`` data-parallel processes, each holding
+    at most ceil(items / processes) of them, and a process's peak is taken as
+    ``PEAK_FACTOR * item_bytes`` times its items. On the CPU, processes started by
+    ``torchrun`` on one machine share its memory, so their number there (``LOCAL_WORLD_SIZE``)
+    multiplies the need.
 
     Raises:
-        ConfigError: naming the estimate, the memory available, the largest ``what`` that fits
-            and ``hints`` (other ways to need less).
+        ConfigError: naming the estimate, the memory available, the largest ``what`` (a count
+            for the whole step, like ``items``) that fits and ``hints`` (other ways to need
+            less).
 
     Examples:
         >>> check_fits(1000, 64, torch.device("cpu"))  # 160 kB: fits anywhere
@@ -131,16 +134,18 @@ def check_fits(item_bytes: int, items: int, device: torch.device, *, what: str =
     if free is None or item_bytes <= 0:
         return
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
-    need = PEAK_FACTOR * item_bytes * items * sharing
+    each = -(-items // processes)
+    need = PEAK_FACTOR * item_bytes * each * sharing
     if need <= free:
         return
-    fits = int(free // (PEAK_FACTOR * item_bytes * sharing))
+    fits = int(free // (PEAK_FACTOR * item_bytes * sharing)) * processes
     gib = 2**30
     advice = [f"{what} {fits} or less" if fits >= 1 else
               f"less memory per item ({what} 1 alone needs "
               f"{PEAK_FACTOR * item_bytes * sharing / gib:.1f} GiB)", *hints]
     raise ConfigError(
         f"a training step would need about {need / gib:.1f} GiB on {device} "
-        f"({item_bytes / 2**20:.0f} MiB saved for the backward pass per item, {items} items"
-        + (f", {sharing} processes" if sharing > 1 else "")
+        f"({item_bytes / 2**20:.0f} MiB saved for the backward pass per item, {each} items"
+        + (f" in each of {processes} processes" if processes > 1 else "")
+        + (f", {sharing} processes on this host" if sharing > 1 else "")
         + f"), and {free / gib:.1f} GiB is available: use " + "; or ".join(advice))
