@@ -119,6 +119,7 @@ def test_npz_round_trip_with_mask(tmp_path):
     x = x * mask[..., None]
     save_npz(tmp_path / "d.npz", x, mask)
     data = load_npz(tmp_path / "d.npz")
+    assert data.name == "d"  # the data set's name: the file's stem
     torch.testing.assert_close(data.x, x)
     assert torch.equal(data.mask, mask)
     assert [p.name for p in tmp_path.iterdir()] == ["d.npz"]  # no temporary left behind
@@ -141,6 +142,8 @@ def _write(path, **arrays):
         ({"x": np.zeros((0, 3, 2))}, "empty"),
         ({"x": np.zeros((2, 3, 2)), "mask": np.zeros((2, 3), bool)}, "no present element"),
         ({"x": np.zeros((2, 3, 2), dtype=np.int64)}, "floating point"),
+        ({"x": np.array([np.zeros((3, 2)), np.zeros((4, 2))], dtype=object)},
+         r"Python objects.*padded to \(M, N, D\) and a boolean mask"),
     ],
 )
 def test_malformed_npz_raises_a_one_line_data_error(tmp_path, arrays, message):
@@ -148,6 +151,7 @@ def test_malformed_npz_raises_a_one_line_data_error(tmp_path, arrays, message):
     with pytest.raises(DataError, match=message) as err:
         load_npz(path)
     assert "\n" not in str(err.value)
+    assert str(err.value).startswith(f"{path}: ")  # the file, not only its stem
 
 
 def test_values_finite_in_the_file_but_not_in_float32_are_named_as_such(tmp_path):

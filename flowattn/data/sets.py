@@ -161,6 +161,10 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
     except DataError:
         raise
     except Exception as err:  # not a zip, corrupt, pickled objects...
+        if "Object arrays" in str(err):  # e.g. sets of different sizes saved as a list
+            raise DataError(f"{path}: holds Python objects, not arrays; for sets of different "
+                            "sizes save x padded to (M, N, D) and a boolean mask (M, N), True "
+                            "where an element is present") from None
         raise DataError(f"{path}: not a readable .npz file ({err})") from None
     if not np.issubdtype(x_np.dtype, np.floating):
         raise DataError(f"{path}: x must be floating point, got dtype {x_np.dtype}")
@@ -175,7 +179,8 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
         if mask_np.dtype != np.bool_:
             raise DataError(f"{path}: mask must be boolean (True = present), got {mask_np.dtype}")
         mask = torch.from_numpy(np.ascontiguousarray(mask_np))
-    data = SetData(x, mask, name=path.stem)  # validates
+    data = SetData(x, mask, name=str(path))  # validates; errors name the file
+    data.name = path.stem
     if data.mask is not None:  # padding may hold anything in the file; zero it here
         data.x = torch.where(data.mask[..., None], data.x, torch.zeros_like(data.x))
     return data
