@@ -11,7 +11,13 @@ from flowattn.sets.config import SetsRunConfig, build_flow
 from flowattn.sets.train import SetsTask, fit
 from flowattn.training import memory
 from flowattn.training.checkpoint import read_checkpoint
-from flowattn.training.memory import available_memory, check_fits, item_bytes, saved_bytes
+from flowattn.training.memory import (
+    PassBytes,
+    available_memory,
+    check_fits,
+    item_bytes,
+    saved_bytes,
+)
 
 GIB = 2**30
 TINY = {"data": "gaussian-sets", "num_train": 64, "batch_size": 8, "blocks": 1, "hidden": 8,
@@ -53,25 +59,34 @@ def test_host_memory_is_meminfo_or_the_cgroup_limit_left_whichever_is_smaller(tm
 
 def test_a_step_that_does_not_fit_is_refused_with_the_largest_batch_that_does(monkeypatch):
     monkeypatch.setattr(memory, "available_memory", lambda device: 10 * GIB)
+    monkeypatch.setattr(memory, "PEAK_FACTOR", 2.0)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    check_fits(GIB, 4, torch.device("cpu"))  # 4 * 2.5 GiB = 10 GiB: fits
+    cpu = torch.device("cpu")
+    check_fits(PassBytes(0, GIB), 5, cpu)  # 5 * 2 GiB = 10 GiB: fits
     with pytest.raises(ConfigError) as error:
-        check_fits(GIB, 5, torch.device("cpu"), hints=("adjoint true",))
+        check_fits(PassBytes(0, GIB), 6, cpu, hints=("adjoint true",))
     message = str(error.value)
-    assert "12.5 GiB" in message and "10.0 GiB is available" in message
-    assert "batch_size 4 or less; or adjoint true" in message
-    with pytest.raises(ConfigError, match=r"batch_size 1 alone needs 25.0 GiB"):
-        check_fits(10 * GIB, 1, torch.device("cpu"))
-    # four processes on four hosts: 5 items each; the advice counts the whole step's items
-    with pytest.raises(ConfigError, match=r"5 items in each of 4 processes\).*batch_size 16 or"):
-        check_fits(GIB, 20, torch.device("cpu"), processes=4)
+    assert "12.0 GiB" in message and "10.0 GiB is available" in message
+    assert "batch_size 5 or less; or adjoint true" in message
+    with pytest.raises(ConfigError, match=r"batch_size 1 alone needs 20.0 GiB"):
+        check_fits(PassBytes(0, 10 * GIB), 1, cpu)
+    # 2 GiB whatever the batch: (2 + 3) * 2 GiB fits, one item more does not
+    check_fits(PassBytes(2 * GIB, GIB), 3, cpu)
+    with pytest.raises(ConfigError, match=r"4 items, and 2048 MiB whatever the batch\).*"
+                                          r"batch_size 3 or less"):
+        check_fits(PassBytes(2 * GIB, GIB), 4, cpu)
+    with pytest.raises(ConfigError, match=r"batch_size 1 alone needs 12.0 GiB"):
+        check_fits(PassBytes(5 * GIB, GIB), 1, cpu)
+    # four processes on four hosts: 6 items each; the advice counts the whole step's items
+    with pytest.raises(ConfigError, match=r"6 items in each of 4 processes\).*batch_size 20 or"):
+        check_fits(PassBytes(0, GIB), 24, cpu, processes=4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes share the host
-    check_fits(GIB, 4, torch.device("cpu"), processes=2)  # 2 * 2 * 2.5 GiB = 10 GiB: fits
-    with pytest.raises(ConfigError, match=r"3 items in each of 2 processes, 2 processes on "
+    check_fits(PassBytes(0, GIB), 4, cpu, processes=2)  # 2 * 2 * 2 GiB = 8 GiB: fits
+    with pytest.raises(ConfigError, match=r"3 items in each of 2 processes; 2 processes on "
                                           r"this host.*batch_size 4 or less"):
-        check_fits(GIB, 6, torch.device("cpu"), processes=2)
+        check_fits(PassBytes(0, GIB), 5, cpu, processes=2)
     monkeypatch.setattr(memory, "available_memory", lambda device: None)
-    check_fits(100 * GIB, 100, torch.device("cpu"))  # unknown: no check
+    check_fits(PassBytes(0, 100 * GIB), 100, cpu)  # unknown: no check
 
 
 def _one_and_eight(flow_settings: dict) -> tuple[int, int]:
@@ -132,11 +147,52 @@ def test_item_bytes_puts_back_the_buffers_a_training_pass_updates():
     layer = SpectralLinear(64, 64, coeff=0.9)  # power iteration on every training call
     before = {name: b.clone() for name, b in layer.named_buffers()}
     x = torch.randn(1, 64)
-    n = item_bytes(layer, lambda: layer(x).sum())
-    assert n > 0
+    saved = item_bytes(layer, lambda k: layer(x.repeat(k, 1)).sum())
+    assert saved.per_item > 0
     assert all(torch.equal(b, before[name]) for name, b in layer.named_buffers())
     layer(x)  # without it, the pass moves them
     assert not all(torch.equal(b, before[name]) for name, b in layer.named_buffers())
+
+
+def test_item_bytes_leaves_out_what_a_pass_saves_whatever_its_batch():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 1000), torch.nn.Linear(1000, 1000))
+    # the second product saves its 4 MB of weights, whatever the batch, and its input row
+    assert saved_bytes(lambda: model(torch.ones(1, 10)).sum())[1] > 4_000_000
+    assert item_bytes(model, lambda k: model(torch.ones(k, 10)).sum()) == (0, 40 + 4000)
+
+    class Scaled(torch.nn.Module):  # a weight made anew by every pass (a parametrisation)
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(1000, 1000))
+
+        def forward(self, x):
+            return (x @ (2 * self.w)).sum()  # saves the new weight and the input rows
+
+    scaled = Scaled()
+    x = torch.ones(1, 1000, requires_grad=True)
+    assert item_bytes(scaled, lambda k: scaled(x.repeat(k, 1))) == (4_000_000, 4000)
+
+
+def test_item_bytes_draws_the_same_random_numbers_in_both_passes():
+    class Roulette(torch.nn.Module):  # saves as many tensors as it draws terms
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x):
+            terms = int(torch.randint(1, 50, ()))
+            for _ in range(terms):  # saves exp's and tanh's results, and the first input
+                x = (x * self.w).exp().tanh()
+            return x.sum()
+
+    model = Roulette()
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    sizes = {item_bytes(model, lambda k: model(torch.ones(k, 100))).per_item for _ in range(5)}
+    assert torch.equal(torch.get_rng_state(), state)  # the caller's stream is left as it was
+    assert len(sizes) == 1
+    terms = int(torch.randint(1, 50, (), generator=torch.Generator().manual_seed(0)))
+    assert sizes == {(2 * terms + 1) * 400}  # float32 rows of 100 per item
 
 
 def test_a_resumed_run_is_checked_too(tmp_path, monkeypatch):

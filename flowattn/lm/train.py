@@ -77,14 +77,16 @@ class LMTask:
 
     def check_memory(self) -> None:
         """Refuse a batch whose training step would not fit in the device's memory
-        (:mod:`flowattn.training.memory`): the tensors one sequence's loss saves for the
-        backward pass, times the sequences of this process's step."""
+        (:mod:`flowattn.training.memory`): the tensors a sequence's loss saves for the
+        backward pass, times the sequences of this process's step, and what the pass saves
+        whatever its batch."""
         block = self.config.network.block_size
         x, y = (t.to(self.dist.device) for t in
                 (self.corpus.train[:block].unsqueeze(0), self.corpus.train[1:block + 1]
                  .unsqueeze(0)))
-        item = item_bytes(self.model, lambda: self.model(x, y)[1]["loss"])
-        check_fits(item, self.config.train.batch_size, self.dist.device,
+        saved = item_bytes(self.model,
+                           lambda k: self.model(x.repeat(k, 1), y.repeat(k, 1))[1]["loss"])
+        check_fits(saved, self.config.train.batch_size, self.dist.device,
                    processes=self.dist.world, hints=("a smaller block_size, dim or layers",))
 
     def batch(self, generator: torch.Generator, dist: Distributed):

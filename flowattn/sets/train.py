@@ -308,13 +308,13 @@ class SetsTask:
         """Refuse a batch whose training step would not fit in the device's memory
         (:mod:`flowattn.training.memory`): the tensors one set's log-density saves for the
         backward pass, times the sets of this process's step. A continuous flow trained
-        through its solver needs hundreds of MB per set with the EGNN field; on a CPU the
+        through its solver needs about 150 MB per set with the EGNN field; on a CPU the
         operating system would otherwise kill the run without a word. (Flow matching
         evaluates the field once per set: nothing to check.)"""
         if self.matching:
             return
-        x, mask = _batch(self.train_data, torch.arange(1), self.dist.device)
-        item = item_bytes(self.flow, lambda: self.flow.component_log_prob(x, mask))
+        saved = item_bytes(self.flow, lambda k: self.flow.component_log_prob(
+            *_batch(self.train_data, torch.zeros(k, dtype=torch.long), self.dist.device)))
         items, what = self.config.train.batch_size, "batch_size"
         if self.energy is not None:  # the configurations drawn for the reverse KL, alike
             items, what = items + self.energy_samples, "batch_size + energy_samples"
@@ -324,7 +324,7 @@ class SetsTask:
         if any(getattr(m, "divergence", None) == "exact" for m in self.solvers):
             hints.append("divergence hutchinson (one probe per set instead of one backward "
                          "pass per dimension)")
-        check_fits(item, items, self.dist.device, processes=self.dist.world, what=what,
+        check_fits(saved, items, self.dist.device, processes=self.dist.world, what=what,
                    hints=tuple(hints))
 
     def batch(self, generator: torch.Generator, dist: Distributed):
