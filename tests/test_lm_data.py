@@ -75,6 +75,18 @@ def test_non_utf8_file_is_refused_with_the_offending_offset(tmp_path):
         read_text(write(tmp_path, "l.txt", latin1))
 
 
+@pytest.mark.parametrize("encoding,mark", [("utf-16", "fffe"), ("utf-16-be", "feff"),
+                                           ("utf-32", "fffe")])
+def test_utf16_and_utf32_text_is_named_as_such(tmp_path, encoding, mark):
+    text = "to be or not to be"
+    raw = text.encode(encoding)
+    if encoding == "utf-16-be":
+        raw = b"\xfe\xff" + raw  # the big-endian codec writes no mark of its own
+    with pytest.raises(DataError, match=f"UTF-16 or UTF-32 text \\(byte-order mark {mark}\\)"):
+        read_text(write(tmp_path, "u.txt", raw))
+    assert read_text(write(tmp_path, "u8.txt", text.encode("utf-8-sig"))) == text
+
+
 def test_missing_file_and_directory_are_refused(tmp_path):
     with pytest.raises(DataError, match="nope.txt: no such file"):
         read_text(tmp_path / "nope.txt")

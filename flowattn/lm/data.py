@@ -147,7 +147,8 @@ class CharCorpus:
 def read_text(path: str | Path) -> str:
     """Read a UTF-8 text file, refusing empty, binary and non-UTF-8 files with a clear message.
 
-    A leading byte-order mark is dropped. A file holding a NUL byte is taken to be binary.
+    A leading UTF-8 byte-order mark is dropped; UTF-16 and UTF-32 text (told by its byte-order
+    mark) is refused as such. A file holding a NUL byte is taken to be binary.
 
     Raises:
         DataError: if ``path`` does not exist, is a directory, is empty or binary, or is not
@@ -162,6 +163,9 @@ def read_text(path: str | Path) -> str:
     if not raw.strip():
         raise DataError(f"{path} " + ("holds only whitespace" if raw else "is empty") +
                         ": a corpus needs some text")
+    if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):  # UTF-16's byte-order marks (UTF-32's too)
+        raise DataError(f"{path} is UTF-16 or UTF-32 text (byte-order mark {raw[:2].hex()}): "
+                        "save it as UTF-8")
     nul = raw.find(b"\x00")
     if nul >= 0:
         raise DataError(f"{path} looks binary (NUL byte at offset {nul}), not UTF-8 text")
