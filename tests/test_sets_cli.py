@@ -964,7 +964,8 @@ def test_the_initialising_pass_keeps_no_graph(monkeypatch):
     task.initialise()
     assert seen == [(False, 6)]  # the batch, without a graph
     task.check_memory()
-    assert seen == [(False, 6), (True, 1)]  # the memory check: one set, with its graph
+    # the memory check: one set and two, with their graphs
+    assert seen == [(False, 6), (True, 1), (True, 2)]
 
 
 def test_flow_matching_is_refused_where_it_cannot_train_the_flow(tmp_path, capsys):
