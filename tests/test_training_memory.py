@@ -15,7 +15,7 @@ from flowattn.training.memory import (
     PassBytes,
     available_memory,
     check_fits,
-    item_bytes,
+    pass_bytes,
     saved_bytes,
 )
 
@@ -140,25 +140,25 @@ def test_the_check_leaves_the_run_as_it_would_be_without_it(tmp_path, monkeypatc
         assert torch.equal(one[name], two[name]), name
 
 
-def test_item_bytes_puts_back_the_buffers_a_training_pass_updates():
+def test_pass_bytes_puts_back_the_buffers_a_training_pass_updates():
     from flowattn.branches.mlp import SpectralLinear
 
     torch.manual_seed(0)
     layer = SpectralLinear(64, 64, coeff=0.9)  # power iteration on every training call
     before = {name: b.clone() for name, b in layer.named_buffers()}
     x = torch.randn(1, 64)
-    saved = item_bytes(layer, lambda k: layer(x.repeat(k, 1)).sum())
+    saved = pass_bytes(layer, lambda k: layer(x.repeat(k, 1)).sum())
     assert saved.per_item > 0
     assert all(torch.equal(b, before[name]) for name, b in layer.named_buffers())
     layer(x)  # without it, the pass moves them
     assert not all(torch.equal(b, before[name]) for name, b in layer.named_buffers())
 
 
-def test_item_bytes_leaves_out_what_a_pass_saves_whatever_its_batch():
+def test_pass_bytes_leaves_out_what_a_pass_saves_whatever_its_batch():
     model = torch.nn.Sequential(torch.nn.Linear(10, 1000), torch.nn.Linear(1000, 1000))
     # the second product saves its 4 MB of weights, whatever the batch, and its input row
     assert saved_bytes(lambda: model(torch.ones(1, 10)).sum())[1] > 4_000_000
-    assert item_bytes(model, lambda k: model(torch.ones(k, 10)).sum()) == (0, 40 + 4000)
+    assert pass_bytes(model, lambda k: model(torch.ones(k, 10)).sum()) == (0, 40 + 4000)
 
     class Scaled(torch.nn.Module):  # a weight made anew by every pass (a parametrisation)
         def __init__(self):
@@ -170,10 +170,10 @@ def test_item_bytes_leaves_out_what_a_pass_saves_whatever_its_batch():
 
     scaled = Scaled()
     x = torch.ones(1, 1000, requires_grad=True)
-    assert item_bytes(scaled, lambda k: scaled(x.repeat(k, 1))) == (4_000_000, 4000)
+    assert pass_bytes(scaled, lambda k: scaled(x.repeat(k, 1))) == (4_000_000, 4000)
 
 
-def test_item_bytes_draws_the_same_random_numbers_in_both_passes():
+def test_pass_bytes_draws_the_same_random_numbers_in_both_passes():
     class Roulette(torch.nn.Module):  # saves as many tensors as it draws terms
         def __init__(self):
             super().__init__()
@@ -188,7 +188,7 @@ def test_item_bytes_draws_the_same_random_numbers_in_both_passes():
     model = Roulette()
     torch.manual_seed(5)
     state = torch.get_rng_state()
-    sizes = {item_bytes(model, lambda k: model(torch.ones(k, 100))).per_item for _ in range(5)}
+    sizes = {pass_bytes(model, lambda k: model(torch.ones(k, 100))).per_item for _ in range(5)}
     assert torch.equal(torch.get_rng_state(), state)  # the caller's stream is left as it was
     assert len(sizes) == 1
     terms = int(torch.randint(1, 50, (), generator=torch.Generator().manual_seed(0)))

@@ -26,7 +26,7 @@ from ..training.checkpoint import read_model
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
-from ..training.memory import check_fits, item_bytes
+from ..training.memory import check_fits, pass_bytes
 from ..training.run import data_fingerprint, plan_run
 from .config import DEFAULT_CORPUS, LMConfig, LMRunConfig
 from .data import CharCorpus, CharVocab, check_block_size, eval_windows, get_batch, load_corpus
@@ -84,7 +84,7 @@ class LMTask:
         x, y = (t.to(self.dist.device) for t in
                 (self.corpus.train[:block].unsqueeze(0), self.corpus.train[1:block + 1]
                  .unsqueeze(0)))
-        saved = item_bytes(self.model,
+        saved = pass_bytes(self.model,
                            lambda k: self.model(x.repeat(k, 1), y.repeat(k, 1))[1]["loss"])
         check_fits(saved, self.config.train.batch_size, self.dist.device,
                    processes=self.dist.world, hints=("a smaller block_size, dim or layers",))

@@ -37,7 +37,7 @@ from ..training.checkpoint import read_model
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
-from ..training.memory import check_fits, item_bytes
+from ..training.memory import check_fits, pass_bytes
 from ..training.run import data_fingerprint, plan_run
 from ..validation import trusted_inputs
 from .boltzmann import regularised_energy
@@ -313,7 +313,7 @@ class SetsTask:
         evaluates the field once per set: nothing to check.)"""
         if self.matching:
             return
-        saved = item_bytes(self.flow, lambda k: self.flow.component_log_prob(
+        saved = pass_bytes(self.flow, lambda k: self.flow.component_log_prob(
             *_batch(self.train_data, torch.zeros(k, dtype=torch.long), self.dist.device)))
         items, what = self.config.train.batch_size, "batch_size"
         if self.energy is not None:  # the configurations drawn for the reverse KL, alike

@@ -29,7 +29,7 @@ from torch import nn
 
 from ..errors import ConfigError
 
-__all__ = ["saved_bytes", "item_bytes", "PassBytes", "available_memory", "check_fits",
+__all__ = ["saved_bytes", "pass_bytes", "PassBytes", "available_memory", "check_fits",
            "PEAK_FACTOR"]
 
 PEAK_FACTOR = 2.0
@@ -74,7 +74,7 @@ class PassBytes(NamedTuple):
     per_item: int
 
 
-def item_bytes(model: nn.Module, step: Callable[[int], torch.Tensor]) -> PassBytes:
+def pass_bytes(model: nn.Module, step: Callable[[int], torch.Tensor]) -> PassBytes:
     """The bytes a training pass of ``model`` saves, split into a fixed part and a part per
     item: ``step(k)`` is the loss of k copies of one item, run for k = 1 and 2; the difference
     is the part per item. The model's parameters and buffers are not counted (they are held
@@ -84,25 +84,22 @@ def item_bytes(model: nn.Module, step: Callable[[int], torch.Tensor]) -> PassByt
 
     Examples:
         >>> model = nn.Sequential(nn.Linear(10, 1000), nn.Linear(1000, 1000))
-        >>> item_bytes(model, lambda k: model(torch.ones(k, 10)).sum())  # input rows
+        >>> pass_bytes(model, lambda k: model(torch.ones(k, 10)).sum())  # input rows
         PassBytes(fixed=0, per_item=4040)
     """
     resident = [*model.parameters(), *model.buffers()]
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     devices = sorted({p.device.index or 0 for p in resident if p.device.type == "cuda"})
     sizes = []
-    try:
-        for items in (1, 2):
+    for items in (1, 2):
+        try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(0)
                 sizes.append(saved_bytes(lambda k=items: step(k), resident)[1])
+        finally:
             with torch.no_grad():
                 for buffer, value in buffers:
                     buffer.copy_(value)
-    finally:
-        with torch.no_grad():
-            for buffer, value in buffers:
-                buffer.copy_(value)
     per_item = max(sizes[1] - sizes[0], 0)
     return PassBytes(max(sizes[0] - per_item, 0), per_item)
 
