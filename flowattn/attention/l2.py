@@ -51,7 +51,10 @@ class HeadScales(nn.Module):
 
     Chained after :func:`torch.nn.utils.parametrizations.orthogonal` it gives
     W^Q = U diag(s_1 I_d, ..., s_H I_d) with U orthogonal: head h's query map is s_h times an
-    isometry, ||W^{Q,h}||_2 = s_h exactly, and its singular values are all equal.
+    isometry, ||W^{Q,h}||_2 = s_h, and its singular values are all equal (to the rounding of
+    the orthogonal map, which keeps the matrix it was registered with: a module built in
+    float32 and converted to float64 is orthogonal to float32's precision). The certificates
+    take the norms of W^Q itself, so they hold either way.
     """
 
     def __init__(self, heads: int, head_dim: int):
