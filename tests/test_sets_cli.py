@@ -54,6 +54,9 @@ def test_fit_writes_checkpoint_metrics_summary_and_plot(tmp_path, capsys):
                    "--config", str(tiny_config(tmp_path)))
     assert code == 0
     printed = capsys.readouterr().out
+    assert printed.startswith("data: gaussian-sets, 200 training, 500 validation, 2,000 test "
+                              "sets of 8 elements in R^2\nflow: residual flow, 1 block, "
+                              "attention interaction, ")
     assert "test NLL" in printed and "true NLL" in printed and "samples.png" in printed
     for name in ["checkpoint.pt", "config.json", "metrics.jsonl", "summary.json", "samples.png"]:
         assert (out / name).is_file(), name
@@ -62,6 +65,30 @@ def test_fit_writes_checkpoint_metrics_summary_and_plot(tmp_path, capsys):
     summary = json.loads((out / "summary.json").read_text())
     assert np.isfinite(summary["test_nll"]) and summary["true_nll"] > 0
     assert not list(out.glob(".*.tmp"))  # no temporary file left behind
+
+
+def test_the_run_log_names_the_data_and_the_flow_it_fits():
+    from flowattn.sets.train import SetsTask
+    from flowattn.training.distributed import Distributed
+
+    one = Distributed(rank=0, world=1, device=torch.device("cpu"))
+
+    def describe(**settings):
+        config = SetsRunConfig.build({"num_train": 32, "val_sets": 8, **settings})
+        return SetsTask(config, one, plots=False).describe()
+
+    data, flow = describe(data="shape-sets-varsize", flow="coupling", coupling_layers=3)
+    assert data.startswith("data: shape-sets-varsize, 32 training, 500 validation, 2,000 test ")
+    assert "sets of up to 10 elements in R^2" in data
+    assert flow.startswith("flow: set-coupling flow, 3 layers, ")
+    data, flow = describe(data="dw4", flow="cnf")
+    assert data.endswith("sets of 4 elements in R^2, centre of mass at 0")
+    assert flow.startswith("flow: continuous flow, egnn field, ")
+    _, flow = describe(data="gaussian-sets", blocks=2, coupling_layers=1, preset="none")
+    assert flow.startswith("flow: residual flow, 2 blocks, attention interaction, then 1 "
+                           "set-coupling layer, ")
+    count = int(flow.split(", ")[-1].split()[0].replace(",", ""))
+    assert count > 0
 
 
 def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys, tiny_run):

@@ -30,6 +30,7 @@ from ..data import (
 from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
+from ..flows.coupling import SetCoupling
 from ..flows.geometry import probe_stream
 from ..flows.residual import InvertibleResidual
 from ..progress import progress_batches
@@ -41,7 +42,13 @@ from ..training.memory import check_fits, pass_bytes
 from ..training.run import data_fingerprint, plan_run
 from ..validation import trusted_inputs
 from .boltzmann import regularised_energy
-from .config import SetsRunConfig, build_flow, legacy_settings
+from .config import (
+    SetsRunConfig,
+    build_flow,
+    legacy_settings,
+    resolved_field,
+    resolved_interaction,
+)
 
 __all__ = ["SetsTask", "fit", "evaluate", "eval_batch_size", "load_flow"]
 
@@ -286,6 +293,30 @@ class SetsTask:
             _LogProb(self.flow, compile=config.train.compile)
         self._energy_stats: dict[str, Tensor] = {}
 
+    def describe(self) -> list[str]:
+        """Lines for the run's log: the data's splits and shape, and the flow."""
+        train, flow = self.train_data, self.config.flow
+        sizes = f"{train.set_size}" if train.mask is None else f"up to {train.set_size}"
+        splits = [f"{len(train):,} training", f"{len(self.val_data):,} validation"]
+        if self.test_data is not self.val_data:
+            splits.append(f"{len(self.test_data):,} test")
+        data = (f"data: {self.config.data.data}, {', '.join(splits)} sets of {sizes} elements "
+                f"in R^{train.dim}" + (", centre of mass at 0" if train.zero_com else ""))
+        couplings = sum(isinstance(m, SetCoupling) for m in self.flow.modules())
+        layers = f"{couplings} set-coupling layer" + ("s" if couplings != 1 else "")
+        if flow.flow == "resflow":
+            kind = (f"residual flow, {flow.blocks} block{'s' if flow.blocks != 1 else ''}, "
+                    f"{resolved_interaction(flow, train.zero_com)} interaction"
+                    + (f", then {layers}" if couplings else ""))
+        elif flow.flow == "cnf":
+            kind = f"continuous flow, {resolved_field(flow, train.zero_com)} field"
+        else:
+            kind = f"set-coupling flow, {couplings} layer" + ("s" if couplings != 1 else "")
+        if flow.preset != "none":
+            kind += f" (preset {flow.preset})"
+        count = sum(p.numel() for p in self.flow.parameters())
+        return [data, f"flow: {kind}, {count:,} parameters"]
+
     def initialise(self) -> None:
         """Data-dependent initialisation (ActNorm) on a batch every process shares.
 
@@ -472,6 +503,9 @@ def fit(
     ctx = Distributed.join(plan.config.train.device)
     try:
         task = SetsTask(plan.config, ctx, progress=progress, plots=plots)
+        if ctx.is_main:
+            for line in task.describe():
+                print(line, flush=True)
         return train_loop(task, plan, ctx, progress=progress, tensorboard=tensorboard)
     except BaseException:
         if ctx.owns_group and dist.is_initialized():
