@@ -1328,3 +1328,17 @@ def test_the_memory_available_on_a_gpu_counts_what_torchs_cache_holds_unused():
     block = torch.empty(64 * 2**20, dtype=torch.uint8, device=DEV)
     del block  # 64 MiB now cached by torch, not free for the driver
     assert available_memory(DEV) - torch.cuda.mem_get_info(DEV)[0] >= 64 * 2**20
+
+
+def test_the_memory_probe_leaves_the_devices_random_streams_as_they_were():
+    from flowattn.training.memory import pass_bytes
+
+    torch.manual_seed(3)
+    model = torch.nn.Linear(16, 16).to(DEV)
+    cpu = torch.get_rng_state()
+    accelerator = torch.cuda.get_rng_state_all() if DEV.type == "cuda" else []
+    saved = pass_bytes(model, lambda k: model(torch.randn(k, 16, device=DEV)).sum())
+    assert saved.per_item == 16 * 4  # the input row, drawn on the device
+    assert torch.equal(torch.get_rng_state(), cpu)
+    after = torch.cuda.get_rng_state_all() if DEV.type == "cuda" else []
+    assert all(torch.equal(a, b) for a, b in zip(accelerator, after, strict=True))

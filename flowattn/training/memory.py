@@ -89,11 +89,11 @@ def pass_bytes(model: nn.Module, step: Callable[[int], torch.Tensor]) -> PassByt
     """
     resident = [*model.parameters(), *model.buffers()]
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-    devices = sorted({p.device.index or 0 for p in resident if p.device.type == "cuda"})
+    kind, devices = _accelerator_streams()
     sizes = []
     for items in (1, 2):
         try:
-            with torch.random.fork_rng(devices=devices):
+            with torch.random.fork_rng(devices=devices, device_type=kind):
                 torch.manual_seed(0)
                 sizes.append(saved_bytes(lambda k=items: step(k), resident)[1])
         finally:
@@ -102,6 +102,15 @@ def pass_bytes(model: nn.Module, step: Callable[[int], torch.Tensor]) -> PassByt
                     buffer.copy_(value)
     per_item = max(sizes[1] - sizes[0], 0)
     return PassBytes(max(sizes[0] - per_item, 0), per_item)
+
+
+def _accelerator_streams() -> tuple[str, list[int]]:
+    """The machine's accelerator and all its devices: every random stream that
+    ``torch.manual_seed`` sets, for ``fork_rng`` to put back (none on a machine without one)."""
+    found = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+    if found is None:
+        return "cuda", []
+    return found.type, list(range(torch.get_device_module(found.type).device_count()))
 
 
 def _read_int(path: Path) -> int | None:
