@@ -90,6 +90,10 @@ class _Matching(nn.Module):
                                            alignment=self.alignment)
 
 
+def _counted(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]:
     mask = None if data.mask is None else data.mask[index].to(device)
     return data.x[index].to(device), mask
@@ -303,15 +307,14 @@ class SetsTask:
         data = (f"data: {self.config.data.data}, {', '.join(splits)} sets of {sizes} elements "
                 f"in R^{train.dim}" + (", centre of mass at 0" if train.zero_com else ""))
         couplings = sum(isinstance(m, SetCoupling) for m in self.flow.modules())
-        layers = f"{couplings} set-coupling layer" + ("s" if couplings != 1 else "")
         if flow.flow == "resflow":
-            kind = (f"residual flow, {flow.blocks} block{'s' if flow.blocks != 1 else ''}, "
+            kind = (f"residual flow, {_counted(flow.blocks, 'block')}, "
                     f"{resolved_interaction(flow, train.zero_com)} interaction"
-                    + (f", then {layers}" if couplings else ""))
+                    + (f", then {_counted(couplings, 'set-coupling layer')}" if couplings else ""))
         elif flow.flow == "cnf":
             kind = f"continuous flow, {resolved_field(flow, train.zero_com)} field"
         else:
-            kind = f"set-coupling flow, {couplings} layer" + ("s" if couplings != 1 else "")
+            kind = f"set-coupling flow, {_counted(couplings, 'layer')}"
         if flow.preset != "none":
             kind += f" (preset {flow.preset})"
         count = sum(p.numel() for p in self.flow.parameters())
