@@ -14,7 +14,7 @@ from torch import Tensor
 from ..errors import DataError, InputError
 from ..files import atomic_write
 
-__all__ = ["SetData", "load_npz", "save_npz"]
+__all__ = ["SetData", "load_npz", "save_npz", "size_mask"]
 
 
 
@@ -99,6 +99,17 @@ class SetData:
         if self.iid_log_prob is None:
             return None
         return float(-self.iid_log_prob(self.x, self.mask).mean())
+
+
+def size_mask(sizes: Tensor, set_size: int) -> Tensor:
+    """The mask (M, set_size) of sets with ``sizes`` (M,) elements, the first ones present.
+
+    Examples:
+        >>> size_mask(torch.tensor([1, 3]), 3)
+        tensor([[ True, False, False],
+                [ True,  True,  True]])
+    """
+    return torch.arange(set_size, device=sizes.device) < sizes.unsqueeze(-1)
 
 
 def validate(x, mask, name: str = "data") -> None:

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .sets import SetData, check_names
+from .sets import SetData, check_names, size_mask
 
 __all__ = ["SHAPES", "shape_sets", "shape_sets_log_prob", "shape_sets_iid_log_prob",
            "shape_sets_log_joint"]
@@ -101,7 +101,7 @@ def shape_sets(
     mask = None
     if min_size < max_size:
         sizes = torch.randint(min_size, max_size + 1, (num_sets,), generator=generator)
-        mask = torch.arange(max_size)[None] < sizes[:, None]
+        mask = size_mask(sizes, max_size)
         x = x * mask[..., None]
 
     def true_log_prob(x: Tensor, mask: Tensor | None) -> Tensor:

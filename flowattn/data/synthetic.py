@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from .sets import SetData
+from .sets import SetData, size_mask
 
 __all__ = ["gaussian_sets", "cluster_sets", "gaussian_sets_log_prob", "cluster_sets_log_prob"]
 
@@ -110,7 +110,7 @@ def cluster_sets(
     centres = _centres(clusters, radius, dim).float()[k]
     x = centres[:, None] + scale * torch.randn(num_sets, max_size, dim, generator=generator)
     sizes = torch.randint(min_size, max_size + 1, (num_sets,), generator=generator)
-    mask = torch.arange(max_size)[None] < sizes[:, None]
+    mask = size_mask(sizes, max_size)
     x = x * mask[..., None]
 
     def true_log_prob(x: Tensor, mask: Tensor | None) -> Tensor:

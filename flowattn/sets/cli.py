@@ -197,9 +197,11 @@ def _size_masks(num: int, counts: list[int], generator):
     probability counts[n - 1] / sum(counts), the first n positions present."""
     import torch
 
+    from ..data.sets import size_mask
+
     weights = torch.tensor(counts, dtype=torch.float64, device=generator.device)
     sizes = torch.multinomial(weights, num, replacement=True, generator=generator) + 1
-    return torch.arange(len(counts), device=sizes.device) < sizes.unsqueeze(1)
+    return size_mask(sizes, len(counts))
 
 
 #: below this many effective samples (or annealing chains) the reweighted estimates and their

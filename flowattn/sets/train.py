@@ -227,7 +227,7 @@ def _data_spec(train: SetData) -> dict:
     spec = {"name": train.name, "dim": train.dim, "set_size": train.set_size,
             "zero_com": train.zero_com, "variable_size": train.mask is not None}
     if train.mask is not None:  # how many training sets have n elements, n = 1 ... N
-        counts = torch.bincount(train.mask.sum(1), minlength=train.set_size + 1)
+        counts = torch.bincount(train.sizes(), minlength=train.set_size + 1)
         spec["size_counts"] = counts[1:].tolist()
     return spec
 
