@@ -1321,7 +1321,8 @@ def test_sets_command_line_fits_evaluates_and_samples_on_device(
     assert code == 0 and samples.is_file()
 
 
-@pytest.mark.skipif(DEV.type != "cuda", reason="torch's CUDA caching allocator")
+@pytest.mark.skipif(DEV.type != "cuda", reason="needs a CUDA device: it checks what torch's "
+                    "CUDA caching allocator holds")
 def test_the_memory_available_on_a_gpu_counts_what_torchs_cache_holds_unused():
     from flowattn.training.memory import available_memory
 
