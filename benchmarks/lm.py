@@ -793,7 +793,10 @@ def plot_depth(results: dict, names, depths, path: Path, base: dict) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("study", choices=("peer", "attention", "throughput", "certificates",
-                                          "depth", "ngram", "self-weight", "budget", "all"))
+                                          "depth", "ngram", "self-weight", "budget", "all",
+                                          "variants"),
+                        help="what to run; 'variants' lists the models by name with the "
+                        "settings each adds to nanoGPT's configuration")
     parser.add_argument("--quick", action="store_true",
                         help="smoke run: 150 steps, depths 2 4 6, fewer timing rounds")
     parser.add_argument("--steps", type=int, help="override the number of training steps")
@@ -803,10 +806,13 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dim", type=int, help="model width (default 128; 512 on a GPU)")
     parser.add_argument("--heads", type=int, help="heads (default 4)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                        metavar="NAME", help="models to train or time (default: all of them; "
+                        "the study 'variants' lists the names)")
     parser.add_argument("--depths", nargs="+", type=int, default=[2, 4, 6, 8, 10, 12])
     parser.add_argument("--depth-variants", nargs="+", default=list(DEPTH_VARIANTS),
-                        choices=list(VARIANTS), help="models of the depth study")
+                        choices=list(VARIANTS), metavar="NAME",
+                        help=f"models of the depth study (default: {' '.join(DEPTH_VARIANTS)})")
     parser.add_argument("--depth-lr", type=float, default=1e-3)
     parser.add_argument("--depth-warmup", type=int, default=0,
                         help="depth study: linear warm-up steps before the constant rate "
@@ -827,6 +833,10 @@ def main(argv=None) -> int:
     parser.add_argument("--reuse", action="store_true", help="reuse finished runs in --out")
     parser.add_argument("--seed", type=int, default=1337, help="seed of every run")
     args = parser.parse_args(argv)
+    if args.study == "variants":
+        print(table([[name, ", ".join(f"{k}={v}" for k, v in settings.items())]
+                     for name, settings in VARIANTS.items()], ["variant", "settings"]))
+        return 0
     if not args.data.exists():
         parser.error(f"Tiny Shakespeare not found at {args.data} (pass --data)")
     if args.threads:

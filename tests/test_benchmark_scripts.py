@@ -423,3 +423,12 @@ def test_bound_tightness_structured_starts_are_the_cores_worst_arrangement(monke
     lower = bound_tightness.lower_bound(module, n, "2", restarts, 5, 0,
                                         start=bound_tightness.structured_inputs)
     assert 0 < lower <= tight
+
+
+def test_lm_variants_study_lists_every_model_and_needs_no_corpus(lm, capsys, tmp_path):
+    # the names are a hundred long: the help names them NAME and this study lists them, each
+    # with what it sets, without the corpus that every other study reads
+    assert lm.main(["variants", "--data", str(tmp_path / "absent.txt")]) == 0
+    rows = capsys.readouterr().out.splitlines()[2:]
+    assert [row.split("|")[1].strip() for row in rows] == list(lm.VARIANTS)
+    assert "| invertible | invertible=True, heads=auto |" in rows
