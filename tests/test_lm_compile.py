@@ -183,6 +183,14 @@ def test_compile_without_a_cpp_compiler_is_refused_with_the_reason(corpus, monke
         LMTask(_run_config(corpus, compile=True), Distributed.join("cpu"))
 
 
+def test_compile_with_a_cxx_that_is_not_installed_is_refused_naming_it(corpus, monkeypatch):
+    # inductor takes $CXX alone when it is set: an installed g++ does not help then
+    monkeypatch.setenv("CXX", "no-such-compiler++")
+    assert device.cpp_compiler() is None
+    with pytest.raises(ConfigError, match="CXX='no-such-compiler\\+\\+' is not an executable"):
+        LMTask(_run_config(corpus, compile=True), Distributed.join("cpu"))
+
+
 def test_compile_is_a_flag_of_lm_train_and_may_change_on_resume():
     from flowattn.cli import build_parser
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 
 import torch
 
@@ -13,8 +14,8 @@ from ..errors import ConfigError, InputError
 
 __all__ = ["resolve_device", "set_threads", "cpp_compiler", "check_compilable", "NO_COMPILER"]
 
-NO_COMPILER = ("torch.compile on CPU (inductor) builds C++ kernels: no C++ compiler (g++, "
-               "clang++ or $CXX) was found")
+NO_COMPILER = ("torch.compile on CPU (inductor) builds C++ kernels: no C++ compiler ($CXX, "
+               "or g++ where CXX is unset) was found")
 
 
 def set_threads(count: int | None) -> None:
@@ -68,8 +69,17 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
 
 
 def cpp_compiler() -> str | None:
-    """The C++ compiler inductor would use on the CPU ($CXX, g++ or clang++), or None."""
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    """The C++ compiler inductor would use on the CPU, where it is an executable: $CXX when
+    set (inductor then tries nothing else), otherwise g++ (clang++ on macOS); None if that one
+    is not found.
+
+    Examples:
+        >>> import shutil
+        >>> cpp_compiler() in (None, shutil.which(os.environ.get("CXX") or "g++"))
+        True
+    """
+    name = os.environ.get("CXX") or ("clang++" if sys.platform == "darwin" else "g++")
+    return shutil.which(name)
 
 
 def check_compilable(device: torch.device) -> None:
@@ -83,5 +93,11 @@ def check_compilable(device: torch.device) -> None:
         >>> check_compilable(torch.device("cuda"))  # GPU kernels need no C++ compiler
     """
     if device.type == "cpu" and cpp_compiler() is None:
+        cxx = os.environ.get("CXX")
+        if cxx:  # inductor takes $CXX alone when it is set
+            raise ConfigError(f"--compile: torch.compile on CPU (inductor) builds C++ kernels "
+                              f"with $CXX, and CXX={cxx!r} is not an executable on PATH; set "
+                              "CXX to an installed compiler (or unset it to use g++) or train "
+                              "without --compile")
         raise ConfigError(f"--compile: {NO_COMPILER}; install one (e.g. apt-get install g++) "
                           "or train without --compile")
