@@ -6,6 +6,7 @@ import copy
 import io
 import json
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -846,22 +847,39 @@ def test_divergence_behaves_the_same_in_both_commands(tmp_path, capsys, corpus):
     sets_run = tmp_path / "sets"
     code, text, _ = cli(capsys, "sets", "fit", *SETS_FLAGS, "--lr", "1e30", "--grad-clip",
                         "none", "--warmup", "0", "--steps", "8", "--out", sets_run, "--json")
-    assert code == 3 and "diverged: non-finite" in text
+    assert code == 3 and re.search(r"training diverged at step \d+: non-finite", text)
     assert json.loads(text.strip().splitlines()[-1])["diverged"]
     lm_run = tmp_path / "lm"
     code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--lr", "1e30",
                         "--grad-clip", "none", "--warmup", "0", "--steps", "8", "--out",
                         lm_run, "--json")
-    assert code == 3 and "diverged: non-finite" in text
+    assert code == 3 and re.search(r"training diverged at step \d+: non-finite", text)
     for run in (sets_run, lm_run):
         saved = json.loads((run / "diverged.json").read_text())
         assert "non-finite" in saved["reason"]
         assert [r["event"] for r in records(run) if r["split"] == "event"] == ["diverged"]
-        # diverged at its first step, before any checkpoint: it says so, not "the checkpoint
-        # keeps the last good state"
+        # diverged at its first step, before any checkpoint: it says so, not that a
+        # checkpoint holds a state
         assert not (run / "checkpoint.pt").exists()
         assert saved["message"].endswith(f"so {run} holds no trained state")
-    assert "holds no trained state" in text and "keeps the last good" not in text
+    # reported once, by the loop (the --json payload carries the same message)
+    assert sum(line.startswith("training diverged") for line in text.splitlines()) == 1
+    assert "holds no trained state" in text and "the last state saved" not in text
+
+
+def test_a_divergence_after_a_checkpoint_names_the_step_the_checkpoint_holds(tmp_path, capsys,
+                                                                           corpus):
+    # the step that breaks the weights is saved before any loss shows it: the message says
+    # which step the checkpoint holds, not that it is good
+    run = tmp_path / "lm"
+    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--lr", "1e30",
+                        "--grad-clip", "none", "--warmup", "0", "--steps", "8",
+                        "--checkpoint-every", "1", "--out", run)
+    assert code == 3
+    saved = torch.load(run / "checkpoint.pt", weights_only=False)["step"]
+    diverged = json.loads((run / "diverged.json").read_text())
+    assert saved == diverged["step"] - 1
+    assert f"holds step {saved}, the last state saved before the divergence" in text
 
 
 # ----------------------------------------------------------------------------- reports, errors

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 
 from .config import RunConfig, from_sources, given_flags, print_config
@@ -70,15 +69,11 @@ def is_main_process() -> bool:
 
 
 def run_summary_lines(summary: dict) -> list[str]:
-    """The lines a command prints for a diverged or already finished run."""
+    """The lines a command prints for an already finished run (a diverged one has been
+    reported by the training loop, once)."""
     if summary.get("finished"):
         return [f"the run in {summary['out']} already finished at step {summary['step']}; "
                 "nothing to do (resume with a larger --steps to train on)"]
-    if summary["diverged"]:
-        div = summary["divergence"]
-        loss = div.get("loss")
-        shown = "nan" if loss is None or not math.isfinite(loss) else f"{loss:.4f}"
-        return [f"diverged: {div['reason']} at step {div['step']} (loss {shown}); {div['note']}"]
     return []
 
 

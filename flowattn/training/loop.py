@@ -10,7 +10,8 @@ metrics, TensorBoard, the progress bar, exact resume and the summary.
 Divergence has one behaviour: a non-finite loss, activation (:class:`~flowattn.errors.
 NonFiniteError`), gradient or validation loss — or a smoothed training loss above
 ``divergence_factor`` times its best, when that is set — stops training; the event is recorded
-in metrics.jsonl and diverged.json, the checkpoint keeps the last good state, the summary says
+in metrics.jsonl and diverged.json, the checkpoint keeps the last state saved before it was
+detected (its step is named: the divergence may have begun before it), the summary says
 ``diverged`` and the command exits with status :data:`EXIT_DIVERGED`.
 """
 
@@ -194,7 +195,11 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     module = dist.wrap(getattr(task, "forward_module", model))
     metrics = MetricsLog(out, step, enabled=main, tensorboard=tensorboard)
 
+    saved_step = plan.start_step if plan.checkpoint is not None else None
+
     def save() -> None:
+        nonlocal saved_step
+        saved_step = step
         states = dist.gather(_rng_state(generator, dist.device))
         if main:
             trained = {} if average is None else {"training_model": model.state_dict()}
@@ -297,12 +302,17 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                "world_size": dist.world, "diverged": divergence is not None,
                "divergence": divergence}
     if divergence is not None:
-        # what the run leaves: the last good state, unless it diverged before its first save
+        # what the run leaves: the last state saved, unless it diverged before its first save;
+        # that state is only as good as the loss says (a step can break the weights before a
+        # loss shows it)
         divergence["note"] = (
-            f"the checkpoint in {out} keeps the last good state" if (out / CHECKPOINT).is_file()
+            f"the checkpoint in {out} holds step {saved_step}, the last state saved before "
+            "the divergence was detected (`eval` scores it)" if saved_step is not None
             else f"it diverged before its first checkpoint, so {out} holds no trained state")
-        message = (f"training diverged at step {divergence['step']}: {divergence['reason']}; "
-                   f"{divergence['note']}")
+        loss = divergence["loss"]
+        shown = f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "nan"
+        message = (f"training diverged at step {divergence['step']}: {divergence['reason']} "
+                   f"(loss {shown}); {divergence['note']}")
         summary["message"] = message
         metrics.log(divergence["step"], "event", event="diverged",
                     **{k: v for k, v in divergence.items() if k != "step"})
