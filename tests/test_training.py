@@ -5,6 +5,7 @@ import contextlib
 import copy
 import io
 import json
+import math
 import os
 import re
 import stat
@@ -594,6 +595,26 @@ def test_an_averaged_run_resumed_matches_an_uninterrupted_one_bit_for_bit(tmp_pa
         fit(out=tmp_path / "split", resume=True, flags={"ema": 0.99})
 
 
+def test_keep_best_lm_run_reports_the_loss_of_the_state_it_keeps(tmp_path, capsys, corpus,
+                                                                 monkeypatch):
+    # the final line named the last validation while the run's result was the best one's
+    from flowattn.lm.train import LMTask
+
+    losses = iter([3.0, 1.0, 2.0] * 2)  # validations at steps 2, 4, 6 of each run
+    monkeypatch.setattr(LMTask, "evaluate", lambda self, dist: {"loss": next(losses)})
+    run = tmp_path / "lm"
+    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "6",
+                        "--keep-best", "--out", run, "--json")
+    summary = json.loads(text.strip().splitlines()[-1])
+    assert code == 0 and (summary["result_step"], summary["result_val_loss"]) == (4, 1.0)
+    assert summary["val_loss"] == 2.0  # the last validation, as before
+    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "6",
+                        "--keep-best", "--out", tmp_path / "again")
+    assert code == 0
+    assert "val loss 1.0000 nats/char (1.4427 bpc) (step 4's parameters, kept as the best)" \
+        in text.splitlines()[-1]
+
+
 def test_keep_best_with_an_average_keeps_the_average_of_the_best_step(tmp_path, monkeypatch):
     from flowattn.sets.train import SetsTask, load_flow
 
@@ -868,18 +889,28 @@ def test_divergence_behaves_the_same_in_both_commands(tmp_path, capsys, corpus):
 
 
 def test_a_divergence_after_a_checkpoint_names_the_step_the_checkpoint_holds(tmp_path, capsys,
-                                                                           corpus):
-    # the step that breaks the weights is saved before any loss shows it: the message says
-    # which step the checkpoint holds, not that it is good
+                                                                           corpus, monkeypatch):
+    # the state saved last is named by its step, not called good: a step can break the
+    # weights before any loss shows it. Here the loss of step 4 is NaN, the checkpoint is
+    # step 2's and the loop had finished step 3.
+    from flowattn.lm.train import LMTask
+
+    calls, loss = iter(range(1, 100)), LMTask.loss
+
+    def failing(self, module, batch):
+        objective, reported, items = loss(self, module, batch)
+        if next(calls) == 4:
+            objective, reported = objective * math.nan, reported * math.nan
+        return objective, reported, items
+
+    monkeypatch.setattr(LMTask, "loss", failing)
     run = tmp_path / "lm"
-    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--lr", "1e30",
-                        "--grad-clip", "none", "--warmup", "0", "--steps", "8",
-                        "--checkpoint-every", "1", "--out", run)
+    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "8",
+                        "--out", run)
     assert code == 3
-    saved = torch.load(run / "checkpoint.pt", weights_only=False)["step"]
-    diverged = json.loads((run / "diverged.json").read_text())
-    assert saved == diverged["step"] - 1
-    assert f"holds step {saved}, the last state saved before the divergence" in text
+    assert torch.load(run / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert json.loads((run / "diverged.json").read_text())["step"] == 4
+    assert "holds step 2, the last state saved before the divergence" in text
 
 
 # ----------------------------------------------------------------------------- reports, errors

@@ -72,11 +72,13 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_DIVERGED if summary["diverged"] else 0
     lines = run_summary_lines(summary)
     if not summary["diverged"] and not summary.get("finished"):
-        val = summary["val_loss"]
+        val, kept = summary["result_val_loss"], summary["result_step"]
         lines.append(
             f"{summary['step']} steps, val loss "
             + ("n/a" if val is None or not math.isfinite(val)
-               else f"{val:.4f} nats/char ({summary['val_bpc']:.4f} bpc)")
+               else f"{val:.4f} nats/char ({summary['result_val_bpc']:.4f} bpc)")
+            + (f" (step {kept}'s parameters, kept as the best)" if kept != summary["step"]
+               else "")
             + f", {summary.get('tokens_per_s') or 0:.0f} tokens/s, checkpoint in "
             f"{summary['out']}")
     _emit(summary, args.json, lines)

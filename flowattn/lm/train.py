@@ -252,7 +252,8 @@ def train(
 
     Returns:
         dict with ``out``, ``step``, ``val_loss`` (last evaluation, nats/char), ``val_bpc``,
-        ``best_val_loss``, ``train_loss``, ``tokens_per_s``, ``train_seconds``, ``params``,
+        ``result_step``, ``result_val_loss`` and ``result_val_bpc`` (the state the run leaves:
+        with ``keep_best`` the best validation's, else the last step's), ``best_val_loss``, ``train_loss``, ``tokens_per_s``, ``train_seconds``, ``params``,
         ``world_size``, ``diverged`` and ``divergence`` (None or a dict with step, reason,
         loss).
     """
@@ -281,6 +282,7 @@ def train(
             dist.destroy_process_group()
         raise
     summary["val_bpc"] = summary["val_loss"] / math.log(2)
+    summary["result_val_bpc"] = summary["result_val_loss"] / math.log(2)
     return summary
 
 

@@ -300,7 +300,9 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                f"{task.items}_per_s": loop["items"] / loop["seconds"] if loop["seconds"] else
                math.nan, "params": sum(p.numel() for p in model.parameters()),
                "world_size": dist.world, "diverged": divergence is not None,
-               "divergence": divergence}
+               "divergence": divergence,
+               # the state the run leaves as its result (eval, sample and the final report's)
+               "result_step": step, "result_val_loss": loop["val_loss"]}
     if divergence is not None:
         # what the run leaves: the last state saved, unless it diverged before its first save;
         # that state is only as good as the loss says (a step can break the weights before a
@@ -325,6 +327,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             model.load_state_dict(read_checkpoint(out / BEST, plan.kind, dist.device)["model"])
             log(f"keep_best: the parameters of step {loop['best_step']} (validation loss "
                 f"{loop['best_val_loss']:.4f}) are the run's result")
+            summary.update(result_step=loop["best_step"], result_val_loss=loop["best_val_loss"])
         elif average is not None:  # the final report is the average's
             model.load_state_dict(result_state())
         report = task.finish(out)
