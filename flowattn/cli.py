@@ -9,9 +9,14 @@ error's exit status (2); ``--debug`` anywhere on the command line shows the trac
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import threading
 import traceback
 from collections.abc import Sequence
+from pathlib import Path
 
 from .errors import FlowattnError
 
@@ -59,18 +64,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     args = parser.parse_args(argv)
+    command = getattr(args, f"{args.group}_command", "")
+    prog = f"flowattn {args.group} {command}".rstrip()
+    # a scheduler's stop (SIGTERM) as Ctrl-C; signals can be set in the main thread only
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
         return int(args.handler(args))
     except FlowattnError as err:
         if debug:
             traceback.print_exc()
-        command = getattr(args, f"{args.group}_command", "")
-        prog = f"flowattn {args.group} {command}".rstrip()
         message = " ".join(str(err).split("\n"))
         print(f"{prog}: error: {message}", file=sys.stderr)
         return err.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as err:
         if debug:
             traceback.print_exc()
-        print("interrupted", file=sys.stderr)
-        return 130
+        print(f"{prog}: {'terminated' if isinstance(err, Terminated) else 'interrupted'}"
+              f"{_resumable(args, prog)}", file=sys.stderr)
+        return 143 if isinstance(err, Terminated) else 130
+    except BrokenPipeError:  # standard output closed by its reader (`| head`)
+        with contextlib.suppress(OSError):  # no second error when Python flushes it at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print(f"{prog}: stopped: its standard output was closed by the program reading it"
+              f"{_resumable(args, prog)}", file=sys.stderr)
+        return 141
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM received: the command stops as on Ctrl-C (exit status 143)."""
+
+
+def _terminate(signum, frame):
+    raise Terminated
+
+
+def _resumable(args: argparse.Namespace, prog: str) -> str:
+    """For a training command whose run folder holds a checkpoint: how to continue it."""
+    from .training.checkpoint import CHECKPOINT
+
+    out = getattr(args, "out", None)
+    if not hasattr(args, "resume") or out is None or not (Path(out) / CHECKPOINT).is_file():
+        return ""
+    return (f"; the run continues from its last checkpoint with `{prog} --out {out} --resume` "
+            "(steps after that checkpoint are trained again)")

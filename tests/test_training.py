@@ -8,9 +8,11 @@ import json
 import math
 import os
 import re
+import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -914,6 +916,50 @@ def test_a_divergence_after_a_checkpoint_names_the_step_the_checkpoint_holds(tmp
 
 
 # ----------------------------------------------------------------------------- reports, errors
+
+
+def test_a_terminated_run_says_how_to_resume_it_and_exits_with_143(tmp_path, corpus):
+    # SIGTERM (a batch scheduler's stop) is Ctrl-C's: one line naming the way back, no
+    # traceback; the run resumes from its last checkpoint
+    run = tmp_path / "lm"
+    command = [sys.executable, "-m", "flowattn", "lm", "train", "--data", str(corpus),
+               *LM_FLAGS, "--steps", "100000", "--checkpoint-every", "1", "--threads", "1",
+               "--out", str(run)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        for _ in range(600):  # until its first checkpoint (60 s at most)
+            if (run / "checkpoint.pt").is_file() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 143, err
+    assert err.strip().splitlines() == [
+        f"flowattn lm train: terminated; the run continues from its last checkpoint with "
+        f"`flowattn lm train --out {run} --resume` (steps after that checkpoint are trained "
+        "again)"]
+
+
+def test_a_closed_standard_output_stops_a_run_with_one_line(tmp_path, capsys, corpus,
+                                                           monkeypatch):
+    # `flowattn lm train ... | head -1`: the reader goes, the next print raises BrokenPipeError
+    from flowattn.lm.train import LMTask
+
+    def closed(self, dist):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(LMTask, "evaluate", closed)
+    run = tmp_path / "lm"
+    code, _, err = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "8",
+                       "--checkpoint-every", "1", "--out", run)
+    assert code == 141 and "Traceback" not in err
+    assert err.startswith("flowattn lm train: stopped: its standard output was closed")
+    assert f"--out {run} --resume" in err  # checkpoint of step 1, evaluation at step 2
+
+
 
 
 def test_a_run_on_a_relative_data_file_resumes_from_anywhere(tmp_path, capsys, monkeypatch):
