@@ -145,6 +145,19 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(trained, capsys, tmp_pa
         assert "weights hold NaN or Inf values" in line and name in line
 
 
+def test_each_bad_number_of_sample_and_invert_check_is_named_with_its_value(trained, capsys):
+    out, _ = trained
+    for command, flag, value, message in (
+            ("sample", "--temperature", "0", "--temperature must be a positive number, got 0.0"),
+            ("sample", "--top-k", "0", "--top-k must be >= 1, got 0"),
+            ("invert-check", "--tol", "-1", "--tol must be a positive number, got -1.0"),
+            ("invert-check", "--threshold", "nan",
+             "--threshold must be a positive number, got nan"),
+            ("invert-check", "--max-iter", "0", "--max-iter must be >= 1, got 0")):
+        line = one_line_error(capsys, "lm", command, "--checkpoint", out, flag, value)
+        assert message in line, line
+
+
 def test_invert_check_refuses_a_non_invertible_checkpoint(trained, capsys):
     out, _ = trained
     line = one_line_error(capsys, "lm", "invert-check", "--checkpoint", out)

@@ -167,7 +167,9 @@ def _add_sample(sub) -> None:
     p.add_argument("--prompt", default=None, help="text to continue (default: a newline, or a "
                    "space, or the first character of the vocabulary, whichever the model saw)")
     p.add_argument("--max-new-tokens", type=int, default=500, help="(default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.8, help="(default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="divides the logits before sampling; > 0 (--top-k 1 picks the most "
+                   "likely character) (default: %(default)s)")
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
     p.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="(default: cpu)")
@@ -182,10 +184,11 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     if args.prompt == "":
         raise InputError("--prompt must not be empty")
-    if not (math.isfinite(args.temperature) and args.temperature > 0) or (
-            args.top_k is not None and args.top_k < 1):
-        raise InputError(f"--temperature must be positive and --top-k at least 1, got "
-                         f"{args.temperature} and {args.top_k}")
+    if not (math.isfinite(args.temperature) and args.temperature > 0):
+        raise InputError(f"--temperature must be a positive number, got {args.temperature} "
+                         "(for the most likely character at every step, --top-k 1)")
+    if args.top_k is not None and args.top_k < 1:
+        raise InputError(f"--top-k must be >= 1, got {args.top_k}")
     model, _, vocab, device = _load(args)
     if args.prompt is None:  # a corpus without line breaks still samples without a prompt
         args.prompt = next((c for c in ("\n", " ") if c in vocab.index), vocab.chars[0])
@@ -274,8 +277,11 @@ def _invert_check(args: argparse.Namespace) -> int:
 
     if args.sequences < 1:
         raise InputError(f"--sequences must be >= 1, got {args.sequences}")
-    if not (args.tol > 0 and args.max_iter >= 1 and args.threshold > 0):
-        raise InputError("--tol and --threshold must be positive and --max-iter at least 1")
+    for flag, value in (("--tol", args.tol), ("--threshold", args.threshold)):
+        if not (math.isfinite(value) and value > 0):
+            raise InputError(f"{flag} must be a positive number, got {value}")
+    if args.max_iter < 1:
+        raise InputError(f"--max-iter must be >= 1, got {args.max_iter}")
     model, ckpt, vocab, device = _load(args)
     if not model.config.invertible:
         raise InputError(
