@@ -24,7 +24,15 @@ __all__ = ["main", "build_parser", "OneLineErrorParser"]
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """An argument parser whose usage errors are a single line on stderr (exit status 2)."""
+    """An argument parser whose usage errors are a single line on stderr (exit status 2).
+
+    Every such parser records itself as the namespace's ``command_parser``; the innermost one
+    that parsed (the command's) wins, so an unknown flag is reported by the command it was
+    given to."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.set_defaults(command_parser=self)
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
@@ -63,7 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    command_parser = vars(args).pop("command_parser", parser)
+    if unknown:
+        command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     command = getattr(args, f"{args.group}_command", "")
     prog = f"flowattn {args.group} {command}".rstrip()
     # a scheduler's stop (SIGTERM) as Ctrl-C; signals can be set in the main thread only

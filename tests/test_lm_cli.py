@@ -198,6 +198,15 @@ def test_unknown_attention_type_is_a_one_line_usage_error(corpus, tmp_path, caps
     assert "invalid choice: 'linear'" in line
 
 
+@pytest.mark.parametrize("command", [["lm", "train"], ["lm", "eval", "--checkpoint", "x"],
+                                     ["sets", "fit"]])
+def test_an_unknown_flag_is_reported_by_the_command_it_was_given_to(capsys, command):
+    # reported by the top-level parser it pointed at `flowattn --help`, which lists no flags
+    line = one_line_error(capsys, *command, "--stesp", "5")
+    prog = " ".join(["flowattn", *command[:2]])
+    assert line == f"{prog}: error: unrecognized arguments: --stesp 5 (see {prog} --help)"
+
+
 def test_invertible_with_post_norm_is_a_one_line_error(corpus, tmp_path, capsys):
     line = one_line_error(capsys, "lm", "train", "--data", corpus, *TINY, "--invertible",
                           "--norm-position", "post", "--out", tmp_path / "o")
