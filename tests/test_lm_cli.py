@@ -286,6 +286,10 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     assert "attention heads H (auto: 8 with --invertible, 4 otherwise)" in text
     assert "auto: feed-forward with --invertible, linear otherwise" in text
     assert "auto: 2e-3 for l2-tied and contractive-l2, 6e-3 with --invertible" in text
+    # where "none" is a choice of its own, the automatic default is not shown as "none"
+    assert "(unset: layernorm; actnorm with --invertible) (default: unset)" in text
+    assert "(unset: dp, contractive-l2 with --invertible) (default: unset)" in text
+    assert "with --invertible) (default: none)" not in text
 
 
 def test_a_bad_number_or_auto_setting_is_a_one_line_usage_error(corpus, tmp_path, capsys):

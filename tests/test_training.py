@@ -93,7 +93,7 @@ def records(out: Path) -> list[dict]:
         ({"num_train": -3}, r"data: num_train: .* greater than or equal to 1 \(got -3\)"),
         ({"lr": float("nan")}, r"train: lr: "),
         ({"min_lr": 1.0}, r"train: min_lr \(1.0\) must not exceed lr"),
-        ({"device": "gpu"}, r"train: device: String should match pattern"),
+        ({"device": "gpu"}, r"train: device: is not one of cpu, cuda, cuda:N, auto \(got .gpu.\)"),
         ({"ema": 1.0}, r"train: ema: Input should be less than 1 \(got 1.0\)"),
         ({"ema": 0}, r"train: ema: Input should be greater than 0 \(got 0\)"),
         ({"nope": 1}, r"unknown setting 'nope'"),

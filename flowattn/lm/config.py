@@ -129,7 +129,7 @@ class LMSettings(Section):
         AUTO, description="attention heads H (auto: 8 with --invertible, 4 otherwise)")
     attention: Literal["dp", "l2", "l2-tied", "contractive-l2", "scaled-cosine",
                        "none"] | None = Field(
-        None, description="attention type; none is the attention-free baseline (default: dp, "
+        None, description="attention type; none is the attention-free baseline (unset: dp, "
         "contractive-l2 with --invertible)")
     self_offset: _Cap | Literal["auto"] = Field(
         AUTO, description="cap of the learnt self-offsets of L2 attention (0: none; lets a "
@@ -141,12 +141,14 @@ class LMSettings(Section):
     max_distance: int = Field(64, ge=1, description="relative positions beyond this share one "
                               "position bias")
     norm: Literal["layernorm", "centernorm", "actnorm", "none"] | None = Field(
-        None, description="block normalisation (none: layernorm; actnorm with --invertible)")
+        None, description="block normalisation; none: no normalisation (unset: layernorm; "
+        "actnorm with --invertible)")
     norm_position: Literal["pre", "post"] = Field(
         "pre", description="pre: x + f(N(x)); post: N(x + f(x))")
     final_norm: Literal["layernorm", "centernorm", "actnorm", "none"] | None = Field(
-        None, description="normalisation before the output layer (none: the block norm for "
-        "pre-norm models, no norm for post-norm ones, layernorm for invertible ones)")
+        None, description="normalisation before the output layer; none: no normalisation "
+        "(unset: the block norm for pre-norm models, none for post-norm ones, layernorm for "
+        "invertible ones)")
     weighted_residual: bool = Field(False, description="LipsFormer residual x + alpha f(x), "
                                     "alpha learnable per channel")
     residual_alpha: float | None = Field(None, description="initial alpha (none: 1 / layers, "

@@ -253,9 +253,9 @@ def train(
     Returns:
         dict with ``out``, ``step``, ``val_loss`` (last evaluation, nats/char), ``val_bpc``,
         ``result_step``, ``result_val_loss`` and ``result_val_bpc`` (the state the run leaves:
-        with ``keep_best`` the best validation's, else the last step's), ``best_val_loss``, ``train_loss``, ``tokens_per_s``, ``train_seconds``, ``params``,
-        ``world_size``, ``diverged`` and ``divergence`` (None or a dict with step, reason,
-        loss).
+        with ``keep_best`` the best validation's, else the last step's), ``best_val_loss``,
+        ``train_loss``, ``tokens_per_s``, ``train_seconds``, ``params``, ``world_size``,
+        ``diverged`` and ``divergence`` (None or a dict with step, reason, loss).
     """
     if config is not None:
         flags = {**config.flat(), **(flags or {})}

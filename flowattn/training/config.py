@@ -98,6 +98,8 @@ def _describe(error: ValidationError, prefix: str = "") -> str:
         message = "unknown setting"
     elif first["type"] in ("value_error", "assertion_error"):
         message = message.removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    elif first["type"] == "string_pattern_mismatch" and path and path[-1] == "device":
+        message = "is not one of cpu, cuda, cuda:N, auto"  # (the pattern, in words)
     line = f"{prefix}{key}: {message}" if key else f"{prefix}{message}"
     shown = "input" in first and not isinstance(first["input"], dict)
     if shown and first["type"] not in ("missing", "model_type", "value_error"):
@@ -316,6 +318,16 @@ def _flag(name: str, info) -> str:
     return extra.get("flag", "--" + name.replace("_", "-"))
 
 
+def _default_shown(info) -> str:
+    """A setting's default as help and documentation show it: where "none" is a value of its
+    own (norm "none"), the automatic default None is "unset"."""
+    default = info.get_default(call_default_factory=True)
+    inner, _ = _options(info.annotation)
+    if default is None and get_origin(inner) is Literal and "none" in get_args(inner):
+        return "unset"
+    return _show(default)
+
+
 def _show(value) -> str:
     if value is None:
         return "none"
@@ -337,10 +349,9 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
             if name in skip:
                 continue
             flag = _flag(name, info)
-            default = info.get_default(call_default_factory=True)
-            help_text = f"{info.description or ''} (default: {_show(default)})".strip()
-            help_text = help_text.replace("%", "%%")
             inner, optional = _options(info.annotation)
+            help_text = f"{info.description or ''} (default: {_default_shown(info)})".strip()
+            help_text = help_text.replace("%", "%%")
             common = dict(dest=name, default=argparse.SUPPRESS, help=help_text)
             number_or_words = _number_or_words(inner)
             if number_or_words is not None:
@@ -407,13 +418,6 @@ def print_config(config: RunConfig, form: str = "yaml") -> str:
     import yaml
 
     return yaml.safe_dump(values, sort_keys=False)
-
-
-def field_help(config: type[RunConfig]) -> typing.Iterator[tuple[str, str, str]]:
-    """``(section.key, default, description)`` for every setting (documentation tables)."""
-    for name, (section, info) in config.leaves().items():
-        yield f"{section}.{name}", _show(info.get_default(call_default_factory=True)), \
-            info.description or ""
 
 
 # ----------------------------------------------------------------------------- training section
