@@ -290,6 +290,7 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     assert "(unset: layernorm; actnorm with --invertible) (default: unset)" in text
     assert "(unset: dp, contractive-l2 with --invertible) (default: unset)" in text
     assert "with --invertible) (default: none)" not in text
+    assert "--contractive-norm {inf,'2,inf',2,auto}" in text  # not {inf,2,inf,2,auto}
 
 
 def test_a_bad_number_or_auto_setting_is_a_one_line_usage_error(corpus, tmp_path, capsys):

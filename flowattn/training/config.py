@@ -367,7 +367,9 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
                 literal_none = "none" in get_args(inner)
                 choices = list(get_args(inner)) + (["none"] if optional and not literal_none
                                                    else [])
-                group.add_argument(flag, choices=choices,
+                # a choice that holds a comma ("2,inf") is quoted in the list of choices
+                metavar = "{" + ",".join(f"'{c}'" if "," in c else c for c in choices) + "}"
+                group.add_argument(flag, choices=choices, metavar=metavar,
                                    type=_literal(optional and not literal_none), **common)
             elif inner in (int, float, str):
                 metavar = {int: "N", float: "X", str: "TEXT"}[inner]
