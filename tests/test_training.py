@@ -129,6 +129,23 @@ def test_config_files_are_json_or_yaml_flat_or_nested(tmp_path):
         read_config_file(tmp_path / "list.json")
 
 
+@pytest.mark.parametrize("name, text", [
+    ("flat.yaml", "steps: 5\nlr: 0.01\nsteps: 6\n"),
+    ("nested.yaml", "train:\n  steps: 5\n  steps: 6\n"),
+    ("flat.json", '{"steps": 5, "steps": 6}'),
+    ("nested.json", '{"train": {"steps": 5, "steps": 6}}')])
+def test_a_setting_written_twice_in_a_config_file_is_refused(tmp_path, name, text):
+    # both parsers keep the last value silently: the user meant one of them
+    (tmp_path / name).write_text(text)
+    with pytest.raises(ConfigError, match=f"config .*{name}: 'steps' given twice; keep one"):
+        read_config_file(tmp_path / name)
+
+
+def test_a_yaml_merge_may_still_be_overridden(tmp_path):
+    (tmp_path / "merge.yaml").write_text("base: &b\n  steps: 5\ntrain:\n  <<: *b\n  steps: 7\n")
+    assert read_config_file(tmp_path / "merge.yaml")["train"] == {"steps": 7}
+
+
 def test_bad_values_on_the_command_line_are_one_line_and_write_nothing(tmp_path, capsys):
     out = tmp_path / "run"
     line = one_line(capsys, "sets", "fit", "--steps", "five", "--out", out)

@@ -237,11 +237,11 @@ def read_config_file(path: str | Path) -> dict:
         raise ConfigError(f"config {path} is not UTF-8 text") from None
     try:
         if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            values = yaml.safe_load(text)
+            values = _load_yaml(text)
         else:
-            values = json.loads(text)
+            values = json.loads(text, object_pairs_hook=_unique_keys)
+    except ConfigError as err:
+        raise ConfigError(f"config {path}: {err}") from None
     except Exception as err:  # a syntax error of either parser: one line naming the file
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise ConfigError(f"config {path} is not valid "
@@ -253,6 +253,33 @@ def read_config_file(path: str | Path) -> dict:
         raise ConfigError(f"config {path} must hold a mapping of settings, got "
                           f"{type(values).__name__}")
     return values
+
+
+def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
+    """A mapping from its (key, value) pairs, refusing a key given twice (both parsers would
+    keep the last one silently)."""
+    keys = [key for key, _ in pairs]
+    twice = sorted({str(key) for key in keys if keys.count(key) > 1})
+    if twice:
+        raise ConfigError(f"{', '.join(repr(k) for k in twice)} given twice; keep one")
+    return dict(pairs)
+
+
+def _load_yaml(text: str) -> Any:
+    """``yaml.safe_load``, refusing a key written twice in one mapping (keys a merge ``<<``
+    brings in may still be overridden, as YAML says)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node):
+        _unique_keys([(loader.construct_object(key), None) for key, _ in node.value
+                      if key.tag != "tag:yaml.org,2002:merge"])
+        return loader.construct_mapping(node, deep=True)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader
 
 
 # ----------------------------------------------------------------------------- command line
