@@ -85,6 +85,11 @@ def test_a_step_that_does_not_fit_is_refused_with_the_largest_batch_that_does(mo
     with pytest.raises(ConfigError, match=r"3 items in each of 2 processes; 2 processes on "
                                           r"this host.*batch_size 4 or less"):
         check_fits(PassBytes(0, GIB), 5, cpu, processes=2)
+    # below a MiB per item the size is in KiB (it read "0 MiB"), counts with separators
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    with pytest.raises(ConfigError, match=r"\(24.0 KiB saved for the backward pass per item, "
+                                          r"1,000,000,000 items\).*batch_size 218,453 or less"):
+        check_fits(PassBytes(0, 24 * 2**10), 10**9, cpu)
     monkeypatch.setattr(memory, "available_memory", lambda device: None)
     check_fits(PassBytes(0, 100 * GIB), 100, cpu)  # unknown: no check
 

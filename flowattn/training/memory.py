@@ -185,13 +185,23 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
     room = free / (PEAK_FACTOR * sharing) - fixed  # bytes a process has for its items
     fits = int(room // per_item) * processes if per_item > 0 and room > 0 else 0
     gib, mib = 2**30, 2**20
-    advice = [f"{what} {fits} or less" if fits >= 1 else
+    advice = [f"{what} {fits:,} or less" if fits >= 1 else
               f"less memory per item ({what} 1 alone needs "
               f"{PEAK_FACTOR * (fixed + per_item) * sharing / gib:.1f} GiB)", *hints]
     raise ConfigError(
         f"a training step would need about {need / gib:.1f} GiB on {device} "
-        f"({per_item / mib:.0f} MiB saved for the backward pass per item, {each} items"
+        f"({_size(per_item)} saved for the backward pass per item, {each:,} items"
         + (f" in each of {processes} processes" if processes > 1 else "")
-        + (f", and {fixed / mib:.0f} MiB whatever the batch" if fixed >= mib else "")
+        + (f", and {_size(fixed)} whatever the batch" if fixed >= mib else "")
         + (f"; {sharing} processes on this host" if sharing > 1 else "")
         + f"), and {free / gib:.1f} GiB is available: use " + "; or ".join(advice))
+
+
+def _size(count: float) -> str:
+    """A byte count in MiB, or in KiB below one MiB (where MiB would read "0").
+
+    Examples:
+        >>> _size(5 * 2**20), _size(2048)
+        ('5 MiB', '2.0 KiB')
+    """
+    return f"{count / 2**20:.0f} MiB" if count >= 2**20 else f"{count / 2**10:.1f} KiB"
