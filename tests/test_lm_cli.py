@@ -293,6 +293,13 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     assert "--contractive-norm {inf,'2,inf',2,auto}" in text  # not {inf,2,inf,2,auto}
 
 
+def test_print_config_refuses_what_training_refuses(capsys):
+    # it printed a config (exit 0) that `lm train` then refused
+    line = one_line_error(capsys, "lm", "train", "--print-config", "json",
+                          "--residual-alpha", "0.5")
+    assert "residual_alpha=0.5 is not read by this model" in line
+
+
 def test_a_bad_number_or_auto_setting_is_a_one_line_usage_error(corpus, tmp_path, capsys):
     line = one_line_error(capsys, "lm", "train", "--data", corpus, "--init-scale", "big",
                           "--out", tmp_path / "o")

@@ -53,11 +53,6 @@ def _add_train(sub) -> None:
 
 
 def _train(args: argparse.Namespace) -> int:
-    if args.print_config:
-        return print_run_config(LMRunConfig, args, "lm")
-    from ..training.loop import EXIT_DIVERGED
-    from .train import train
-
     flags = given_flags(args, LMRunConfig)
     if not args.resume:  # settings typed for a model that would not read them
         given = set(flags)
@@ -66,6 +61,11 @@ def _train(args: argparse.Namespace) -> int:
                       LMRunConfig.nest(read_config_file(args.config), args.config).values()
                       for name in section}
         check_applicable(from_sources(LMRunConfig, args.config, flags).network, given)
+    if args.print_config:  # (what training would refuse, it refuses too)
+        return print_run_config(LMRunConfig, args, "lm")
+    from ..training.loop import EXIT_DIVERGED
+    from .train import train
+
     summary = train(out=args.out, resume=args.resume, file=args.config, flags=flags,
                     progress=args.progress, tensorboard=args.tensorboard)
     if not is_main_process():  # under torchrun only the first process reports
