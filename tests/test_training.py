@@ -806,6 +806,9 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(tmp_path, capsys, kin
                  ["sets", "fit", "--out", run, "--resume"]):
         line = one_line(capsys, *argv)
         assert str(path) in line, line
+        if kind in ("empty", "truncated"):  # and the way out
+            assert line.endswith("restore it from a copy, or train the run again in a new "
+                                 "--out folder"), line
 
 
 def test_a_checkpoint_holding_python_objects_is_refused_in_one_sentence(tmp_path, capsys):

@@ -64,6 +64,12 @@ def _kind_of(record: dict) -> tuple[str | None, int]:
     return None, 0
 
 
+# flowattn writes a checkpoint to a temporary file and renames it into place
+_DAMAGED = ("flowattn writes a checkpoint whole (a temporary file renamed into place), so one "
+            "of its checkpoints in this state was damaged afterwards: restore it from a copy, "
+            "or train the run again in a new --out folder")
+
+
 def read_checkpoint(location: str | os.PathLike, kind: str,
                     map_location: str | torch.device = "cpu") -> dict:
     """The checkpoint of a ``kind`` run (``lm`` or ``sets``) at ``location``, a file or folder.
@@ -76,8 +82,7 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
     """
     path = find_checkpoint(location)
     if path.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {path} is empty (0 bytes): the run that wrote it was "
-                              "interrupted, or the file was truncated")
+        raise CheckpointError(f"checkpoint {path} is empty (0 bytes); {_DAMAGED}")
     with open(path, "rb") as file:
         head = file.read(4)
     if not (head.startswith(b"PK") or head.startswith(b"\x80")):  # a zip archive or a pickle
@@ -92,7 +97,7 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
             reason = ("it holds Python objects other than tensors and plain data, which are "
                       "not loaded (weights_only)")
         raise CheckpointError(f"checkpoint {path} cannot be read (truncated, corrupted or not a "
-                              f"torch file): {reason[:200]}") from None
+                              f"torch file): {reason[:200]}; {_DAMAGED}") from None
     if not isinstance(record, dict):
         raise CheckpointError(f"{path} is not a flowattn checkpoint (it holds a "
                               f"{type(record).__name__})")
