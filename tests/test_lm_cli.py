@@ -158,6 +158,16 @@ def test_each_bad_number_of_sample_and_invert_check_is_named_with_its_value(trai
         assert message in line, line
 
 
+def test_eval_on_text_with_characters_the_model_never_saw_names_the_file_and_them(
+        trained, capsys, tmp_path):
+    out, _ = trained
+    other = tmp_path / "other.txt"
+    other.write_text(TEXT + "$%&" * 30)
+    line = one_line_error(capsys, "lm", "eval", "--checkpoint", out, "--data", other)
+    assert f"{other}: 3 character(s) the model never saw ('$%&')" in line
+    assert "has no unknown id" in line
+
+
 def test_invert_check_refuses_a_non_invertible_checkpoint(trained, capsys):
     out, _ = trained
     line = one_line_error(capsys, "lm", "invert-check", "--checkpoint", out)

@@ -291,6 +291,15 @@ def load_corpus(
         vocab = CharVocab.from_text(train_text)
         if vocab.missing(val_text):
             vocab = CharVocab(vocab.chars, unknown=True)
+    elif not vocab.unknown and vocab.missing(text if val_path is None else train_text + val_text):
+        # a model's vocabulary is its training text's characters, with an unknown id only
+        # where its validation text had others: without one it cannot score new characters
+        missing = vocab.missing(text if val_path is None else train_text + val_text)
+        raise InputError(
+            f"{source if val_path is None else f'{source} and {val_path}'}: "
+            f"{len(missing)} character(s) the model never saw ({''.join(missing[:20])!r}); "
+            "its vocabulary is the characters of its training text and has no unknown id, so "
+            "it cannot score them: evaluate text made of its characters")
     train, val = vocab.encode(train_text), vocab.encode(val_text)
     unknown = 0 if vocab.unknown_id is None else int((val == vocab.unknown_id).sum())
     digest = hashlib.sha256(train_text.encode() + b"\x00" + val_text.encode()).hexdigest()
