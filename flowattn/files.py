@@ -1,4 +1,5 @@
-"""Files written whole or not at all: a temporary file beside the target, then a rename."""
+"""Files written whole or not at all (a temporary file beside the target, then a rename), and
+what to say of files that are missing or cannot be written."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 
 from .errors import InputError
 
-__all__ = ["atomic_write", "atomic_write_text", "check_output_file", "unwritable"]
+__all__ = ["atomic_write", "atomic_write_text", "check_output_file", "unwritable",
+           "no_such_file"]
 
 
 def _umask() -> int:
@@ -80,3 +82,17 @@ def unwritable(folder: str | os.PathLike) -> str | None:
             return None
     except OSError as err:
         return str(err.strerror or err)
+
+
+def no_such_file(path: str | os.PathLike) -> str:
+    """The message for a file that is not there; a relative path also names the folder it was
+    looked for in (relative paths, in flags and config files alike, are read from the working
+    directory).
+
+    Examples:
+        >>> no_such_file("/data/sets.npz")
+        '/data/sets.npz: no such file'
+    """
+    path = Path(path)
+    where = "" if path.is_absolute() else f" (looked for in the working directory {Path.cwd()})"
+    return f"{path}: no such file{where}"

@@ -303,6 +303,24 @@ def test_print_config_and_help_show_the_auto_defaults(corpus, capsys):
     assert "--contractive-norm {inf,'2,inf',2,auto}" in text  # not {inf,2,inf,2,auto}
 
 
+def test_every_flag_is_its_settings_name_and_format_stays_an_alias(capsys):
+    for flag in ("--data-format", "--format"):
+        code, stdout, _ = run(capsys, "lm", "train", flag, "ptb-char", "--print-config", "json")
+        assert code == 0 and json.loads(stdout)["data"]["data_format"] == "ptb-char"
+
+
+def test_a_missing_relative_data_file_names_the_folder_it_was_looked_for_in(
+        tmp_path, capsys, monkeypatch):
+    # relative paths, on the command line and in config files alike, are read from the
+    # working directory (not from the config file's folder)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "run.yaml").write_text("data: only.txt\nsteps: 1\n")
+    line = one_line_error(capsys, "lm", "train", "--config", "cfg/run.yaml", "--out", "o")
+    assert line.endswith(f"only.txt: no such file (looked for in the working directory "
+                         f"{tmp_path})")
+
+
 def test_print_config_refuses_what_training_refuses(capsys):
     # it printed a config (exit 0) that `lm train` then refused
     line = one_line_error(capsys, "lm", "train", "--print-config", "json",

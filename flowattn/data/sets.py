@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError, InputError
-from ..files import atomic_write
+from ..files import atomic_write, no_such_file
 
 __all__ = ["SetData", "load_npz", "save_npz", "size_mask"]
 
@@ -161,7 +161,7 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
     """
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such file")
+        raise DataError(no_such_file(path))
     try:
         with np.load(path, allow_pickle=False) as archive:
             keys = set(archive.files)

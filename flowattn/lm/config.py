@@ -455,7 +455,7 @@ class LMData(Section):
                              "corpus)")
     data_format: Literal["auto", "text", "ptb-char"] = Field(
         "auto", description="file format; auto detects PTB-char",
-        json_schema_extra={"flag": "--format"})
+        json_schema_extra={"aliases": ["--format"]})
     val_data: str | None = Field(None, description="separate validation file (none: the last "
                                  "10% of --data)")
     eval_iters: int = Field(0, ge=0, description="random validation batches per evaluation; 0 "

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError, InputError
+from ..files import no_such_file
 from .config import DEFAULT_CORPUS, FORMATS
 
 __all__ = [
@@ -156,7 +157,7 @@ def read_text(path: str | Path) -> str:
     """
     path = Path(path)
     if not path.exists():
-        raise DataError(f"{path}: no such file")
+        raise DataError(no_such_file(path))
     if path.is_dir():
         raise DataError(f"{path} is a directory, not a text file")
     raw = path.read_bytes()

@@ -340,9 +340,10 @@ def _parse(kind, optional: bool, flag: str):
     return convert
 
 
-def _flag(name: str, info) -> str:
+def _flags(name: str, info) -> list[str]:
+    """A setting's flags: its name with dashes, then any ``aliases`` the field names."""
     extra = info.json_schema_extra or {}
-    return extra.get("flag", "--" + name.replace("_", "-"))
+    return ["--" + name.replace("_", "-"), *extra.get("aliases", ())]
 
 
 def _default_shown(info) -> str:
@@ -375,7 +376,8 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
         for name, info in kind.model_fields.items():
             if name in skip:
                 continue
-            flag = _flag(name, info)
+            flags = _flags(name, info)
+            flag = flags[0]
             inner, optional = _options(info.annotation)
             help_text = f"{info.description or ''} (default: {_default_shown(info)})".strip()
             help_text = help_text.replace("%", "%%")
@@ -384,10 +386,10 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
             if number_or_words is not None:
                 kind, words = number_or_words
                 metavar = ("N" if kind is int else "X") + "|" + "|".join(words)
-                group.add_argument(flag, type=_parse_number_or_words(kind, words, flag),
+                group.add_argument(*flags, type=_parse_number_or_words(kind, words, flag),
                                    metavar=metavar, **common)
             elif inner is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, **common)
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, **common)
             elif get_origin(inner) is Literal:
                 # "none" is a value of its own where the choices name it (e.g. norm "none"),
                 # else the way to ask for an optional setting's automatic default
@@ -396,11 +398,11 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
                                                    else [])
                 # a choice that holds a comma ("2,inf") is quoted in the list of choices
                 metavar = "{" + ",".join(f"'{c}'" if "," in c else c for c in choices) + "}"
-                group.add_argument(flag, choices=choices, metavar=metavar,
+                group.add_argument(*flags, choices=choices, metavar=metavar,
                                    type=_literal(optional and not literal_none), **common)
             elif inner in (int, float, str):
                 metavar = {int: "N", float: "X", str: "TEXT"}[inner]
-                group.add_argument(flag, type=_parse(inner, optional, flag), metavar=metavar,
+                group.add_argument(*flags, type=_parse(inner, optional, flag), metavar=metavar,
                                    **common)
             else:  # pragma: no cover - a field type the command line cannot express
                 raise TypeError(f"setting {name} has a type the command line cannot parse")

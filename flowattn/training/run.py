@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConfigError, DataError, RunError
-from ..files import atomic_write_text, unwritable
+from ..files import atomic_write_text, no_such_file, unwritable
 from .checkpoint import (
     BEST,
     CHECKPOINT,
@@ -305,7 +305,7 @@ def data_fingerprint(*paths: str | os.PathLike | None) -> dict:
                 for chunk in iter(lambda: handle.read(1 << 20), b""):
                     digest.update(chunk)
         except FileNotFoundError:
-            raise DataError(f"{path}: no such file") from None
+            raise DataError(no_such_file(path)) from None
         except OSError as err:
             raise DataError(f"cannot read {path}: {err.strerror or err}") from None
         digest.update(b"\x00")
