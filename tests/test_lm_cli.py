@@ -168,6 +168,21 @@ def test_eval_on_text_with_characters_the_model_never_saw_names_the_file_and_the
     assert "has no unknown id" in line
 
 
+def test_eval_sample_and_ngram_take_threads(trained, corpus, capsys, monkeypatch):
+    # the commands that load a run set torch's threads as training does
+    seen = []
+    monkeypatch.setattr(torch, "set_num_threads", seen.append)
+    out, _ = trained
+    for command in (["eval", "--checkpoint", out], ["sample", "--checkpoint", out,
+                                                    "--max-new-tokens", "2"],
+                    ["ngram", "--data", corpus, "--orders", "1"]):
+        code, _, err = run(capsys, "lm", *command, "--threads", "1")
+        assert code == 0, err
+    assert seen == [1, 1, 1]
+    line = one_line_error(capsys, "lm", "invert-check", "--checkpoint", out, "--threads", "0")
+    assert "--threads must be >= 1, got 0" in line
+
+
 def test_invert_check_refuses_a_non_invertible_checkpoint(trained, capsys):
     out, _ = trained
     line = one_line_error(capsys, "lm", "invert-check", "--checkpoint", out)

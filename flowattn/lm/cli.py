@@ -13,6 +13,7 @@ import sys
 from ..errors import InputError, InverseNotConverged
 from ..training.cli import (
     add_run_arguments,
+    add_threads,
     is_main_process,
     json_line,
     print_run_config,
@@ -118,16 +119,19 @@ def _add_eval(sub) -> None:
     p.add_argument("--split", choices=("val", "train"), default="val", help="(default: val)")
     p.add_argument("--batch-size", type=int, default=64, help="windows per batch (default: 64)")
     p.add_argument("--device", default="cpu", help="(default: cpu)")
+    add_threads(p)
     p.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     p.set_defaults(handler=_eval)
 
 
 def _load(args: argparse.Namespace):
-    """The checkpoint's model on ``--device`` (checked first: a one-line error without CUDA)."""
-    from ..training.device import resolve_device
+    """The checkpoint's model on ``--device`` (checked first: a one-line error without CUDA),
+    with ``--threads`` set."""
+    from ..training.device import resolve_device, set_threads
     from .train import load_checkpoint
 
     device = resolve_device(args.device)
+    set_threads(args.threads)
     return (*load_checkpoint(args.checkpoint, device), device)
 
 
@@ -173,6 +177,7 @@ def _add_sample(sub) -> None:
     p.add_argument("--top-k", type=int, default=None, help="sample among the k likeliest")
     p.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="(default: cpu)")
+    add_threads(p)
     p.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     p.set_defaults(handler=_sample)
 
@@ -216,21 +221,25 @@ def _add_ngram(sub) -> None:
         "of the training split): the floor a language model should clear.")
     p.add_argument("--data", metavar="PATH", help="UTF-8 text or PTB-char file (default: the "
                    "embedded corpus)")
-    p.add_argument("--format", dest="data_format", choices=("auto", "text", "ptb-char"),
-                   default="auto", help="(default: %(default)s)")
+    p.add_argument("--data-format", "--format", dest="data_format",
+                   choices=("auto", "text", "ptb-char"), default="auto",
+                   help="(default: %(default)s)")
     p.add_argument("--val-data", metavar="PATH", help="separate validation file")
     p.add_argument("--orders", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    help="n of each model (default: 1 2 3 4 5)")
+    add_threads(p)
     p.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     p.set_defaults(handler=_ngram)
 
 
 def _ngram(args: argparse.Namespace) -> int:
+    from ..training.device import set_threads
     from .data import load_corpus
     from .ngram import ngram_baselines
 
     if any(order < 1 for order in args.orders):
         raise InputError(f"--orders must be positive, got {args.orders}")
+    set_threads(args.threads)
     corpus = load_corpus(args.data, args.data_format, args.val_data)
     records = ngram_baselines(corpus.train, corpus.val, corpus.vocab.size,
                               tuple(sorted(set(args.orders))))
@@ -265,6 +274,7 @@ def _add_invert_check(sub) -> None:
     p.add_argument("--threshold", type=float, default=1e-4,
                    help="exit with status 1 when the max error exceeds it (default: %(default)s)")
     p.add_argument("--device", default="cpu", help="(default: cpu)")
+    add_threads(p)
     p.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     p.set_defaults(handler=_invert_check)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..errors import DataError, InputError
 from ..training.cli import (
     add_run_arguments,
+    add_threads,
     is_main_process,
     json_line,
     print_run_config,
@@ -347,7 +348,7 @@ def add_sets_subparsers(subparsers) -> None:
                     "%(default)s)")
     ev.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
                     "%(default)s)")
-    ev.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    add_threads(ev)
     ev.add_argument("--divergence", choices=("auto", "exact", "hutchinson"), default="auto",
                     help="continuous flows: the trace in the log-det (auto: the run's "
                     "eval_divergence; hutchinson: one probe per set, far cheaper for large "
@@ -382,8 +383,7 @@ def add_sets_subparsers(subparsers) -> None:
                         "large systems, but the weights exp(-E - log q) are then biased)")
     sample.add_argument("--json", action="store_true", help="with --energy: end with a JSON "
                         "line of the estimates")
-    sample.add_argument("--threads", type=int, help="torch intra-op threads (default: "
-                        "torch's)")
+    add_threads(sample)
     sample.add_argument("--batch-size", type=int, help="sets drawn (and, with --energy, "
                         "scored) at a time (default: 1000; with --energy, a continuous flow "
                         "scored with the exact trace: 512 // (N D), e.g. 13 for LJ13)")

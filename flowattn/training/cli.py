@@ -13,7 +13,14 @@ from .config import RunConfig, from_sources, given_flags, print_config
 from .metrics import json_safe
 
 __all__ = ["add_run_arguments", "print_run_config", "run_summary_lines", "is_main_process",
-           "json_line", "seed"]
+           "json_line", "seed", "add_threads"]
+
+
+def add_threads(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch's intra-op threads for a command that loads a run (evaluation,
+    sampling); a training command has its own setting."""
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's; "
+                        "on a shared or small machine, 1 is often much faster)")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None:
