@@ -111,7 +111,7 @@ def test_sample_refuses_bad_temperatures_and_seeds_and_draws_no_unknown_characte
         trained, capsys, tmp_path):
     out, _ = trained
     for flag, value in (("--temperature", "nan"), ("--temperature", "inf"),
-                        ("--temperature", "0"), ("--seed", str(2**64))):
+                        ("--temperature", "0"), ("--seed", str(2**64)), ("--seed", "-1")):
         line = one_line_error(capsys, "lm", "sample", "--checkpoint", out, flag, value)
         assert value in line or "temperature" in line, line
     # a temperature far below float32's range: greedy decoding, no NaN probabilities

@@ -45,11 +45,11 @@ def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None
 
 
 def seed(text: str) -> int:
-    """An argparse type: a seed that ``torch.manual_seed`` takes (an integer from -2^63 to
-    2^64 - 1); anything else is a usage error naming the value."""
+    """An argparse type: a seed from 0 to 2^64 - 1, the range of a run's ``seed`` setting (and
+    one ``torch.manual_seed`` takes); anything else is a usage error naming the value."""
     value = int(text)  # not an integer: argparse reports "invalid seed value"
-    if not -(2**63) <= value <= 2**64 - 1:
-        raise argparse.ArgumentTypeError(f"a seed must lie between -2^63 and 2^64 - 1, got "
+    if not 0 <= value <= 2**64 - 1:
+        raise argparse.ArgumentTypeError(f"a seed must lie between 0 and 2^64 - 1, got "
                                          f"{value}")
     return value
 
