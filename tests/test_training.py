@@ -963,6 +963,30 @@ def test_a_terminated_run_says_how_to_resume_it_and_exits_with_143(tmp_path, cor
         "again)"]
 
 
+def test_a_run_folder_in_use_by_another_process_is_refused(tmp_path, capsys, corpus):
+    # two processes training into one folder interleaved their metrics and checkpoints
+    run = tmp_path / "lm"
+    command = [sys.executable, "-m", "flowattn", "lm", "train", "--data", str(corpus),
+               *LM_FLAGS, "--steps", "100000", "--checkpoint-every", "1", "--threads", "1",
+               "--out", str(run)]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):  # until its first checkpoint (60 s at most)
+            if (run / "checkpoint.pt").is_file() or process.poll() is not None:
+                break
+            time.sleep(0.1)
+        line = one_line(capsys, "lm", "train", "--out", run, "--resume")
+    finally:
+        process.kill()
+        process.wait()
+    assert line.endswith(f"the run in {run} is in use by another process (pid {process.pid}): "
+                         "wait for it to end, or stop it first")
+    reached = torch.load(run / "checkpoint.pt", weights_only=False)["step"]
+    code, _, err = cli(capsys, "lm", "train", "--out", run, "--resume", "--steps",
+                       str(reached + 1))
+    assert code == 0, err  # the lock went with its process
+
+
 def test_a_closed_standard_output_stops_a_run_with_one_line(tmp_path, capsys, corpus,
                                                            monkeypatch):
     # `flowattn lm train ... | head -1`: the reader goes, the next print raises BrokenPipeError

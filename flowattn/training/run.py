@@ -23,6 +23,7 @@ stopped before its first checkpoint                    metrics are removed)
                                                        on)
 data file changed since the run began                  refused (its SHA-256 is recorded)
 another command's run folder                           refused
+folder in use by another process's run                 refused (naming its process id)
 =====================================================  =======================================
 """
 
@@ -52,6 +53,7 @@ __all__ = ["RunPlan", "plan_run", "data_fingerprint", "prepare_out_dir", "RUN_FI
            "CONFIG_FILE", "SUMMARY_FILE", "DIVERGED_FILE"]
 
 RUN_FILE = "run.json"
+LOCK_FILE = ".run.lock"
 CONFIG_FILE = "config.json"
 SUMMARY_FILE = "summary.json"
 DIVERGED_FILE = "diverged.json"
@@ -80,6 +82,7 @@ class RunPlan:
     finished: bool = False
     restart: bool = False
     notes: list[str] = field(default_factory=list)
+    _lock: Any = field(default=None, repr=False, compare=False)  # the folder's, once prepared
 
     @property
     def start_step(self) -> int:
@@ -88,8 +91,10 @@ class RunPlan:
     def prepare(self) -> None:
         """Create the folder, check it is writable, clear a stale start and the temporary files
         of writes that a killed process left unfinished, write run.json and config.json (call
-        on the first process only)."""
+        on the first process only). The folder stays locked for this run while the plan
+        lives (another process's run there is refused)."""
         prepare_out_dir(self.out)
+        self._lock = _lock_folder(self.out)
         for name in (*_OUTPUTS, RUN_FILE, CONFIG_FILE, CHECKPOINT, BEST):
             for stale in self.out.glob(f".{name}.*.tmp"):  # atomic_write's temporary names
                 stale.unlink(missing_ok=True)
@@ -102,6 +107,33 @@ class RunPlan:
         atomic_write_text(json.dumps(manifest, indent=2) + "\n", self.out / RUN_FILE)
         atomic_write_text(json.dumps(self.config.to_dict(), indent=2) + "\n",
                           self.out / CONFIG_FILE)
+
+
+def _lock_folder(out: Path):
+    """An exclusive lock on ``out/.run.lock`` (its open file, or None where the system has no
+    ``fcntl``): two processes training into one folder would interleave their checkpoints
+    and metrics. A POSIX record lock belongs to the process, so the same process may take it
+    again (a run resumed in the process that was interrupted); it goes when the file is
+    closed or the process ends, however it ends."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not a POSIX system
+        return None
+    handle = open(out / LOCK_FILE, "a+")  # noqa: SIM115 - held open while the run lives
+    try:
+        fcntl.lockf(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        owner = handle.read().strip()
+        handle.close()
+        raise RunError(f"the run in {out} is in use by another process"
+                       + (f" (pid {owner})" if owner.isdigit() else "")
+                       + ": wait for it to end, or stop it first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def prepare_out_dir(out: str | os.PathLike) -> Path:
