@@ -336,6 +336,19 @@ def test_a_missing_relative_data_file_names_the_folder_it_was_looked_for_in(
                          f"{tmp_path})")
 
 
+def test_a_model_that_overflows_at_initialisation_is_blamed_on_its_settings(
+        corpus, tmp_path, capsys):
+    # the check of a module's output advised to scale the input down or compute in float64,
+    # neither of which a training run can do
+    out = tmp_path / "o"
+    line = one_line_error(capsys, "lm", "train", "--data", corpus, *TINY, "--weighted-residual",
+                          "--residual-alpha", "1e30", "--out", out)
+    assert line.startswith("flowattn lm train: error: before its first step, on the run's own "
+                           "data: TransformerLM overflowed")
+    assert "e.g. init_scale, residual_alpha, norm_gain" in line and "float64" not in line
+    assert not out.exists()
+
+
 def test_print_config_refuses_what_training_refuses(capsys):
     # it printed a config (exit 0) that `lm train` then refused
     line = one_line_error(capsys, "lm", "train", "--print-config", "json",

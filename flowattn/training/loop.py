@@ -29,7 +29,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..errors import NonFiniteError
+from ..errors import ConfigError, NonFiniteError
 from ..files import atomic_write_text
 from ..progress import Progress
 from .average import ParameterAverage
@@ -116,6 +116,20 @@ def adamw(model: nn.Module, lr: float, betas: tuple[float, float] = (0.9, 0.999)
         return torch.optim.AdamW(parameter_groups(model, weight_decay), lr=lr, betas=betas)
 
 
+def _check_memory(task: Task) -> None:
+    """``task.check_memory()``, whose pass is the run's first: a model that overflows there,
+    before any step, does so because of its settings, and is refused as such."""
+    try:
+        task.check_memory()
+    except NonFiniteError as err:
+        found = str(err).split("; ")[0]  # what overflowed, without advice meant for inputs
+        raise ConfigError(
+            f"before its first step, on the run's own data: {found}. A setting takes the "
+            "activations beyond the range of the dtype: one that scales the weights or the "
+            "residual branches (e.g. init_scale, residual_alpha, norm_gain), or data of a huge "
+            "scale") from None
+
+
 def _rng_state(generator: torch.Generator, device: torch.device) -> dict:
     state = {"torch": torch.get_rng_state(), "batches": generator.get_state()}
     if device.type == "cuda":
@@ -156,7 +170,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     if plan.checkpoint is not None:
         record = plan.checkpoint
         model.load_state_dict(record.get("training_model", record["model"]))
-        task.check_memory()
+        _check_memory(task)
         optimizer.load_state_dict(record["optimizer"])
         loop.update(record["loop"])
         states = record["rng"]
@@ -167,7 +181,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                 "restart, so the run will not repeat an uninterrupted one exactly")
     else:
         task.initialise()
-        task.check_memory()
+        _check_memory(task)
         torch.manual_seed(cfg.seed + dist.rank)  # dropout and probes differ per process
     average = None if cfg.ema is None else ParameterAverage(model, cfg.ema)
     if average is not None and plan.checkpoint is not None:
