@@ -938,6 +938,18 @@ def test_a_divergence_after_a_checkpoint_names_the_step_the_checkpoint_holds(tmp
 # ----------------------------------------------------------------------------- reports, errors
 
 
+def test_a_run_shorter_than_its_warm_up_says_so(tmp_path, capsys, corpus):
+    # l2-tied's automatic warm-up is 400 steps: a 6-step run never left it, silently
+    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "6",
+                        "--warmup", "6", "--lr", "1e-3", "--out", tmp_path / "a")
+    assert code == 0
+    assert ("note: the warm-up (6 steps) is as long as the run (6 steps), so the learning "
+            "rate never reaches lr 0.001 (it ends at 0.000857)") in text
+    code, text, _ = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "6",
+                        "--warmup", "5", "--out", tmp_path / "b")
+    assert code == 0 and "warm-up" not in text
+
+
 def test_a_terminated_run_says_how_to_resume_it_and_exits_with_143(tmp_path, corpus):
     # SIGTERM (a batch scheduler's stop) is Ctrl-C's: one line naming the way back, no
     # traceback; the run resumes from its last checkpoint

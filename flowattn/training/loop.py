@@ -203,6 +203,12 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
         plan.prepare()
         for note in plan.notes:
             log(note)
+        if cfg.warmup >= cfg.steps and cfg.schedule != "noam" and step < cfg.steps:
+            last = learning_rate(cfg.steps - 1, lr=cfg.lr, steps=cfg.steps,
+                                 schedule=cfg.schedule, warmup=cfg.warmup, min_lr=cfg.min_lr)
+            log(f"note: the warm-up ({cfg.warmup} steps) is as long as the run ({cfg.steps} "
+                f"steps), so the learning rate never reaches lr {cfg.lr:g} (it ends at "
+                f"{last:.3g}); a shorter --warmup gives a short run its rate")
         if cfg.compile and step < cfg.steps:
             log("torch.compile: the first steps compile the model (a minute or more on a CPU)")
     dist.barrier()
