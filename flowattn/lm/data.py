@@ -292,10 +292,9 @@ def load_corpus(
         vocab = CharVocab.from_text(train_text)
         if vocab.missing(val_text):
             vocab = CharVocab(vocab.chars, unknown=True)
-    elif not vocab.unknown and vocab.missing(text if val_path is None else train_text + val_text):
+    elif not vocab.unknown and (missing := vocab.missing(train_text + val_text)):
         # a model's vocabulary is its training text's characters, with an unknown id only
         # where its validation text had others: without one it cannot score new characters
-        missing = vocab.missing(text if val_path is None else train_text + val_text)
         raise InputError(
             f"{source if val_path is None else f'{source} and {val_path}'}: "
             f"{len(missing)} character(s) the model never saw ({''.join(missing[:20])!r}); "

@@ -64,7 +64,6 @@ def _kind_of(record: dict) -> tuple[str | None, int]:
     return None, 0
 
 
-# flowattn writes a checkpoint to a temporary file and renames it into place
 _DAMAGED = ("flowattn writes a checkpoint whole (a temporary file renamed into place), so one "
             "of its checkpoints in this state was damaged afterwards: restore it from a copy, "
             "or train the run again in a new --out folder")
