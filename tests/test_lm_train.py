@@ -59,8 +59,9 @@ def test_training_lowers_validation_loss_far_below_uniform(corpus, tmp_path):
 def test_checkpoint_is_written_atomically_and_rebuilds_the_trained_model(corpus, tmp_path):
     out = tmp_path / "run"
     summary = run(tiny(corpus, dropout=0.1), out)
-    assert sorted(p.name for p in out.iterdir()) == [
-        "checkpoint.pt", "config.json", "metrics.jsonl", "run.json", "summary.json"]
+    assert sorted(p.name for p in out.iterdir()) == [  # (.run.lock: the folder's lock)
+        ".run.lock", "checkpoint.pt", "config.json", "metrics.jsonl", "run.json",
+        "summary.json"]
     model, ckpt, vocab = load_checkpoint(out)
     assert ckpt["step"] == 16 and len(ckpt["rng"]) == 1 and not model.training
     assert ckpt["format"] == "flowattn" and ckpt["kind"] == "lm" and ckpt["version"] == 2

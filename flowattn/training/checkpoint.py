@@ -93,8 +93,9 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
             ValueError, AttributeError, KeyError, IndexError, UnicodeDecodeError) as err:
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         if "Weights only load failed" in reason:  # torch's explanation runs for a paragraph
-            reason = ("it holds Python objects other than tensors and plain data, which are "
-                      "not loaded (weights_only)")
+            raise CheckpointError(
+                f"checkpoint {path} cannot be read: it holds Python objects other than tensors "
+                "and plain data, which are not loaded (weights_only)") from None
         raise CheckpointError(f"checkpoint {path} cannot be read (truncated, corrupted or not a "
                               f"torch file): {reason[:200]}; {_DAMAGED}") from None
     if not isinstance(record, dict):
