@@ -3,8 +3,11 @@ what to say of files that are missing or cannot be written."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import tempfile
+import threading
 from pathlib import Path
 
 from .errors import InputError
@@ -25,13 +28,42 @@ def atomic_write(path: str | os.PathLike, write) -> None:
     A reader never sees half a file; the file gets the permissions of an ordinary new file
     (0666 less the umask), not the temporary file's 0600. A file that cannot be written (no
     such folder, no permission, a folder in its place, a full disk) is an
-    :class:`~flowattn.errors.InputError` naming it, and leaves nothing behind.
+    :class:`~flowattn.errors.InputError` naming it, and leaves nothing behind. Ctrl-C and
+    SIGTERM wait until the file is in place (an interrupt inside ``torch.save`` turns into
+    torch's own error about the archive it was writing).
     """
     path = Path(path)
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as err:
         raise InputError(f"cannot write {path}: {err.strerror or err}") from None
+    with _signals_deferred():
+        _write_and_rename(fd, tmp, path, write)
+
+
+@contextlib.contextmanager
+def _signals_deferred():
+    """Hold SIGINT and SIGTERM back until the block ends, then deliver the first one received
+    to the handler that was in place (in the main thread, where Python runs its handlers;
+    blocking them at the system level would not do: a thread of torch's may take them)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+    held = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if signal.getsignal(signum) is not None:  # None: a handler not set from Python
+            held[signum] = signal.signal(signum, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in held.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])
+
+
+def _write_and_rename(fd: int, tmp: str, path: Path, write) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)

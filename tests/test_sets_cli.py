@@ -161,6 +161,32 @@ def test_atomic_write_names_the_file_it_cannot_write_and_leaves_nothing(tmp_path
     assert not list(tmp_path.glob(".*.tmp"))
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_an_atomic_write_waits_until_the_file_is_in_place(tmp_path, signum):
+    # Ctrl-C inside torch.save became torch's "unexpected pos" error, a traceback
+    from flowattn.files import atomic_write
+
+    class Stop(Exception):
+        pass
+
+    def stop(signum, frame):
+        raise Stop
+
+    def write(handle):
+        handle.write(b"a")
+        os.kill(os.getpid(), signum)
+        time.sleep(0.05)  # an undeferred handler runs here
+        handle.write(b"b")
+
+    previous = signal.signal(signum, stop)
+    try:
+        with pytest.raises(Stop):  # delivered, after the write
+            atomic_write(tmp_path / "f", write)
+    finally:
+        signal.signal(signum, previous)
+    assert (tmp_path / "f").read_bytes() == b"ab" and not list(tmp_path.glob(".*.tmp"))
+
+
 def test_a_folder_that_takes_no_new_file_is_named_with_the_reason(tmp_path, monkeypatch):
     import tempfile
 
