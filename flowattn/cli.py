@@ -115,10 +115,11 @@ def _terminate(signum, frame):
 
 def _resumable(args: argparse.Namespace, prog: str) -> str:
     """For a training command whose run folder holds a checkpoint: how to continue it."""
-    from .training.checkpoint import CHECKPOINT
+    from .training.checkpoint import CHECKPOINT, checkpoint_step
 
     out = getattr(args, "out", None)
     if not hasattr(args, "resume") or out is None or not (Path(out) / CHECKPOINT).is_file():
         return ""
-    return (f"; the run continues from its last checkpoint with `{prog} --out {out} --resume` "
-            "(steps after that checkpoint are trained again)")
+    step = checkpoint_step(Path(out) / CHECKPOINT)
+    return (f"; the run continues from its checkpoint{'' if step is None else f' of step {step}'}"
+            f" with `{prog} --out {out} --resume`")

@@ -969,10 +969,86 @@ def test_a_terminated_run_says_how_to_resume_it_and_exits_with_143(tmp_path, cor
     finally:
         process.kill()
     assert process.returncode == 143, err
-    assert err.strip().splitlines() == [
-        f"flowattn lm train: terminated; the run continues from its last checkpoint with "
-        f"`flowattn lm train --out {run} --resume` (steps after that checkpoint are trained "
-        "again)"]
+    lines = err.strip().splitlines()
+    assert lines[0] == ("lm train: SIGTERM received: stopping after this step, once a "
+                        "checkpoint holds it (a second SIGTERM stops at once)")
+    step = torch.load(run / "checkpoint.pt", weights_only=True)["step"]
+    assert lines[1:] == [
+        f"flowattn lm train: terminated; the run continues from its checkpoint of step {step} "
+        f"with `flowattn lm train --out {run} --resume`"]
+
+
+def _request_stop_during_step(monkeypatch, signals: list[int], at: int = 2) -> None:
+    """Send ``signals`` to this process while the loop takes the learning rate of step index
+    ``at``, i.e. inside that step."""
+    from flowattn.training import loop
+
+    rate = loop.learning_rate
+
+    def requesting(step, **kwargs):
+        if step == at:
+            for signum in signals:
+                os.kill(os.getpid(), signum)
+        return rate(step, **kwargs)
+
+    monkeypatch.setattr(loop, "learning_rate", requesting)
+
+
+@pytest.fixture
+def terminating():
+    """SIGTERM handled as the command line handles it (a KeyboardInterrupt), not by default."""
+    from flowattn.cli import _terminate
+
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    yield
+    signal.signal(signal.SIGTERM, previous)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_stop_request_ends_the_run_after_its_step_saved_and_resume_repeats_nothing(
+        tmp_path, monkeypatch, terminating, signum):
+    # Ctrl-C lost every step since the last checkpoint; now the step in progress completes,
+    # a checkpoint holds it, and the resumed run is the uninterrupted one bit for bit
+    from flowattn.cli import Terminated
+
+    split = tmp_path / "split"
+    with monkeypatch.context() as patch:
+        _request_stop_during_step(patch, [signum], at=2)
+        with pytest.raises(Terminated if signum == signal.SIGTERM else KeyboardInterrupt):
+            fit_tiny(split, steps=6, checkpoint_every=4)
+    assert read_checkpoint(split, "sets")["step"] == 3  # the step it was in, not 0 or 2
+    assert not (split / "summary.json").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    fit(out=split, resume=True, progress=False, plots=False, tensorboard=False)
+    fit_tiny(tmp_path / "whole", steps=6, checkpoint_every=4)
+    whole = read_checkpoint(tmp_path / "whole", "sets")
+    resumed = read_checkpoint(split, "sets")
+    assert resumed["step"] == whole["step"] == 6
+    for name, value in whole["model"].items():
+        assert torch.equal(value, resumed["model"][name]), name
+
+
+def test_a_second_stop_request_stops_at_once(tmp_path, monkeypatch):
+    _request_stop_during_step(monkeypatch, [signal.SIGINT, signal.SIGINT], at=3)
+    with pytest.raises(KeyboardInterrupt):
+        fit_tiny(tmp_path / "run", steps=6, checkpoint_every=2)
+    assert read_checkpoint(tmp_path / "run", "sets")["step"] == 2  # the last regular one
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_an_interrupted_command_names_the_step_its_checkpoint_holds(tmp_path, capsys,
+                                                                     monkeypatch, corpus):
+    _request_stop_during_step(monkeypatch, [signal.SIGINT], at=4)
+    run = tmp_path / "lm"
+    code, out, err = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "9",
+                         "--checkpoint-every", "3", "--out", run)
+    assert code == 130
+    assert f"stopped after step 5; the checkpoint in {run} holds it" in out
+    assert err.splitlines()[-2:] == [
+        "lm train: interrupt (Ctrl-C) received: stopping after this step, once a checkpoint "
+        "holds it (Ctrl-C again stops at once)",
+        f"flowattn lm train: interrupted; the run continues from its checkpoint of step 5 with "
+        f"`flowattn lm train --out {run} --resume`"]
 
 
 def test_a_run_folder_in_use_by_another_process_is_refused(tmp_path, capsys, corpus):

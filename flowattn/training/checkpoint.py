@@ -27,7 +27,7 @@ from ..errors import CheckpointError, RunError
 from ..files import atomic_write
 
 __all__ = ["CHECKPOINT", "BEST", "VERSION", "save_checkpoint", "read_checkpoint",
-           "read_model", "find_checkpoint", "check_resumable"]
+           "read_model", "find_checkpoint", "check_resumable", "checkpoint_step"]
 
 CHECKPOINT = "checkpoint.pt"
 BEST = "best.pt"  # the state at the lowest validation loss, in runs with keep_best
@@ -111,6 +111,16 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
         raise CheckpointError(f"{path} was written in checkpoint format version {version}; this "
                               f"flowattn reads versions up to {VERSION}: upgrade flowattn")
     return {**record, "kind": found, "version": version, "path": str(path)}
+
+
+def checkpoint_step(path: str | os.PathLike) -> int | None:
+    """The step a checkpoint file holds, or None where it cannot be read (a message's detail:
+    nothing is checked beyond that; :func:`read_checkpoint` reads a checkpoint for use)."""
+    try:
+        record = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return int(record["step"])
+    except Exception:  # noqa: BLE001 - any failure only leaves the step out of the message
+        return None
 
 
 def read_model(location: str | os.PathLike, kind: str,

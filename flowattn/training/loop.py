@@ -13,6 +13,9 @@ NonFiniteError`), gradient or validation loss — or a smoothed training loss ab
 in metrics.jsonl and diverged.json, the checkpoint keeps the last state saved before it was
 detected (its step is named: the divergence may have begun before it), the summary says
 ``diverged`` and the command exits with status :data:`EXIT_DIVERGED`.
+
+Ctrl-C (SIGINT) or SIGTERM during training stops the run at the end of the step it is in, once
+a checkpoint holds that step (resume then repeats nothing); a second one stops it at once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ import contextlib
 import gc
 import json
 import math
+import os
+import signal
+import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -144,6 +151,57 @@ def _set_rng_state(state: dict, generator: torch.Generator, device: torch.device
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
+class _StopRequests:
+    """Ctrl-C and SIGTERM while the loop runs (main thread only): the first one is noted and
+    the loop stops after its step, checkpointed; a second one goes to the handler that was in
+    place before (Ctrl-C's KeyboardInterrupt: the run stops at once). Signals that are ignored,
+    or whose handler was not set from Python, are left alone."""
+
+    def __init__(self, name: str, say: bool = True) -> None:
+        self.name, self.say, self.signum, self.previous = name, say, None, {}
+
+    def __enter__(self) -> _StopRequests:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(signum)
+                if handler is not None and handler != signal.SIG_IGN:
+                    self.previous[signum] = signal.signal(signum, self._request)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+    def _request(self, signum: int, frame) -> None:
+        if self.signum is not None:  # the second request: at once, as without the loop
+            self.signum = signum
+            self.deliver(frame)
+            return
+        self.signum = signum
+        if not self.say:  # another process of the run says it
+            return
+        what, again = (("interrupt (Ctrl-C)", "Ctrl-C again") if signum == signal.SIGINT
+                       else ("SIGTERM", "a second SIGTERM"))
+        message = (f"\n{self.name}: {what} received: stopping after this step, once a "
+                   f"checkpoint holds it ({again} stops at once)\n")
+        try:
+            sys.stderr.write(message)
+            sys.stderr.flush()
+        except (RuntimeError, OSError, ValueError):  # the handler ran inside a write to it
+            os.write(2, message.encode())
+
+    def deliver(self, frame=None) -> None:
+        """Restore the handlers in place before the loop's and hand the request to its own
+        (Ctrl-C's raises KeyboardInterrupt, the command line's SIGTERM handler its stop; a
+        default one takes the signal's default action)."""
+        self.__exit__()
+        handler = self.previous.get(self.signum, signal.getsignal(self.signum))
+        if callable(handler):
+            handler(self.signum, frame)
+        else:
+            signal.raise_signal(self.signum)
+
+
 def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True,
           tensorboard: bool = True, log=Progress.write) -> dict:
     """Train ``task`` as ``plan`` says; return the summary (also written to summary.json).
@@ -235,82 +293,105 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     divergence = None
     window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
     model.train()
-    while step < cfg.steps:
-        t0 = time.perf_counter()
-        lr = learning_rate(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.schedule,
-                           warmup=cfg.warmup, min_lr=cfg.min_lr)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = task.batch(generator, dist)
-        try:
-            objective, reported, items = task.loss(module, batch)
-            failed = False
-        except NonFiniteError:  # the modules refuse NaN/Inf activations
-            failed = True
-        if dist.any(failed):
-            divergence = {"step": step + 1, "loss": math.nan, "grad_norm": math.nan,
-                          "reason": "non-finite activations"}
-            break
-        optimizer.zero_grad(set_to_none=True)
-        objective.backward()
-        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
-        stats = dist.mean(torch.stack([reported.detach().double(), grad_norm.detach().double()]))
-        loss, gnorm = (float(v) for v in stats)  # one host sync per step
-        if not math.isfinite(loss) or not math.isfinite(gnorm):
-            divergence = {"step": step + 1, "loss": loss, "grad_norm": gnorm,
-                          "reason": "non-finite loss" if not math.isfinite(loss)
-                          else "non-finite gradient"}
-            break
-        optimizer.step()
-        step += 1
-        if average is not None:
-            average.update(step)
-        seconds = time.perf_counter() - t0
-        items *= dist.world
-        loop["seconds"] += seconds
-        loop["items"] += items
-        for key, value in (("loss", loss), ("steps", 1), ("seconds", seconds), ("items", items)):
-            window[key] += value
-        smoothed = loss if loop["smoothed"] is None else 0.9 * loop["smoothed"] + 0.1 * loss
-        loop["smoothed"], loop["best_smoothed"] = smoothed, min(loop["best_smoothed"], smoothed)
-        if cfg.divergence_factor is not None and \
-                smoothed > cfg.divergence_factor * loop["best_smoothed"]:
-            divergence = {"step": step, "loss": loss, "grad_norm": gnorm,
-                          "reason": f"smoothed loss {smoothed:.3f} exceeds "
-                          f"{cfg.divergence_factor:g} x its best {loop['best_smoothed']:.3f}"}
-            break
-        bar.update(1)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            loop["train_loss"] = window["loss"] / window["steps"]
-            bar.set_postfix(loss=f"{loop['train_loss']:.4f}", lr=f"{lr:.2e}")
-            metrics.log(step, "train", loss=loop["train_loss"], lr=lr, grad_norm=gnorm,
-                        **{f"{task.items}_per_s": window["items"] / max(window["seconds"], 1e-9)},
-                        **getattr(task, "train_stats", dict)())
-            window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
-        if step % cfg.eval_every == 0 or step == cfg.steps:
-            with scored():
-                result = task.evaluate(dist)
-            loop["val_loss"] = result["loss"]
-            if result["loss"] < loop["best_val_loss"]:
-                loop["best_val_loss"], loop["best_step"] = result["loss"], step
-                if cfg.keep_best and main:  # no collective: the model alone is what it keeps
-                    save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
-                                     "data_fingerprint": plan.data, "step": step,
-                                     "model": result_state(), "loop": dict(loop),
-                                     "task": task.state(), "world_size": dist.world}, out / BEST)
-            metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
-            if main:
-                (bar.write if progress else log)(
-                    f"step {step}: validation loss {result['loss']:.4f}"
-                    + "".join(f", {k} {v:.4f}" for k, v in result.items()
-                              if k != "loss" and isinstance(v, float)))
-            if not math.isfinite(result["loss"]):
-                divergence = {"step": step, "loss": result["loss"], "grad_norm": gnorm,
-                              "reason": "non-finite validation loss"}
+    stop = _StopRequests(f"{plan.kind} train", say=main)
+    stopping = False
+    with stop:
+        while step < cfg.steps:
+            t0 = time.perf_counter()
+            lr = learning_rate(step, lr=cfg.lr, steps=cfg.steps, schedule=cfg.schedule,
+                               warmup=cfg.warmup, min_lr=cfg.min_lr)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = task.batch(generator, dist)
+            try:
+                objective, reported, items = task.loss(module, batch)
+                failed = False
+            except NonFiniteError:  # the modules refuse NaN/Inf activations
+                failed = True
+            if dist.any(failed):
+                divergence = {"step": step + 1, "loss": math.nan, "grad_norm": math.nan,
+                              "reason": "non-finite activations"}
                 break
-        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save()
+            optimizer.zero_grad(set_to_none=True)
+            objective.backward()
+            grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
+            stats = [reported.detach().double(), grad_norm.detach().double()]
+            if dist.active:  # the processes agree on a stop request in the same exchange
+                stats.append(torch.tensor(float(stop.signum is not None), dtype=torch.float64,
+                                          device=reported.device))
+            stats = dist.mean(torch.stack(stats)).tolist()  # one host sync per step
+            loss, gnorm = stats[:2]
+            if not math.isfinite(loss) or not math.isfinite(gnorm):
+                divergence = {"step": step + 1, "loss": loss, "grad_norm": gnorm,
+                              "reason": "non-finite loss" if not math.isfinite(loss)
+                              else "non-finite gradient"}
+                break
+            optimizer.step()
+            step += 1
+            if average is not None:
+                average.update(step)
+            seconds = time.perf_counter() - t0
+            items *= dist.world
+            loop["seconds"] += seconds
+            loop["items"] += items
+            for key, value in (("loss", loss), ("steps", 1), ("seconds", seconds),
+                               ("items", items)):
+                window[key] += value
+            smoothed = loss if loop["smoothed"] is None else \
+                0.9 * loop["smoothed"] + 0.1 * loss
+            loop["smoothed"] = smoothed
+            loop["best_smoothed"] = min(loop["best_smoothed"], smoothed)
+            if cfg.divergence_factor is not None and \
+                    smoothed > cfg.divergence_factor * loop["best_smoothed"]:
+                divergence = {"step": step, "loss": loss, "grad_norm": gnorm,
+                              "reason": f"smoothed loss {smoothed:.3f} exceeds "
+                              f"{cfg.divergence_factor:g} x its best {loop['best_smoothed']:.3f}"}
+                break
+            bar.update(1)
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                loop["train_loss"] = window["loss"] / window["steps"]
+                bar.set_postfix(loss=f"{loop['train_loss']:.4f}", lr=f"{lr:.2e}")
+                rate = window["items"] / max(window["seconds"], 1e-9)
+                metrics.log(step, "train", loss=loop["train_loss"], lr=lr, grad_norm=gnorm,
+                            **{f"{task.items}_per_s": rate},
+                            **getattr(task, "train_stats", dict)())
+                window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
+            if step % cfg.eval_every == 0 or step == cfg.steps:
+                with scored():
+                    result = task.evaluate(dist)
+                loop["val_loss"] = result["loss"]
+                if result["loss"] < loop["best_val_loss"]:
+                    loop["best_val_loss"], loop["best_step"] = result["loss"], step
+                    if cfg.keep_best and main:  # no collective: the model alone is what it keeps
+                        save_checkpoint({"kind": plan.kind, "config": plan.config.to_dict(),
+                                         "data_fingerprint": plan.data, "step": step,
+                                         "model": result_state(), "loop": dict(loop),
+                                         "task": task.state(), "world_size": dist.world},
+                                        out / BEST)
+                metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
+                if main:
+                    (bar.write if progress else log)(
+                        f"step {step}: validation loss {result['loss']:.4f}"
+                        + "".join(f", {k} {v:.4f}" for k, v in result.items()
+                                  if k != "loss" and isinstance(v, float)))
+                if not math.isfinite(result["loss"]):
+                    divergence = {"step": step, "loss": result["loss"], "grad_norm": gnorm,
+                                  "reason": "non-finite validation loss"}
+                    break
+            if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+                save()
+            stopping = stats[2] > 0 if dist.active else stop.signum is not None
+            if stopping:
+                if saved_step != step:
+                    save()
+                break
     bar.close()
+    if stopping:
+        if main:
+            log(f"stopped after step {step}; the checkpoint in {out} holds it")
+        metrics.close()
+        stop.deliver()  # Ctrl-C's KeyboardInterrupt, or the command line's stop for SIGTERM
+        raise KeyboardInterrupt  # a handler that let it pass: the run has stopped all the same
 
     # ------------------------------------------------------------------ summary
     summary = {"kind": plan.kind, "out": str(out), "step": step, "steps": cfg.steps,
