@@ -81,6 +81,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     try:
+        if not getattr(args, "print_config", None):  # every command but these imports torch
+            _import_torch()
         return int(args.handler(args))
     except FlowattnError as err:
         if debug:
@@ -103,6 +105,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _import_torch() -> None:
+    """Import torch with Ctrl-C and SIGTERM held back until it is in place: interrupted inside
+    its import, torch is left half initialised, and what follows (the interrupt's own report,
+    or the interpreter's exit) fails with an unrelated error or aborts."""
+    from .files import signals_deferred
+
+    with signals_deferred():
+        import torch  # noqa: F401
 
 
 class Terminated(KeyboardInterrupt):

@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import InputError
 
 __all__ = ["atomic_write", "atomic_write_text", "check_output_file", "unwritable",
-           "no_such_file"]
+           "no_such_file", "signals_deferred"]
 
 
 def _umask() -> int:
@@ -37,12 +37,12 @@ def atomic_write(path: str | os.PathLike, write) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     except OSError as err:
         raise InputError(f"cannot write {path}: {err.strerror or err}") from None
-    with _signals_deferred():
+    with signals_deferred():
         _write_and_rename(fd, tmp, path, write)
 
 
 @contextlib.contextmanager
-def _signals_deferred():
+def signals_deferred():
     """Hold SIGINT and SIGTERM back until the block ends, then deliver the first one received
     to the handler that was in place (in the main thread, where Python runs its handlers;
     blocking them at the system level would not do: a thread of torch's may take them)."""

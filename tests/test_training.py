@@ -978,6 +978,28 @@ def test_a_terminated_run_says_how_to_resume_it_and_exits_with_143(tmp_path, cor
         f"with `flowattn lm train --out {run} --resume`"]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_torch_is_imported_stops_the_command_cleanly(tmp_path, signum):
+    # Ctrl-C in the first second or two left torch half imported: a chained traceback about
+    # torch.cuda, "cannot load module more than once", or an abort (status 134)
+    script = f"""
+import importlib.abc, os, sys
+class Interrupt(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch._C":  # in the middle of torch's own import
+            os.kill(os.getpid(), {int(signum)})
+        return None
+sys.meta_path.insert(0, Interrupt())
+from flowattn.cli import main
+sys.exit(main(["sets", "fit", "--steps", "2", "--out", {str(tmp_path / "run")!r}]))
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)
+    word = "interrupted" if signum == signal.SIGINT else "terminated"
+    assert result.returncode == (130 if signum == signal.SIGINT else 143), result.stderr
+    assert result.stderr.strip().splitlines() == [f"flowattn sets fit: {word}"]
+
+
 def _request_stop_during_step(monkeypatch, signals: list[int], at: int = 2) -> None:
     """Send ``signals`` to this process while the loop takes the learning rate of step index
     ``at``, i.e. inside that step."""
