@@ -164,9 +164,37 @@ def test_values_finite_in_the_file_but_not_in_float32_are_named_as_such(tmp_path
 def test_missing_or_corrupt_file_raises_data_error(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         load_npz(tmp_path / "absent.npz")
-    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    (tmp_path / "junk.npz").write_bytes(b"PK not a zip")
     with pytest.raises(DataError, match="not a readable"):
         load_npz(tmp_path / "junk.npz")
+
+
+def test_files_that_are_not_npz_archives_are_named_by_what_they_are(tmp_path):
+    # a .npy file gave "'numpy.ndarray' object does not support the context manager
+    # protocol", a text file numpy's advice to load pickled data unsafely
+    np.save(tmp_path / "x.npy", np.ones((2, 3, 2)))
+    with pytest.raises(DataError, match=r"x.npy is a .npy file \(one array\), not an .npz "
+                       r"archive: save the sets with numpy.savez\(path, x=x\)"):
+        load_npz(tmp_path / "x.npy")
+    (tmp_path / "text.npz").write_text("1 2 3\n")
+    with pytest.raises(DataError, match=r"text.npz is not an .npz archive \(numpy.savez writes "
+                       r"a zip file; this one starts with b'1 2 3\\n'\)"):
+        load_npz(tmp_path / "text.npz")
+    (tmp_path / "empty.npz").write_bytes(b"")
+    with pytest.raises(DataError, match="empty.npz is not an .npz archive .*this one is empty"):
+        load_npz(tmp_path / "empty.npz")
+    (tmp_path / "folder.npz").mkdir()
+    with pytest.raises(DataError, match="cannot read .*folder.npz: Is a directory"):
+        load_npz(tmp_path / "folder.npz")
+
+
+def test_a_file_of_one_set_or_an_empty_name_is_refused_for_fitting(tmp_path):
+    path = _write(tmp_path / "one.npz", x=np.ones((1, 3, 2)))
+    assert len(load_npz(path)) == 1  # it can be scored
+    with pytest.raises(DataError, match=f"{path} holds 1 set: fitting needs at least 2"):
+        load_dataset(str(path))
+    with pytest.raises(DataError, match="data is empty: give a built-in data set or a .npz"):
+        load_dataset("")
 
 
 def test_nan_in_padding_is_allowed_and_zeroed(tmp_path):

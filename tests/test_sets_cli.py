@@ -1096,3 +1096,16 @@ def test_sample_draws_set_sizes_as_often_as_in_training_and_writes_their_mask(tm
     assert "records no size distribution" in capsys.readouterr().out
     with np.load(old) as saved:
         assert saved["x"].shape == (4, 5, 2) and "mask" not in saved
+
+
+def test_eval_of_sets_on_which_the_flow_overflows_names_their_scale(tiny_run, tmp_path, capsys):
+    # "non-finite log-likelihood while evaluating huge": the file's stem and no reason
+    path = tmp_path / "huge.npz"
+    save_npz(path, torch.randn(4, 8, 2) * 1e30)  # finite in float32
+    assert run_cli("eval", "--checkpoint", str(tiny_run), "--data", str(path),
+                   "--no-progress") == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "non-finite log-likelihood while evaluating huge (its " \
+        "coordinates reach |x| = " in err[0], err
+    assert err[0].endswith("sets far outside the range of the training data need the training "
+                           "data's scale (rescale them as those were)")

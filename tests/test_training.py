@@ -821,6 +821,17 @@ def test_a_checkpoint_holding_python_objects_is_refused_in_one_sentence(tmp_path
                          "are not loaded (weights_only)"), line
 
 
+def test_a_data_file_given_as_the_checkpoint_is_named_as_data(tmp_path, capsys):
+    # an .npz is a zip file as a checkpoint is: it was reported as a damaged checkpoint, with
+    # the advice to train the run again
+    path = tmp_path / "sets.npz"
+    save_npz(path, torch.randn(4, 3, 2))
+    line = one_line(capsys, "sets", "eval", "--checkpoint", path, "--data", "gaussian-sets")
+    assert line.endswith(f"{path} is a numpy .npz archive (data), not a checkpoint: give the "
+                         "run folder or its checkpoint.pt as the checkpoint, and this file as "
+                         "the data"), line
+
+
 def test_checkpoints_are_read_with_weights_only_and_refuse_newer_formats(tmp_path):
     run = tmp_path / "run"
     fit_tiny(run, steps=2)

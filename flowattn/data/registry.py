@@ -116,7 +116,13 @@ def load_dataset(
         wanted.update(sizes or {})
         overrides = {} if set_size is None else {"set_size": set_size}
         return DATASETS[name_or_path](wanted, seed, cache_dir, progress, **overrides)
+    if not name_or_path:
+        raise DataError("data is empty: give a built-in data set or a .npz path")
     if name_or_path.endswith(".npz") or Path(name_or_path).exists():
-        return split_sets(load_npz(name_or_path), 0.1, seed)
+        data = load_npz(name_or_path)
+        if len(data) < 2:
+            raise DataError(f"{name_or_path} holds {len(data)} set: fitting needs at least 2 "
+                            "(sets to train on, and one or more held out to validate on)")
+        return split_sets(data, 0.1, seed)
     known = ", ".join(sorted(DATASETS))
     raise DataError(f"unknown data set {name_or_path!r}: use one of {known} or a .npz path")

@@ -160,8 +160,11 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
             not boolean or not (M, N), an empty array or an empty set.
     """
     path = Path(path)
+    if path.is_dir():
+        raise DataError(f"cannot read {path}: Is a directory")
     if not path.is_file():
         raise DataError(no_such_file(path))
+    _check_npz_archive(path)
     try:
         with np.load(path, allow_pickle=False) as archive:
             keys = set(archive.files)
@@ -195,6 +198,23 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
     if data.mask is not None:  # padding may hold anything in the file; zero it here
         data.x = torch.where(data.mask[..., None], data.x, torch.zeros_like(data.x))
     return data
+
+
+def _check_npz_archive(path: Path) -> None:
+    """Refuse a file that is not an ``.npz`` archive (a zip file) by what it is instead."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(6)
+    except OSError as err:
+        raise DataError(f"cannot read {path}: {err.strerror or err}") from None
+    if head.startswith(b"\x93NUMPY"):
+        raise DataError(f"{path} is a .npy file (one array), not an .npz archive: save the sets "
+                        "with numpy.savez(path, x=x) (and mask=mask for sets of different "
+                        "sizes)")
+    if not head.startswith(b"PK"):
+        shown = "is empty" if not head else f"starts with {head!r}"
+        raise DataError(f"{path} is not an .npz archive (numpy.savez writes a zip file; this "
+                        f"one {shown})")
 
 
 def save_npz(path: str | os.PathLike, x: Tensor, mask: Tensor | None = None) -> None:

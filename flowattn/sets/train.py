@@ -169,7 +169,11 @@ def evaluate(flow: SetFlow, data: SetData, batch_size: int = 256, limit: int | N
     flow.train(was_training)
     nll, dims, *moments, variance = sums.tolist()
     if not math.isfinite(nll):
-        raise NonFiniteError(f"non-finite log-likelihood while evaluating {data.name}")
+        largest = float(data.x.abs().max()) if data.x.numel() else 0.0
+        raise NonFiniteError(
+            f"non-finite log-likelihood while evaluating {data.name} (its coordinates reach "
+            f"|x| = {largest:.3g}): the flow overflows on these sets; sets far outside the range "
+            "of the training data need the training data's scale (rescale them as those were)")
     se = None if unknown or (mirrored and estimated) else math.sqrt(variance)
     sampling_se = _sampling_errors(nll, dims, moments, count)
     return {"nll": nll / count, "nll_per_dim": nll / dims,

@@ -69,6 +69,17 @@ _DAMAGED = ("flowattn writes a checkpoint whole (a temporary file renamed into p
             "or train the run again in a new --out folder")
 
 
+def _numpy_archive(path: Path) -> bool:
+    """Whether the zip file at ``path`` is numpy's .npz (arrays at its top level) rather than
+    torch's (every entry inside one folder)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError):
+        return False
+    return bool(names) and all("/" not in n and n.endswith(".npy") for n in names)
+
+
 def read_checkpoint(location: str | os.PathLike, kind: str,
                     map_location: str | torch.device = "cpu") -> dict:
     """The checkpoint of a ``kind`` run (``lm`` or ``sets``) at ``location``, a file or folder.
@@ -87,6 +98,10 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
     if not (head.startswith(b"PK") or head.startswith(b"\x80")):  # a zip archive or a pickle
         raise CheckpointError(f"checkpoint {path} is not a torch file (it starts with "
                               f"{head!r}; torch.save writes a zip archive)")
+    if head.startswith(b"PK") and _numpy_archive(path):
+        raise CheckpointError(f"{path} is a numpy .npz archive (data), not a checkpoint: give "
+                              "the run folder or its checkpoint.pt as the checkpoint, and this "
+                              "file as the data")
     try:
         record = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError,
