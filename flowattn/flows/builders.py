@@ -35,7 +35,7 @@ from .layers import ActNorm, EquivariantLinear, SetLocation
 from .logdet import LogDetOptions
 from .monotone import InverseMonotoneResidual, MonotoneResidual
 from .pairs import PairSplines
-from .residual import InvertibleResidual, TransformerResidualPair
+from .residual import InvertibleResidual, TransformerResidualPair, points_only
 
 __all__ = ["SetFlow", "set_flow", "sequence_flow", "INTERACTIONS", "SYMMETRIES"]
 
@@ -326,7 +326,8 @@ class SetFlow(nn.Module):
         """Draw ``num_samples`` sets of ``set_size`` elements (or with the given ``mask``);
         with ``symmetry="reflections"`` each mirrored by one of the 2^D reflections at random."""
         z, mask = self._base_sample(num_samples, set_size, mask, generator)
-        x = self._inverse(z, mask)[0]
+        with points_only():  # the log-dets of the inverse are not wanted here
+            x = self._inverse(z, mask)[0]
         if self.reflections is None:
             return x
         device = z.device if generator is None else generator.device

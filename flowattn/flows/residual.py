@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -31,7 +34,43 @@ from .logdet import (
     series_logdet,
 )
 
-__all__ = ["InvertibleResidual", "TransformerResidualPair", "branch_bound"]
+__all__ = ["InvertibleResidual", "TransformerResidualPair", "branch_bound", "points_only"]
+
+
+class _PointsOnly(threading.local):
+    def __init__(self) -> None:  # instance attributes: dynamo guards them without a fault
+        self.on = False
+
+
+_POINTS_ONLY = _PointsOnly()
+
+
+@contextmanager
+def points_only() -> Iterator[None]:
+    """Within this context the inverse of every :class:`InvertibleResidual` solves for its
+    points and does not compute its log-det: it returns zeros in its place.
+
+    Sampling wants the points alone, and the log-det of an inverse is a series of Jacobian
+    products (at evaluation accuracy up to a hundred per block, each holding a batch's N x N
+    attention weights), which costs far more than the fixed-point solve itself and is what
+    limits the set size a sample can have. :meth:`~flowattn.flows.builders.SetFlow.sample`
+    enters it; a caller that needs log-densities of samples must not.
+
+    Examples:
+        >>> from flowattn.branches import LipschitzMLP
+        >>> block = InvertibleResidual(LipschitzMLP(2, 8)).eval()
+        >>> y = torch.randn(4, 3, 2)
+        >>> with torch.no_grad(), points_only():
+        ...     x, logdet = block.inverse(y)
+        >>> bool((logdet == 0).all()), torch.allclose(block(x)[0], y, atol=1e-5)
+        (True, True)
+    """
+    previous = _POINTS_ONLY.on
+    _POINTS_ONLY.on = True
+    try:
+        yield
+    finally:
+        _POINTS_ONLY.on = previous
 
 def branch_bound(branch: nn.Module, n: int, zero_com: bool = False) -> float:
     """The certified Lipschitz constant of ``branch`` on sets of ``n`` elements, as a float.
@@ -373,6 +412,8 @@ class InvertibleResidual(Transform):
             max_iter=self.inverse_options.max_iter,
             zero_com=self.zero_com,
         )
+        if _POINTS_ONLY.on:
+            return x, x.new_zeros(x.shape[0])
         logdet_fn = self._logdet_fn(y_in.shape, mask)
         need_graph = torch.is_grad_enabled() and x.requires_grad
         if callable(getattr(self.branch, "linearise", None)):

@@ -264,6 +264,33 @@ def test_sample_inverts_transform_to_noise_and_state_dict_reloads():
     assert isinstance(flow.to("cpu"), SetFlow)
 
 
+def test_sampling_solves_for_the_points_without_their_log_dets(monkeypatch):
+    # the inverse's log-det (a series of up to a hundred Jacobian products per block, each
+    # holding N x N attention weights) made 5 samples of 1000 elements take minutes and 100,000
+    # elements exhaust the memory; sample_and_log_prob still computes them
+    from flowattn.flows import logdet, residual
+
+    torch.manual_seed(8)
+    flow = set_flow(dim=2, blocks=2, heads=1).eval()
+    with torch.no_grad():
+        x, log_prob = flow.sample_and_log_prob(3, set_size=4,
+                                               generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(log_prob, flow.log_prob(x), atol=1e-4)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a log-det was computed")
+
+    for module in (residual, logdet):
+        for name in ("precise_series_logdet", "exact_logdet", "series_logdet",
+                     "jacobian_logdet", "roulette_logdet", "memory_efficient_logdet"):
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, refuse)
+    with torch.no_grad():
+        again = flow.sample(3, set_size=4, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again, x)
+    assert not residual._POINTS_ONLY.on  # the context has ended
+
+
 def test_masked_sampling_leaves_padding_at_zero():
     flow = set_flow(dim=2, blocks=1, heads=1).eval()
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)
