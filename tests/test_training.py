@@ -669,6 +669,11 @@ def test_resume_refuses_changed_run_settings_by_name_and_accepts_safe_ones(tmp_p
         fit(out=out, resume=True, flags={"hidden": 16, "lr": 0.1})
     with pytest.raises(ConfigError, match="below the step the run has reached"):
         fit(out=out, resume=True, flags={"steps": 1})
+    # a preset refused beside the stored flow was "preset='small' is a coupling flow, but
+    # flow='resflow' was given: drop one of them", a flag the user had not given
+    with pytest.raises(ConfigError, match=r"cannot change the run's settings when resuming: "
+                       r"preset \('none' in the run, 'small' now\)"):
+        fit(out=out, resume=True, flags={"preset": "small"})
     summary = fit(out=out, resume=True, progress=False, plots=False,
                   flags={"steps": 3, "eval_every": 3, "threads": 1, "device": "cpu"})
     assert summary["step"] == 3

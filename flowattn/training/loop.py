@@ -137,6 +137,17 @@ def _check_memory(task: Task) -> None:
             "scale") from None
 
 
+def _shown(value: float) -> str:
+    """A loss as the loop prints it: four decimals, or three significant digits where it is
+    too large for those to mean anything (a diverging run's 1.71e+35).
+
+    Examples:
+        >>> _shown(1.23456), _shown(170553415671303525535148947430965248.0), _shown(math.inf)
+        ('1.2346', '1.71e+35', 'inf')
+    """
+    return f"{value:.4f}" if abs(value) < 1e5 or not math.isfinite(value) else f"{value:.3g}"
+
+
 def _rng_state(generator: torch.Generator, device: torch.device) -> dict:
     state = {"torch": torch.get_rng_state(), "batches": generator.get_state()}
     if device.type == "cuda":
@@ -350,7 +361,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             bar.update(1)
             if step % cfg.log_every == 0 or step == cfg.steps:
                 loop["train_loss"] = window["loss"] / window["steps"]
-                bar.set_postfix(loss=f"{loop['train_loss']:.4f}", lr=f"{lr:.2e}")
+                bar.set_postfix(loss=_shown(loop["train_loss"]), lr=f"{lr:.2e}")
                 rate = window["items"] / max(window["seconds"], 1e-9)
                 metrics.log(step, "train", loss=loop["train_loss"], lr=lr, grad_norm=gnorm,
                             **{f"{task.items}_per_s": rate},
@@ -371,8 +382,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                 metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
                 if main:
                     (bar.write if progress else log)(
-                        f"step {step}: validation loss {result['loss']:.4f}"
-                        + "".join(f", {k} {v:.4f}" for k, v in result.items()
+                        f"step {step}: validation loss {_shown(result['loss'])}"
+                        + "".join(f", {k} {_shown(v)}" for k, v in result.items()
                                   if k != "loss" and isinstance(v, float)))
                 if not math.isfinite(result["loss"]):
                     divergence = {"step": step, "loss": result["loss"], "grad_norm": gnorm,
@@ -413,7 +424,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             "the divergence was detected (`eval` scores it)" if saved_step is not None
             else f"it diverged before its first checkpoint, so {out} holds no trained state")
         loss = divergence["loss"]
-        shown = f"{loss:.4f}" if loss is not None and math.isfinite(loss) else "nan"
+        shown = _shown(loss) if loss is not None else "nan"
         message = (f"training diverged at step {divergence['step']}: {divergence['reason']} "
                    f"(loss {shown}); {divergence['note']}")
         summary["message"] = message

@@ -172,16 +172,20 @@ def _has_checkpoint(out: Path, kind: str) -> Path | None:
 
 
 def _check_changes(stored: RunConfig, requested: RunConfig, step: int) -> None:
-    changed = stored.changed(requested)
+    _refuse_changes(stored, stored.changed(requested))
+    if requested.train.steps < step:
+        raise ConfigError(f"steps={requested.train.steps} is below the step the run has reached "
+                          f"({step})")
+
+
+def _refuse_changes(stored: RunConfig, changed: Mapping[str, tuple[Any, Any]]) -> None:
+    """Refuse the changes ``leaf -> (stored, requested)`` that a resume may not make."""
     refused = {k: v for k, v in changed.items() if k not in type(stored).RESUMABLE}
     if refused:
         listed = "; ".join(f"{k} ({a!r} in the run, {b!r} now)" for k, (a, b) in refused.items())
         allowed = ", ".join(sorted(type(stored).RESUMABLE))
         raise ConfigError(f"cannot change the run's settings when resuming: {listed}. Settings "
                           f"that may change: {allowed}")
-    if requested.train.steps < step:
-        raise ConfigError(f"steps={requested.train.steps} is below the step the run has reached "
-                          f"({step})")
 
 
 def _check_same_run(stored: RunConfig, out: Path, recorded: list[str],
@@ -319,7 +323,19 @@ def _sources(fingerprint: Mapping | None) -> list[str]:
 def _resumed(stored: RunConfig, overrides: Mapping) -> RunConfig:
     """The stored settings with the ones given now; data files given now are taken from the
     working directory, so a file named differently but the same is no change."""
-    return stored.updated(overrides, "resume").with_absolute_paths() if overrides else stored
+    if not overrides:
+        return stored
+    try:
+        return stored.updated(overrides, "resume").with_absolute_paths()
+    except ConfigError:
+        # a change that the settings refuse together with the stored ones (a preset given
+        # beside the run's stored flow): a resume refuses it as a change of the run
+        flat = stored.flat()
+        given = {name: value for section in type(stored).nest(overrides, "resume").values()
+                 for name, value in section.items()}
+        _refuse_changes(stored, {k: (flat.get(k), v) for k, v in given.items()
+                                 if k in flat and flat[k] != v})
+        raise
 
 
 def data_fingerprint(*paths: str | os.PathLike | None) -> dict:
