@@ -89,6 +89,15 @@ def test_the_run_log_names_the_data_and_the_flow_it_fits():
                            "set-coupling layer, ")
     count = int(flow.split(", ")[-1].split()[0].replace(",", ""))
     assert count > 0
+    # the splines of every block were counted as set-coupling layers after the blocks
+    _, flow = describe(data="shape-sets", blocks=3, splines=True, interaction="none",
+                       preset="none")
+    assert flow.startswith("flow: residual flow, 3 blocks (each with an element-wise spline "
+                           "coupling), no interaction, ")
+    _, flow = describe(data="shape-sets", blocks=3, splines=True, coupling_layers=2,
+                       preset="none")
+    assert "3 blocks (each with an element-wise spline coupling), " in flow
+    assert ", then 2 set-coupling layers, " in flow
 
 
 def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys, tiny_run):

@@ -312,9 +312,16 @@ class SetsTask:
                 f"in R^{train.dim}" + (", centre of mass at 0" if train.zero_com else ""))
         couplings = sum(isinstance(m, SetCoupling) for m in self.flow.modules())
         if flow.flow == "resflow":
-            kind = (f"residual flow, {_counted(flow.blocks, 'block')}, "
-                    f"{resolved_interaction(flow, train.zero_com)} interaction"
-                    + (f", then {_counted(couplings, 'set-coupling layer')}" if couplings else ""))
+            inside = [part for wanted, part in ((flow.splines, "an element-wise spline coupling"),
+                                                (flow.pair_splines, "a layer of pair splines"))
+                      if wanted]
+            interaction = resolved_interaction(flow, train.zero_com)
+            kind = (f"residual flow, {_counted(flow.blocks, 'block')}"
+                    + (f" (each with {' and '.join(inside)})" if inside else "")
+                    + (", no interaction" if interaction == "none"
+                       else f", {interaction} interaction")
+                    + (f", then {_counted(flow.coupling_layers, 'set-coupling layer')}"
+                       if flow.coupling_layers else ""))
         elif flow.flow == "cnf":
             kind = f"continuous flow, {resolved_field(flow, train.zero_com)} field"
         else:
