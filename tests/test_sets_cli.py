@@ -1118,3 +1118,14 @@ def test_eval_of_sets_on_which_the_flow_overflows_names_their_scale(tiny_run, tm
         "coordinates reach |x| = " in err[0], err
     assert err[0].endswith("sets far outside the range of the training data need the training "
                            "data's scale (rescale them as those were)")
+
+
+def test_floor_names_its_own_flags_and_takes_threads(capsys):
+    # "--chains 0" was "AnnealingOptions.chains must be an integer >= 2", and --threads was
+    # an unrecognised argument
+    for argv, message in ((["--chains", "0"], "--chains must be >= 2, got 0"),
+                          (["--stages", "0"], "--stages must be >= 1, got 0"),
+                          (["--threads", "0"], "--threads must be >= 1, got 0")):
+        assert run_cli("floor", "--data", "dw4", *argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"flowattn sets floor: error: {message}"], err

@@ -298,7 +298,12 @@ def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: 
 
 def _floor(args: argparse.Namespace) -> int:
     from ..data.partition import system_floor
+    from ..training.device import set_threads
 
+    for flag, value, least in (("--chains", args.chains, 2), ("--stages", args.stages, 1)):
+        if value is not None and value < least:
+            raise InputError(f"{flag} must be >= {least}, got {value}")
+    set_threads(args.threads)
     floor = system_floor(args.data, chains=args.chains, stages=args.stages, seed=args.seed,
                          progress=not args.no_progress)
     z = floor.partition
@@ -371,7 +376,8 @@ def add_sets_subparsers(subparsers) -> None:
                         "sets' size; for sets of several sizes, sizes drawn as often as they "
                         "were in training, written with a mask)")
     sample.add_argument("--out", required=True, help="output .npz file")
-    sample.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
+    sample.add_argument("--seed", type=seed, default=0, help="seed of the base draws (and of "
+                        "the set sizes drawn; default: %(default)s)")
     sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
                         "%(default)s)")
     sample.add_argument("--energy", action="store_true", help="particle systems (dw4, lj13, "
@@ -394,12 +400,15 @@ def add_sets_subparsers(subparsers) -> None:
     floor = commands.add_parser(
         "floor", help="entropy floor of a particle system's test split",
         description="The NLL a perfect model scores on the test split of dw4 or lj13: its mean "
-        "energy plus log Z by annealed importance sampling, with standard errors.")
+        "energy plus log Z by annealed importance sampling, with standard errors (on the "
+        "CPU).")
     floor.add_argument("--data", required=True,
                        help="dw4 or lj13 (lj55 has no annealing settings yet)")
     floor.add_argument("--chains", type=int, help="annealing chains (default: the system's)")
     floor.add_argument("--stages", type=int, help="annealing stages (default: the system's)")
-    floor.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
+    floor.add_argument("--seed", type=seed, default=0, help="seed of the annealing chains "
+                       "(default: %(default)s)")
+    add_threads(floor)
     floor.add_argument("--no-progress", action="store_true", help="no progress bars")
     floor.add_argument("--json", action="store_true", help="end with a JSON line of the results")
     floor.set_defaults(handler=_floor)
