@@ -115,6 +115,15 @@ def test_eval_prints_a_json_last_line_and_sample_writes_sets(tmp_path, capsys, t
                    "--out", str(samples)) == 0
     with np.load(samples) as archive:
         assert archive["x"].shape == (7, 5, 2) and np.isfinite(archive["x"]).all()
+    capsys.readouterr()
+    # --json was ignored without --energy; one set of one element was "1 sets of 1 elements"
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "1", "--set-size", "1",
+                   "--out", str(samples), "--json", "--no-progress") == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0] == f"wrote 1 set of 1 element to {samples}"
+    assert json.loads(lines[-1]) == {"out": str(samples), "num": 1, "set_size": 1, "dim": 2,
+                                     "dtype": "float32", "masked": False, "min_size": 1,
+                                     "max_size": 1}
 
 
 def test_sample_draws_in_batches_and_reports_its_progress(tmp_path, capsys, tiny_run):

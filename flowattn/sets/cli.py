@@ -14,6 +14,7 @@ from ..errors import DataError, InputError
 from ..training.cli import (
     add_run_arguments,
     add_threads,
+    counted,
     is_main_process,
     json_line,
     print_run_config,
@@ -113,7 +114,7 @@ def _eval(args: argparse.Namespace) -> int:
                       progress=not args.no_progress)
     result["convention"] = "E-NF (zero centre of mass)" if spec["zero_com"] else "full space"
     print(f"NLL: {result['nll']:.4f} nats/set, {result['nll_per_dim']:.4f} nats/dim "
-          f"over {result['num_sets']} sets ({result['convention']}; "
+          f"over {counted(result['num_sets'], 'set')} ({result['convention']}; "
           f"{_logdet_note(result['logdet'], result['nll_per_dim_se'])}"
           f"{_sampling_note(result['nll_per_dim_sampling_se'])})")
     if args.json:
@@ -181,7 +182,7 @@ def _sample(args: argparse.Namespace) -> int:
         raise NonFiniteError("sampling produced non-finite values")
     save_npz(out, x, masks)
     if masks is None:
-        sizes = f"{set_size} elements"
+        sizes = counted(set_size, "element")
         if record["data"].get("variable_size") and args.set_size is None:
             sizes += (" (the largest training size: this run's checkpoint records no size "
                       "distribution; --set-size chooses one)")
@@ -189,7 +190,14 @@ def _sample(args: argparse.Namespace) -> int:
         drawn = masks.sum(1)
         sizes = (f"{int(drawn.min())}-{int(drawn.max())} elements (sizes drawn as often as in "
                  "training; written with a mask)")
-    print(f"wrote {args.num} sets of {sizes} to {out}")
+    print(f"wrote {counted(args.num, 'set')} of {sizes} to {out}")
+    if args.json:
+        drawn = None if masks is None else masks.sum(1)
+        print(json.dumps({"out": str(out), "num": args.num, "set_size": set_size,
+                          "dim": int(x.shape[-1]), "dtype": str(x.dtype).removeprefix("torch."),
+                          "masked": masks is not None,
+                          "min_size": set_size if drawn is None else int(drawn.min()),
+                          "max_size": set_size if drawn is None else int(drawn.max())}))
     return 0
 
 
@@ -387,8 +395,8 @@ def add_sets_subparsers(subparsers) -> None:
                         "--energy, a continuous flow's trace in log q (default: exact, "
                         "whatever the run scores with; hutchinson: one probe, affordable for "
                         "large systems, but the weights exp(-E - log q) are then biased)")
-    sample.add_argument("--json", action="store_true", help="with --energy: end with a JSON "
-                        "line of the estimates")
+    sample.add_argument("--json", action="store_true", help="end with a JSON line of what "
+                        "was written (with --energy, of the estimates)")
     add_threads(sample)
     sample.add_argument("--batch-size", type=int, help="sets drawn (and, with --energy, "
                         "scored) at a time (default: 1000; with --energy, a continuous flow "

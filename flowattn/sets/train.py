@@ -35,6 +35,7 @@ from ..flows.geometry import probe_stream
 from ..flows.residual import InvertibleResidual
 from ..progress import progress_batches
 from ..training.checkpoint import read_model
+from ..training.cli import counted
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
@@ -88,10 +89,6 @@ class _Matching(nn.Module):
         with trusted_inputs():
             return self.flow.matching_loss(x, mask, noise=noise, times=times,
                                            alignment=self.alignment)
-
-
-def _counted(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _batch(data: SetData, index: Tensor, device) -> tuple[Tensor, Tensor | None]:
@@ -316,16 +313,16 @@ class SetsTask:
                                                 (flow.pair_splines, "a layer of pair splines"))
                       if wanted]
             interaction = resolved_interaction(flow, train.zero_com)
-            kind = (f"residual flow, {_counted(flow.blocks, 'block')}"
+            kind = (f"residual flow, {counted(flow.blocks, 'block')}"
                     + (f" (each with {' and '.join(inside)})" if inside else "")
                     + (", no interaction" if interaction == "none"
                        else f", {interaction} interaction")
-                    + (f", then {_counted(flow.coupling_layers, 'set-coupling layer')}"
+                    + (f", then {counted(flow.coupling_layers, 'set-coupling layer')}"
                        if flow.coupling_layers else ""))
         elif flow.flow == "cnf":
             kind = f"continuous flow, {resolved_field(flow, train.zero_com)} field"
         else:
-            kind = f"set-coupling flow, {_counted(couplings, 'layer')}"
+            kind = f"set-coupling flow, {counted(couplings, 'layer')}"
         if flow.preset != "none":
             kind += f" (preset {flow.preset})"
         count = sum(p.numel() for p in self.flow.parameters())

@@ -13,7 +13,17 @@ from .config import RunConfig, from_sources, given_flags, print_config
 from .metrics import json_safe
 
 __all__ = ["add_run_arguments", "print_run_config", "run_summary_lines", "is_main_process",
-           "json_line", "seed", "add_threads"]
+           "json_line", "seed", "add_threads", "counted"]
+
+
+def counted(count: int, noun: str) -> str:
+    """``count`` and ``noun``, plural but for one (a regular plural: ``noun + "s"``).
+
+    Examples:
+        >>> counted(1, "set"), counted(3, "block")
+        ('1 set', '3 blocks')
+    """
+    return f"{count:,} {noun}" + ("" if count == 1 else "s")
 
 
 def add_threads(parser: argparse.ArgumentParser) -> None:
