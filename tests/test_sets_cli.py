@@ -205,6 +205,17 @@ def test_a_signal_during_an_atomic_write_waits_until_the_file_is_in_place(tmp_pa
     assert (tmp_path / "f").read_bytes() == b"ab" and not list(tmp_path.glob(".*.tmp"))
 
 
+def test_an_output_folder_that_cannot_be_made_is_refused_before_the_data_load(tmp_path,
+                                                                            capsys):
+    # the data were loaded and the model built ("data: ...", "flow: ...") first
+    (tmp_path / "plain").write_text("x")
+    assert run_cli("fit", "--steps", "2", "--out", str(tmp_path / "plain" / "run")) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip() == (f"flowattn sets fit: error: cannot write to output folder "
+                                    f"{tmp_path / 'plain' / 'run'}: Not a directory")
+
+
 def test_a_folder_that_takes_no_new_file_is_named_with_the_reason(tmp_path, monkeypatch):
     import tempfile
 

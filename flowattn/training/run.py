@@ -151,6 +151,15 @@ def prepare_out_dir(out: str | os.PathLike) -> Path:
     return path
 
 
+def _check_writable(out: Path) -> None:
+    """Refuse an output folder that could not be made or written, before the data are loaded
+    and the model is built (the folder itself is made when the run starts)."""
+    existing = next(p for p in (out.absolute(), *out.absolute().parents) if p.exists())
+    reason = "Not a directory" if not existing.is_dir() else unwritable(existing)
+    if reason is not None:
+        raise RunError(f"cannot write to output folder {out}: {reason}")
+
+
 def _manifest(out: Path) -> dict | None:
     path = out / RUN_FILE
     if not path.exists():
@@ -243,6 +252,7 @@ def plan_run(
     out = Path(out)
     if out.exists() and not out.is_dir():
         raise RunError(f"--out {out} is a file, not a folder")
+    _check_writable(out)
     manifest = _manifest(out) if out.is_dir() else None
     if manifest is not None and manifest.get("kind") != kind:
         raise RunError(f"{out} holds a flowattn {manifest.get('kind')} run, not a {kind} run: "
