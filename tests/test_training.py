@@ -1089,6 +1089,19 @@ def test_an_interrupted_command_names_the_step_its_checkpoint_holds(tmp_path, ca
         f"`flowattn lm train --out {run} --resume`"]
 
 
+def test_the_last_progress_line_of_a_stopped_run_shows_its_latest_steps(tmp_path, capsys,
+                                                                       monkeypatch, corpus):
+    # it showed the loss and rate of the last report (log_every), steps before the stop
+    _request_stop_during_step(monkeypatch, [signal.SIGINT], at=4)
+    flags = [f for f in LM_FLAGS if f != "--no-progress"]
+    code, _, err = cli(capsys, "lm", "train", "--data", corpus, *flags, "--steps", "9",
+                       "--log-every", "100", "--lr", "0.002", "--warmup", "0",
+                       "--schedule", "constant", "--out", tmp_path / "lm")
+    assert code == 130
+    (line,) = [line for line in err.splitlines() if line.startswith("lm train: step ")]
+    assert re.match(r"lm train: step 5/9 \(55%\), loss \d+\.\d{4}, lr 2\.00e-03, ", line), line
+
+
 def test_a_run_folder_in_use_by_another_process_is_refused(tmp_path, capsys, corpus):
     # two processes training into one folder interleaved their metrics and checkpoints
     run = tmp_path / "lm"

@@ -396,6 +396,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                 if saved_step != step:
                     save()
                 break
+    if window["steps"]:  # steps since the last report: the last line shows them, not it
+        bar.set_postfix(loss=_shown(window["loss"] / window["steps"]), lr=f"{lr:.2e}")
     bar.close()
     if stopping:
         if main:
