@@ -127,6 +127,13 @@ def test_config_files_are_json_or_yaml_flat_or_nested(tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ConfigError, match="must hold a mapping"):
         read_config_file(tmp_path / "list.json")
+    # another format by its suffix was only "not valid JSON"
+    (tmp_path / "run.toml").write_text("steps = 3\n")
+    with pytest.raises(ConfigError, match=r"run.toml is not valid JSON: .* \(a config file is "
+                       r"JSON, or YAML named .yaml or .yml; .toml is read as JSON\)$"):
+        read_config_file(tmp_path / "run.toml")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: [^(]*$"):
+        read_config_file(tmp_path / "bad.yaml")
 
 
 @pytest.mark.parametrize("name, text", [

@@ -352,8 +352,12 @@ def add_sets_subparsers(subparsers) -> None:
     add_arguments(fit, SetsRunConfig)
     fit.set_defaults(handler=_fit)
 
-    ev = commands.add_parser("eval", help="deterministic NLL of sets under a fitted flow")
-    ev.add_argument("--checkpoint", required=True, metavar="DIR",
+    ev = commands.add_parser(
+        "eval", help="deterministic NLL of sets under a fitted flow",
+        description="Score sets under a flow fitted by 'flowattn sets fit': the NLL per set and "
+        "per dimension, with the log-det exact where N D allows it, otherwise estimated with "
+        "its standard error; the same number fit reports for its test split.")
+    ev.add_argument("--checkpoint", required=True, metavar="RUN",
                     help="a run folder written by fit (or its checkpoint file)")
     ev.add_argument("--data", required=True, help=".npz file (or a built-in name: its test "
                     "split, the one the run was scored on if it was fitted to that data set)")
@@ -376,8 +380,12 @@ def add_sets_subparsers(subparsers) -> None:
     ev.add_argument("--json", action="store_true", help="end with a JSON line of the results")
     ev.set_defaults(handler=_eval)
 
-    sample = commands.add_parser("sample", help="draw new sets by inverting a fitted flow")
-    sample.add_argument("--checkpoint", required=True, metavar="DIR",
+    sample = commands.add_parser(
+        "sample", help="draw new sets by inverting a fitted flow",
+        description="Draw sets from a flow fitted by 'flowattn sets fit' (base draws mapped "
+        "through the flow's inverse) and write them to an .npz file: x (K, N, D), and a mask "
+        "(K, N) for sets of several sizes.")
+    sample.add_argument("--checkpoint", required=True, metavar="RUN",
                         help="a run folder written by fit (or its checkpoint file)")
     sample.add_argument("--num", type=int, required=True, help="number of sets to draw")
     sample.add_argument("--set-size", type=int, help="elements per set (default: the training "

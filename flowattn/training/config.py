@@ -244,6 +244,9 @@ def read_config_file(path: str | Path) -> dict:
         raise ConfigError(f"config {path}: {err}") from None
     except Exception as err:  # a syntax error of either parser: one line naming the file
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        if path.suffix.lower() not in ("", ".json", ".yaml", ".yml"):  # read as JSON, unknown
+            reason += (f" (a config file is JSON, or YAML named .yaml or .yml; {path.suffix} "
+                       "is read as JSON)")
         raise ConfigError(f"config {path} is not valid "
                           f"{'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: "
                           f"{reason}") from None
