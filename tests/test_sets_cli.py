@@ -1149,3 +1149,30 @@ def test_floor_names_its_own_flags_and_takes_threads(capsys):
         assert run_cli("floor", "--data", "dw4", *argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert err == [f"flowattn sets floor: error: {message}"], err
+
+
+def test_eval_says_which_density_it_scores_and_when_the_sets_are_the_training_file(
+        tmp_path, capsys):
+    # the mirror average and the flow's own density gave the same line; the run's own data
+    # file, training sets included, was scored without a word
+    data = tmp_path / "sets.npz"
+    save_npz(data, torch.randn(40, 4, 2))
+    out = tmp_path / "run"
+    assert run_cli("fit", "--data", str(data), "--steps", "2", "--blocks", "1", "--hidden", "8",
+                   "--batch-size", "8", "--no-progress", "--no-tensorboard", "--out",
+                   str(out)) == 0
+    capsys.readouterr()
+    other = tmp_path / "other.npz"
+    save_npz(other, torch.randn(5, 4, 2))
+    for path, symmetry in ((data, "none"), (other, "reflections")):
+        assert run_cli("eval", "--checkpoint", str(out), "--data", str(path), "--symmetry",
+                       symmetry, "--no-progress", "--json") == 0
+        lines = capsys.readouterr().out.strip().splitlines()
+        mirrored = "the mirror average over the 4 reflections through the axes; " in lines[0]
+        assert mirrored == (symmetry == "reflections"), lines[0]
+        noted = lines[1] == (f"note: {path} is the file the run was fitted to: these sets "
+                             "include its training sets (the NLL fit reports is of the "
+                             "held-out tenth alone)")
+        assert noted == (path == data), lines
+        assert json.loads(lines[-1])["density"] == ("mirror average" if mirrored
+                                                    else "the flow's own")

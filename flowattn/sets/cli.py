@@ -86,6 +86,7 @@ def _load(args: argparse.Namespace):
 def _eval(args: argparse.Namespace) -> int:
     from ..data import load_dataset, load_npz
     from ..training.device import set_threads
+    from ..training.run import data_fingerprint
     from .train import evaluate
 
     if args.batch_size < 1:
@@ -113,10 +114,19 @@ def _eval(args: argparse.Namespace) -> int:
     result = evaluate(flow, data, batch_size=args.batch_size, device=device,
                       progress=not args.no_progress)
     result["convention"] = "E-NF (zero centre of mass)" if spec["zero_com"] else "full space"
+    result["density"] = ("mirror average" if flow.symmetry == "reflections"
+                         else "the flow's own")
+    mirrored = (f"; the mirror average over the {2 ** data.dim} reflections through the axes"
+                if flow.symmetry == "reflections" else "")
     print(f"NLL: {result['nll']:.4f} nats/set, {result['nll_per_dim']:.4f} nats/dim "
-          f"over {counted(result['num_sets'], 'set')} ({result['convention']}; "
+          f"over {counted(result['num_sets'], 'set')} ({result['convention']}{mirrored}; "
           f"{_logdet_note(result['logdet'], result['nll_per_dim_se'])}"
           f"{_sampling_note(result['nll_per_dim_sampling_se'])})")
+    fitted_to = (record.get("data_fingerprint") or {}).get("sha256")
+    if fitted_to is not None and Path(args.data).is_file() and \
+            data_fingerprint(args.data)["sha256"] == fitted_to:
+        print(f"note: {args.data} is the file the run was fitted to: these sets include its "
+              "training sets (the NLL fit reports is of the held-out tenth alone)")
     if args.json:
         print(json.dumps(result))
     return 0
