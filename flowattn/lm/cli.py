@@ -114,8 +114,8 @@ def _add_eval(sub) -> None:
                        description="Score the whole validation split of the checkpoint's corpus "
                        "(or of --data) once: mean cross-entropy in nats per character and bits "
                        "per character.")
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="run folder or checkpoint")
-    p.add_argument("--data", metavar="PATH", help="score this file's validation split instead")
+    p.add_argument("--checkpoint", required=True, metavar="RUN", help="run folder or checkpoint")
+    p.add_argument("--data", metavar="FILE", help="score this file's validation split instead")
     p.add_argument("--split", choices=("val", "train"), default="val", help="(default: val)")
     p.add_argument("--batch-size", type=int, default=64, help="windows per batch (default: 64)")
     p.add_argument("--device", default="cpu", help="(default: cpu)")
@@ -167,7 +167,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 def _add_sample(sub) -> None:
     p = sub.add_parser("sample", help="generate text from a checkpoint")
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="run folder or checkpoint")
+    p.add_argument("--checkpoint", required=True, metavar="RUN", help="run folder or checkpoint")
     p.add_argument("--prompt", default=None, help="text to continue (default: a newline, or a "
                    "space, or the first character of the vocabulary, whichever the model saw)")
     p.add_argument("--max-new-tokens", type=int, default=500, help="(default: %(default)s)")
@@ -219,12 +219,12 @@ def _add_ngram(sub) -> None:
         description="Validation loss of add-alpha smoothed character n-gram models of each "
         "order, on the split the neural models are scored on (alpha chosen on the last tenth "
         "of the training split): the floor a language model should clear.")
-    p.add_argument("--data", metavar="PATH", help="UTF-8 text or PTB-char file (default: the "
+    p.add_argument("--data", metavar="FILE", help="UTF-8 text or PTB-char file (default: the "
                    "embedded corpus)")
     p.add_argument("--data-format", "--format", dest="data_format",
                    choices=("auto", "text", "ptb-char"), default="auto",
                    help="(default: %(default)s)")
-    p.add_argument("--val-data", metavar="PATH", help="separate validation file")
+    p.add_argument("--val-data", metavar="FILE", help="separate validation file")
     p.add_argument("--orders", type=int, nargs="+", default=[1, 2, 3, 4, 5],
                    help="n of each model (default: 1 2 3 4 5)")
     add_threads(p)
@@ -260,8 +260,8 @@ def _add_invert_check(sub) -> None:
         description="Embed held-out text, run the invertible stack, invert it by fixed-point "
         "iteration and report the largest reconstruction error of the embeddings.",
     )
-    p.add_argument("--checkpoint", required=True, metavar="DIR", help="run folder or checkpoint")
-    p.add_argument("--data", metavar="PATH", help="take the held-out text from this file")
+    p.add_argument("--checkpoint", required=True, metavar="RUN", help="run folder or checkpoint")
+    p.add_argument("--data", metavar="FILE", help="take the held-out text from this file")
     p.add_argument("--sequences", type=int, default=16,
                    help="validation windows to reconstruct (default: %(default)s)")
     p.add_argument("--tol", type=float, default=1e-6,

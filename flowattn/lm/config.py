@@ -452,12 +452,12 @@ class LMData(Section):
     """Where the text comes from and how it is scored."""
 
     data: str | None = Field(None, description="UTF-8 text or PTB-char file (none: the embedded "
-                             "corpus)")
+                             "corpus)", json_schema_extra={"metavar": "FILE"})
     data_format: Literal["auto", "text", "ptb-char"] = Field(
         "auto", description="file format; auto detects PTB-char",
         json_schema_extra={"aliases": ["--format"]})
     val_data: str | None = Field(None, description="separate validation file (none: the last "
-                                 "10% of --data)")
+                                 "10% of --data)", json_schema_extra={"metavar": "FILE"})
     eval_iters: int = Field(0, ge=0, description="random validation batches per evaluation; 0 "
                             "scores the whole split")
 

@@ -84,7 +84,7 @@ class SetsData(Section):
     data: str = Field("gaussian-sets", description="built-in data set (gaussian-sets, "
                       "cluster-sets, shape-sets, shape-sets-varsize, repulsive-sets, "
                       "surface-clouds, dw4, lj13, lj55) or a .npz file with x (M, N, D) and an "
-                      "optional mask (M, N)")
+                      "optional mask (M, N)", json_schema_extra={"metavar": "DATA"})
     num_train: int | None = Field(None, ge=1, description="size of a built-in training split "
                                   "(none: the data set's default)")
     set_size: int | None = Field(None, ge=1, description="elements per set of a data set that "

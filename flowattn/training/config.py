@@ -404,7 +404,8 @@ def add_arguments(parser: argparse.ArgumentParser, config: type[RunConfig],
                 group.add_argument(*flags, choices=choices, metavar=metavar,
                                    type=_literal(optional and not literal_none), **common)
             elif inner in (int, float, str):
-                metavar = {int: "N", float: "X", str: "TEXT"}[inner]
+                metavar = (info.json_schema_extra or {}).get(
+                    "metavar", {int: "N", float: "X", str: "TEXT"}[inner])
                 group.add_argument(*flags, type=_parse(inner, optional, flag), metavar=metavar,
                                    **common)
             else:  # pragma: no cover - a field type the command line cannot express
