@@ -896,6 +896,22 @@ def test_tensorboard_restarts_with_a_fresh_run_and_purges_past_the_resumed_step(
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2]
 
 
+def test_a_resumed_run_keeps_its_own_tensorboard_choice(tmp_path):
+    # a run started with --no-tensorboard gained a tensorboard/ folder when resumed without it
+    without, with_ = tmp_path / "without", tmp_path / "with"
+    fit_tiny(without, steps=2)  # tensorboard=False
+    fit(out=without, resume=True, flags={"steps": 3}, progress=False, plots=False)
+    assert not (without / "tensorboard").exists()
+    fit(config=SetsRunConfig.build({**TINY, "steps": 2}), out=with_, progress=False,
+        plots=False)
+    events = len(list((with_ / "tensorboard").iterdir()))
+    fit(out=with_, resume=True, flags={"steps": 3}, progress=False, plots=False)
+    assert len(list((with_ / "tensorboard").iterdir())) > events  # it goes on writing
+    fit(out=without, resume=True, flags={"steps": 4}, progress=False, plots=False,
+        tensorboard=True)  # asked for: the events start here
+    assert (without / "tensorboard").is_dir()
+
+
 def test_refused_runs_leave_no_files(tmp_path, capsys):
     bad = tmp_path / "bad.npz"
     np.savez(bad, x=np.full((4, 3, 2), np.nan))

@@ -235,7 +235,7 @@ def train(
     file: str | Path | None = None,
     flags: Mapping[str, Any] | None = None,
     progress: bool = True,
-    tensorboard: bool = True,
+    tensorboard: bool | None = None,
 ) -> dict:
     """Train a character language model; return the summary (also in ``out/summary.json``).
 

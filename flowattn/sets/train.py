@@ -485,7 +485,7 @@ def fit(
     file: str | Path | None = None,
     flags: Mapping[str, Any] | None = None,
     progress: bool = True,
-    tensorboard: bool = True,
+    tensorboard: bool | None = None,
     plots: bool = True,
 ) -> dict:
     """Fit a flow to sets; return the summary (also written to ``out/summary.json``).

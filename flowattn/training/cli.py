@@ -48,8 +48,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None
                        help="print every setting (defaults, --config, flags) and exit")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                        help="progress bar (default: on)")
-    group.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=True,
-                       help="TensorBoard events in the run folder (default: on)")
+    group.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
+                       help="TensorBoard events in the run folder (default: on; a resumed run "
+                       "keeps its own choice)")
     group.add_argument("--json", action="store_true",
                        help="end with the summary as one JSON line")
 

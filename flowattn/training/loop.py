@@ -214,11 +214,13 @@ class _StopRequests:
 
 
 def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True,
-          tensorboard: bool = True, log=Progress.write) -> dict:
+          tensorboard: bool | None = None, log=Progress.write) -> dict:
     """Train ``task`` as ``plan`` says; return the summary (also written to summary.json).
 
     The run continues bit-exactly from ``plan.checkpoint`` when there is one: model,
     optimiser, step, every random state and the loop's running statistics are restored.
+    ``tensorboard`` None writes TensorBoard events in a new run, and in a resumed one only if
+    it wrote them before (its folder holds ``tensorboard/``).
 
     With ``ema`` set, a :class:`~flowattn.training.average.ParameterAverage` follows the
     parameters; validations score it, and a checkpoint's ``model`` is the average (what
@@ -282,6 +284,8 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             log("torch.compile: the first steps compile the model (a minute or more on a CPU)")
     dist.barrier()
     module = dist.wrap(getattr(task, "forward_module", model))
+    if tensorboard is None:  # on, but a resumed run started without it stays without it
+        tensorboard = plan.checkpoint is None or (out / "tensorboard").is_dir()
     metrics = MetricsLog(out, step, enabled=main, tensorboard=tensorboard)
 
     saved_step = plan.start_step if plan.checkpoint is not None else None
