@@ -51,9 +51,12 @@ def final_parameters(run: Path) -> dict:
 def test_fit_writes_checkpoint_metrics_summary_and_plot(tmp_path, capsys):
     out = tmp_path / "run"
     code = run_cli("fit", *TINY, "--steps", "8", "--out", str(out),
-                   "--config", str(tiny_config(tmp_path)))
+                   "--config", str(tiny_config(tmp_path)), "--json")
     assert code == 0
     printed = capsys.readouterr().out
+    # --json is summary.json (it left the test split's metrics out)
+    assert json.loads(printed.strip().splitlines()[-1]) == \
+        json.loads((out / "summary.json").read_text())
     assert printed.startswith("data: gaussian-sets, 200 training, 500 validation, 2,000 test "
                               "sets of 8 elements in R^2\nflow: residual flow, 1 block, "
                               "attention interaction, ")

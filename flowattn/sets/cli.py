@@ -55,7 +55,7 @@ def _fit(args: argparse.Namespace) -> int:
     for line in lines:
         print(line)
     if args.json:
-        print(json_line({k: v for k, v in summary.items() if k != "test"}))
+        print(json_line(summary))
     return EXIT_DIVERGED if summary["diverged"] else 0
 
 

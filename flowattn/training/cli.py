@@ -52,7 +52,8 @@ def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None
                        help="TensorBoard events in the run folder (default: on; a resumed run "
                        "keeps its own choice)")
     group.add_argument("--json", action="store_true",
-                       help="end with the summary as one JSON line")
+                       help="end with the summary as one JSON line (summary.json's "
+                       "content; a finished run resumed adds finished: true)")
 
 
 def seed(text: str) -> int:
