@@ -1105,6 +1105,9 @@ def test_an_interrupted_command_names_the_step_its_checkpoint_holds(tmp_path, ca
                          "--checkpoint-every", "3", "--out", run)
     assert code == 130
     assert f"stopped after step 5; the checkpoint in {run} holds it" in out
+    # each validation metric with its unit (bpc is its own)
+    assert re.search(r"^step 4: validation loss \d+\.\d{4} nats/char, bpc \d+\.\d{4}$", out,
+                     re.MULTILINE), out
     assert err.splitlines()[-2:] == [
         "lm train: interrupt (Ctrl-C) received: stopping after this step, once a checkpoint "
         "holds it (Ctrl-C again stops at once)",

@@ -45,6 +45,7 @@ class LMTask:
     """
 
     items = "tokens"
+    units = {"loss": "nats/char"}  # of the validation metrics, as printed (bpc is its own)
 
     def __init__(self, config: LMRunConfig, dist: Distributed, vocab: CharVocab | None = None):
         self.config, self.dist = config, dist

@@ -244,6 +244,7 @@ class SetsTask:
     """
 
     items = "sets"
+    units = {"loss": "nats/dim", "nll": "nats/set"}  # of the validation metrics, as printed
 
     def __init__(self, config: SetsRunConfig, dist: Distributed, progress: bool = False,
                  plots: bool = True):

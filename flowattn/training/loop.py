@@ -60,6 +60,8 @@ class Task(Protocol):
             ``forward_module`` (sharing the parameters) that :meth:`loss` calls and that
             DistributedDataParallel wraps, when ``model``'s own forward is not the loss's.
         items: what a batch is counted in, for throughput (``"tokens"``, ``"sets"``).
+        units: optionally, the unit of each validation metric that has one (``{"loss":
+            "nats/char"}``), printed after its value.
     """
 
     model: nn.Module
@@ -307,6 +309,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     bar = Progress(cfg.steps, step, f"{plan.kind} train", enabled=main and progress)
     divergence = None
     window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
+    units = getattr(task, "units", {})  # of the validation metrics, for their line
     model.train()
     stop = _StopRequests(f"{plan.kind} train", say=main)
     stopping = False
@@ -386,9 +389,10 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                 metrics.log(step, "val", **result, best_loss=loop["best_val_loss"])
                 if main:
                     (bar.write if progress else log)(
-                        f"step {step}: validation loss {_shown(result['loss'])}"
-                        + "".join(f", {k} {_shown(v)}" for k, v in result.items()
-                                  if k != "loss" and isinstance(v, float)))
+                        f"step {step}: validation "
+                        + ", ".join(f"{k} {_shown(v)}" + (f" {units[k]}" if k in units else "")
+                                    for k, v in result.items()
+                                    if k == "loss" or isinstance(v, float)))
                 if not math.isfinite(result["loss"]):
                     divergence = {"step": step, "loss": result["loss"], "grad_norm": gnorm,
                                   "reason": "non-finite validation loss"}
