@@ -407,8 +407,10 @@ def add_sets_subparsers(subparsers) -> None:
     sample.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N or auto (default: "
                         "%(default)s)")
     sample.add_argument("--energy", action="store_true", help="particle systems (dw4, lj13, "
-                        "lj55): also write log importance weights -E - log q (float64) and "
-                        "report the ESS and reweighted estimates")
+                        "lj55): also write log importance weights -E - log q and report the "
+                        "ESS and reweighted estimates (all in float64, x too: the flow is "
+                        "evaluated in float64 for them; without --energy x is in the flow's "
+                        "own precision)")
     sample.add_argument("--divergence", choices=("exact", "hutchinson"), help="with "
                         "--energy, a continuous flow's trace in log q (default: exact, "
                         "whatever the run scores with; hutchinson: one probe, affordable for "
