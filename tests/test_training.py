@@ -1022,7 +1022,8 @@ def test_a_signal_while_torch_is_imported_stops_the_command_cleanly(tmp_path, si
     # Ctrl-C in the first second or two left torch half imported: a chained traceback about
     # torch.cuda, "cannot load module more than once", or an abort (status 134)
     script = f"""
-import importlib.abc, os, sys
+import importlib.abc, os, signal, sys
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as interactive (not inherited)
 class Interrupt(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
         if name == "torch._C":  # in the middle of torch's own import
@@ -1056,6 +1057,16 @@ def _request_stop_during_step(monkeypatch, signals: list[int], at: int = 2) -> N
 
 
 @pytest.fixture
+def interruptible():
+    """Ctrl-C raising KeyboardInterrupt, as in an interactive Python: a test run started in
+    the background of a script inherits SIGINT ignored, and the loop leaves ignored signals
+    alone."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+@pytest.fixture
 def terminating():
     """SIGTERM handled as the command line handles it (a KeyboardInterrupt), not by default."""
     from flowattn.cli import _terminate
@@ -1067,7 +1078,7 @@ def terminating():
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_stop_request_ends_the_run_after_its_step_saved_and_resume_repeats_nothing(
-        tmp_path, monkeypatch, terminating, signum):
+        tmp_path, monkeypatch, interruptible, terminating, signum):
     # Ctrl-C lost every step since the last checkpoint; now the step in progress completes,
     # a checkpoint holds it, and the resumed run is the uninterrupted one bit for bit
     from flowattn.cli import Terminated
@@ -1089,7 +1100,7 @@ def test_a_stop_request_ends_the_run_after_its_step_saved_and_resume_repeats_not
         assert torch.equal(value, resumed["model"][name]), name
 
 
-def test_a_second_stop_request_stops_at_once(tmp_path, monkeypatch):
+def test_a_second_stop_request_stops_at_once(tmp_path, monkeypatch, interruptible):
     _request_stop_during_step(monkeypatch, [signal.SIGINT, signal.SIGINT], at=3)
     with pytest.raises(KeyboardInterrupt):
         fit_tiny(tmp_path / "run", steps=6, checkpoint_every=2)
@@ -1098,7 +1109,8 @@ def test_a_second_stop_request_stops_at_once(tmp_path, monkeypatch):
 
 
 def test_an_interrupted_command_names_the_step_its_checkpoint_holds(tmp_path, capsys,
-                                                                     monkeypatch, corpus):
+                                                                     monkeypatch, corpus,
+                                                                     interruptible):
     _request_stop_during_step(monkeypatch, [signal.SIGINT], at=4)
     run = tmp_path / "lm"
     code, out, err = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "9",
@@ -1116,7 +1128,8 @@ def test_an_interrupted_command_names_the_step_its_checkpoint_holds(tmp_path, ca
 
 
 def test_the_last_progress_line_of_a_stopped_run_shows_its_latest_steps(tmp_path, capsys,
-                                                                       monkeypatch, corpus):
+                                                                       monkeypatch, corpus,
+                                                                       interruptible):
     # it showed the loss and rate of the last report (log_every), steps before the stop
     _request_stop_during_step(monkeypatch, [signal.SIGINT], at=4)
     flags = [f for f in LM_FLAGS if f != "--no-progress"]
