@@ -367,8 +367,7 @@ def add_sets_subparsers(subparsers) -> None:
         description="Score sets under a flow fitted by 'flowattn sets fit': the NLL per set and "
         "per dimension, with the log-det exact where N D allows it, otherwise estimated with "
         "its standard error; the same number fit reports for its test split.")
-    ev.add_argument("--checkpoint", required=True, metavar="RUN",
-                    help="a run folder written by fit (or its checkpoint file)")
+    _add_checkpoint(ev)
     ev.add_argument("--data", required=True, help=".npz file (or a built-in name: its test "
                     "split, the one the run was scored on if it was fitted to that data set)")
     ev.add_argument("--batch-size", type=int, default=256, help="sets per batch (default: "
@@ -395,8 +394,7 @@ def add_sets_subparsers(subparsers) -> None:
         description="Draw sets from a flow fitted by 'flowattn sets fit' (base draws mapped "
         "through the flow's inverse) and write them to an .npz file: x (K, N, D), and a mask "
         "(K, N) for sets of several sizes.")
-    sample.add_argument("--checkpoint", required=True, metavar="RUN",
-                        help="a run folder written by fit (or its checkpoint file)")
+    _add_checkpoint(sample)
     sample.add_argument("--num", type=int, required=True, help="number of sets to draw")
     sample.add_argument("--set-size", type=int, help="elements per set (default: the training "
                         "sets' size; for sets of several sizes, sizes drawn as often as they "
@@ -441,3 +439,7 @@ def add_sets_subparsers(subparsers) -> None:
     floor.add_argument("--json", action="store_true", help="end with a JSON line of the results")
     floor.set_defaults(handler=_floor)
 
+
+def _add_checkpoint(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", required=True, metavar="RUN",
+                        help="a run folder written by fit (or its checkpoint file)")
