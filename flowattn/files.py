@@ -13,7 +13,7 @@ from pathlib import Path
 from .errors import InputError
 
 __all__ = ["atomic_write", "atomic_write_text", "check_output_file", "unwritable",
-           "no_such_file", "signals_deferred"]
+           "no_such_file", "signals_deferred", "HeldSignals"]
 
 
 def _umask() -> int:
@@ -44,23 +44,66 @@ def atomic_write(path: str | os.PathLike, write) -> None:
 @contextlib.contextmanager
 def signals_deferred():
     """Hold SIGINT and SIGTERM back until the block ends, then deliver the first one received
-    to the handler that was in place (in the main thread, where Python runs its handlers;
-    blocking them at the system level would not do: a thread of torch's may take them)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    held = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        if signal.getsignal(signum) is not None:  # None: a handler not set from Python
-            held[signum] = signal.signal(signum, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        for signum, handler in held.items():
+    to the handler that was in place (:class:`HeldSignals`)."""
+    held = HeldSignals()
+    with held:
+        try:
+            yield
+        finally:
+            held.deliver()
+
+
+class HeldSignals:
+    """SIGINT and SIGTERM held back while a ``with`` block runs: the first one received is
+    noted (:attr:`received`) instead of handled, until :meth:`deliver` hands it to the
+    handler that was in place.
+
+    Only in the main thread, where Python runs its handlers (blocking the signals at the
+    system level would not do: a thread of torch's may take them); signals that are ignored,
+    or whose handler was not set from Python, are left alone.
+
+    Arguments:
+        noted: called with the signal number when the first one arrives (to say so).
+        second_at_once: a second signal is delivered at once (a second Ctrl-C stops).
+    """
+
+    def __init__(self, noted=None, second_at_once: bool = False) -> None:
+        self.noted, self.second_at_once = noted, second_at_once
+        self.received: int | None = None
+        self.previous: dict = {}
+
+    def __enter__(self) -> HeldSignals:
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                handler = signal.getsignal(signum)
+                if handler is not None and handler != signal.SIG_IGN:
+                    self.previous[signum] = signal.signal(signum, self._receive)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self.previous.items():
             signal.signal(signum, handler)
-        if received:
-            signal.raise_signal(received[0])
+
+    def _receive(self, signum: int, frame) -> None:
+        if self.received is None:
+            self.received = signum
+            if self.noted is not None:
+                self.noted(signum)
+        elif self.second_at_once:
+            self.received = signum
+            self.deliver(frame)
+
+    def deliver(self, frame=None) -> None:
+        """Put the handlers in place before back and hand them the signal received, if any
+        (Ctrl-C's raises KeyboardInterrupt; a default one takes the signal's default action)."""
+        self.__exit__()
+        if self.received is None:
+            return
+        handler = self.previous.get(self.received, signal.getsignal(self.received))
+        if callable(handler):
+            handler(self.received, frame)
+        else:
+            signal.raise_signal(self.received)
 
 
 def _write_and_rename(fd: int, tmp: str, path: Path, write) -> None:

@@ -27,7 +27,6 @@ import math
 import os
 import signal
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
@@ -37,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ConfigError, NonFiniteError
-from ..files import atomic_write_text
+from ..files import HeldSignals, atomic_write_text
 from ..progress import Progress
 from .average import ParameterAverage
 from .checkpoint import BEST, CHECKPOINT, read_checkpoint, save_checkpoint
@@ -164,55 +163,19 @@ def _set_rng_state(state: dict, generator: torch.Generator, device: torch.device
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)
 
 
-class _StopRequests:
-    """Ctrl-C and SIGTERM while the loop runs (main thread only): the first one is noted and
-    the loop stops after its step, checkpointed; a second one goes to the handler that was in
-    place before (Ctrl-C's KeyboardInterrupt: the run stops at once). Signals that are ignored,
-    or whose handler was not set from Python, are left alone."""
-
-    def __init__(self, name: str, say: bool = True) -> None:
-        self.name, self.say, self.signum, self.previous = name, say, None, {}
-
-    def __enter__(self) -> _StopRequests:
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                handler = signal.getsignal(signum)
-                if handler is not None and handler != signal.SIG_IGN:
-                    self.previous[signum] = signal.signal(signum, self._request)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for signum, handler in self.previous.items():
-            signal.signal(signum, handler)
-
-    def _request(self, signum: int, frame) -> None:
-        if self.signum is not None:  # the second request: at once, as without the loop
-            self.signum = signum
-            self.deliver(frame)
-            return
-        self.signum = signum
-        if not self.say:  # another process of the run says it
-            return
+def _stop_notice(name: str):
+    """What the first Ctrl-C or SIGTERM of a training run prints (from its signal handler)."""
+    def notice(signum: int) -> None:
         what, again = (("interrupt (Ctrl-C)", "Ctrl-C again") if signum == signal.SIGINT
                        else ("SIGTERM", "a second SIGTERM"))
-        message = (f"\n{self.name}: {what} received: stopping after this step, once a "
-                   f"checkpoint holds it ({again} stops at once)\n")
+        message = (f"\n{name}: {what} received: stopping after this step, once a checkpoint "
+                   f"holds it ({again} stops at once)\n")
         try:
             sys.stderr.write(message)
             sys.stderr.flush()
         except (RuntimeError, OSError, ValueError):  # the handler ran inside a write to it
             os.write(2, message.encode())
-
-    def deliver(self, frame=None) -> None:
-        """Restore the handlers in place before the loop's and hand the request to its own
-        (Ctrl-C's raises KeyboardInterrupt, the command line's SIGTERM handler its stop; a
-        default one takes the signal's default action)."""
-        self.__exit__()
-        handler = self.previous.get(self.signum, signal.getsignal(self.signum))
-        if callable(handler):
-            handler(self.signum, frame)
-        else:
-            signal.raise_signal(self.signum)
+    return notice
 
 
 def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True,
@@ -311,7 +274,9 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
     window = {"loss": 0.0, "steps": 0, "seconds": 0.0, "items": 0}
     units = getattr(task, "units", {})  # of the validation metrics, for their line
     model.train()
-    stop = _StopRequests(f"{plan.kind} train", say=main)
+    # Ctrl-C and SIGTERM: the first stops the run after its step, saved; a second at once
+    stop = HeldSignals(noted=_stop_notice(f"{plan.kind} train") if main else None,
+                       second_at_once=True)
     stopping = False
     with stop:
         while step < cfg.steps:
@@ -335,7 +300,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
             grad_norm = nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip or math.inf)
             stats = [reported.detach().double(), grad_norm.detach().double()]
             if dist.active:  # the processes agree on a stop request in the same exchange
-                stats.append(torch.tensor(float(stop.signum is not None), dtype=torch.float64,
+                stats.append(torch.tensor(float(stop.received is not None), dtype=torch.float64,
                                           device=reported.device))
             stats = dist.mean(torch.stack(stats)).tolist()  # one host sync per step
             loss, gnorm = stats[:2]
@@ -399,7 +364,7 @@ def train(task: Task, plan: RunPlan, dist: Distributed, *, progress: bool = True
                     break
             if step % cfg.checkpoint_every == 0 or step == cfg.steps:
                 save()
-            stopping = stats[2] > 0 if dist.active else stop.signum is not None
+            stopping = stats[2] > 0 if dist.active else stop.received is not None
             if stopping:
                 if saved_step != step:
                     save()
