@@ -76,22 +76,22 @@ def _sampling_note(se: float | None) -> str:
 
 
 def _load(args: argparse.Namespace):
-    from ..training.device import resolve_device
+    """The run's flow on ``--device`` (checked first), with ``--threads`` set."""
+    from ..training.device import resolve_device, set_threads
     from .train import load_flow
 
     device = resolve_device(args.device)
+    set_threads(args.threads)
     return (*load_flow(args.checkpoint, device), device)
 
 
 def _eval(args: argparse.Namespace) -> int:
     from ..data import load_dataset, load_npz
-    from ..training.device import set_threads
     from ..training.run import data_fingerprint
     from .train import evaluate
 
     if args.batch_size < 1:
         raise InputError(f"--batch-size must be >= 1, got {args.batch_size}")
-    set_threads(args.threads)
     flow, record, device = _load(args)
     if args.divergence != "auto":
         _set_eval_divergence(flow, args.divergence, record)
@@ -157,7 +157,6 @@ def _sample(args: argparse.Namespace) -> int:
     from ..errors import NonFiniteError
     from ..files import check_output_file
     from ..progress import progress_batches
-    from ..training.device import set_threads
 
     if args.num < 1:
         raise InputError(f"--num must be positive, got {args.num}")
@@ -172,7 +171,6 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--energy needs --num >= 2 (an error needs two weights), got "
                          f"{args.num}")
     out = check_output_file(args.out, ".npz")
-    set_threads(args.threads)
     flow, record, device = _load(args)
     if args.energy:
         return _sample_weighted(args, flow, record, device, out)
@@ -191,23 +189,22 @@ def _sample(args: argparse.Namespace) -> int:
     if not torch.isfinite(x).all():
         raise NonFiniteError("sampling produced non-finite values")
     save_npz(out, x, masks)
+    smallest, largest = (set_size, set_size) if masks is None else \
+        (int(masks.sum(1).min()), int(masks.sum(1).max()))
     if masks is None:
         sizes = counted(set_size, "element")
         if record["data"].get("variable_size") and args.set_size is None:
             sizes += (" (the largest training size: this run's checkpoint records no size "
                       "distribution; --set-size chooses one)")
     else:
-        drawn = masks.sum(1)
-        sizes = (f"{int(drawn.min())}-{int(drawn.max())} elements (sizes drawn as often as in "
-                 "training; written with a mask)")
+        sizes = (f"{smallest}-{largest} elements (sizes drawn as often as in training; "
+                 "written with a mask)")
     print(f"wrote {counted(args.num, 'set')} of {sizes} to {out}")
     if args.json:
-        drawn = None if masks is None else masks.sum(1)
         print(json.dumps({"out": str(out), "num": args.num, "set_size": set_size,
                           "dim": int(x.shape[-1]), "dtype": str(x.dtype).removeprefix("torch."),
-                          "masked": masks is not None,
-                          "min_size": set_size if drawn is None else int(drawn.min()),
-                          "max_size": set_size if drawn is None else int(drawn.max())}))
+                          "masked": masks is not None, "min_size": smallest,
+                          "max_size": largest}))
     return 0
 
 

@@ -308,7 +308,6 @@ class SetsTask:
             splits.append(f"{len(self.test_data):,} test")
         data = (f"data: {self.config.data.data}, {', '.join(splits)} sets of {sizes} elements "
                 f"in R^{train.dim}" + (", centre of mass at 0" if train.zero_com else ""))
-        couplings = sum(isinstance(m, SetCoupling) for m in self.flow.modules())
         if flow.flow == "resflow":
             inside = [part for wanted, part in ((flow.splines, "an element-wise spline coupling"),
                                                 (flow.pair_splines, "a layer of pair splines"))
@@ -323,6 +322,7 @@ class SetsTask:
         elif flow.flow == "cnf":
             kind = f"continuous flow, {resolved_field(flow, train.zero_com)} field"
         else:
+            couplings = sum(isinstance(m, SetCoupling) for m in self.flow.modules())
             kind = f"set-coupling flow, {counted(couplings, 'layer')}"
         if flow.preset != "none":
             kind += f" (preset {flow.preset})"
