@@ -64,31 +64,33 @@ def test_a_step_that_does_not_fit_is_refused_with_the_largest_batch_that_does(mo
     cpu = torch.device("cpu")
     check_fits(PassBytes(0, GIB), 5, cpu)  # 5 * 2 GiB = 10 GiB: fits
     with pytest.raises(ConfigError) as error:
-        check_fits(PassBytes(0, GIB), 6, cpu, hints=("adjoint true",))
+        check_fits(PassBytes(0, GIB), 6, cpu, hints=("--adjoint",))
     message = str(error.value)
     assert "12.0 GiB" in message and "10.0 GiB is available" in message
-    assert "batch_size 5 or less; or adjoint true" in message
-    with pytest.raises(ConfigError, match=r"batch_size 1 alone needs 20.0 GiB"):
+    assert "batch_size (--batch-size) 5 or less; or --adjoint" in message
+    with pytest.raises(ConfigError, match=r"batch_size \(--batch-size\) 1 alone needs 20.0 GiB"):
         check_fits(PassBytes(0, 10 * GIB), 1, cpu)
     # 2 GiB whatever the batch: (2 + 3) * 2 GiB fits, one item more does not
     check_fits(PassBytes(2 * GIB, GIB), 3, cpu)
     with pytest.raises(ConfigError, match=r"4 items, and 2048 MiB whatever the batch\).*"
-                                          r"batch_size 3 or less"):
+                                          r"batch_size \(--batch-size\) 3 or less"):
         check_fits(PassBytes(2 * GIB, GIB), 4, cpu)
-    with pytest.raises(ConfigError, match=r"batch_size 1 alone needs 12.0 GiB"):
+    with pytest.raises(ConfigError, match=r"batch_size \(--batch-size\) 1 alone needs 12.0 GiB"):
         check_fits(PassBytes(5 * GIB, GIB), 1, cpu)
     # four processes on four hosts: 6 items each; the advice counts the whole step's items
-    with pytest.raises(ConfigError, match=r"6 items in each of 4 processes\).*batch_size 20 or"):
+    with pytest.raises(ConfigError, match=r"6 items in each of 4 processes\).*"
+                                          r"batch_size \(--batch-size\) 20 or"):
         check_fits(PassBytes(0, GIB), 24, cpu, processes=4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two processes share the host
     check_fits(PassBytes(0, GIB), 4, cpu, processes=2)  # 2 * 2 * 2 GiB = 8 GiB: fits
     with pytest.raises(ConfigError, match=r"3 items in each of 2 processes; 2 processes on "
-                                          r"this host.*batch_size 4 or less"):
+                                          r"this host.*batch_size \(--batch-size\) 4 or less"):
         check_fits(PassBytes(0, GIB), 5, cpu, processes=2)
     # below a MiB per item the size is in KiB (it read "0 MiB"), counts with separators
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
     with pytest.raises(ConfigError, match=r"\(24.0 KiB saved for the backward pass per item, "
-                                          r"1,000,000,000 items\).*batch_size 218,453 or less"):
+                                          r"1,000,000,000 items\).*"
+                                          r"batch_size \(--batch-size\) 218,453 or less"):
         check_fits(PassBytes(0, 24 * 2**10), 10**9, cpu)
     monkeypatch.setattr(memory, "available_memory", lambda device: None)
     check_fits(PassBytes(0, 100 * GIB), 100, cpu)  # unknown: no check
@@ -124,11 +126,11 @@ def test_a_sets_run_that_would_not_fit_is_refused_before_writing_anything(tmp_pa
     with pytest.raises(ConfigError) as error:
         fit_tiny(tmp_path / "cnf", flow="cnf")
     message = str(error.value)
-    assert "adjoint true" in message and "divergence hutchinson" in message
+    assert "--adjoint" in message and "--divergence hutchinson" in message
     with pytest.raises(ConfigError) as error:
         fit_tiny(tmp_path / "adjoint", flow="cnf", adjoint=True, divergence="hutchinson")
-    assert "adjoint true" not in str(error.value)
-    assert "divergence hutchinson" not in str(error.value)
+    assert "--adjoint" not in str(error.value)
+    assert "--divergence hutchinson" not in str(error.value)
 
 
 @pytest.mark.parametrize("changes", [{"hidden": 64}, {"flow": "cnf", "divergence": "hutchinson"}],
@@ -223,6 +225,7 @@ def test_a_language_model_run_that_would_not_fit_is_refused(tmp_path, monkeypatc
         return 1000
 
     monkeypatch.setattr(memory, "available_memory", available)
-    with pytest.raises(ConfigError, match=r"batch_size .*block_size, dim or layers"):
+    with pytest.raises(ConfigError, match=r"batch_size \(--batch-size\) .*"
+                                          r"--block-size, --dim or --layers"):
         train(config, tmp_path / "lm", progress=False, tensorboard=False)
     assert seen == [torch.device("cpu")]

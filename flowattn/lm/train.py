@@ -88,7 +88,7 @@ class LMTask:
         saved = pass_bytes(self.model,
                            lambda k: self.model(x.repeat(k, 1), y.repeat(k, 1))[1]["loss"])
         check_fits(saved, self.config.train.batch_size, self.dist.device,
-                   processes=self.dist.world, hints=("a smaller block_size, dim or layers",))
+                   processes=self.dist.world, hints=("a smaller --block-size, --dim or --layers",))
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         cfg = self.config

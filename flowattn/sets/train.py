@@ -363,9 +363,9 @@ class SetsTask:
             items, what = items + self.energy_samples, "batch_size + energy_samples"
         flow, hints = self.config.flow, []
         if flow.flow == "cnf" and not flow.adjoint:
-            hints.append("adjoint true (memory independent of the solver's steps)")
+            hints.append("--adjoint (memory independent of the solver's steps)")
         if any(getattr(m, "divergence", None) == "exact" for m in self.solvers):
-            hints.append("divergence hutchinson (one probe per set instead of one backward "
+            hints.append("--divergence hutchinson (one probe per set instead of one backward "
                          "pass per dimension)")
         check_fits(saved, items, self.dist.device, processes=self.dist.world, what=what,
                    hints=tuple(hints))

@@ -167,8 +167,8 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
 
     Raises:
         ConfigError: naming the estimate, the memory available, the largest ``what`` (a count
-            for the whole step, like ``items``) that fits and ``hints`` (other ways to need
-            less).
+            for the whole step, like ``items``; a setting's name, shown with its flag) that
+            fits and ``hints`` (other ways to need less, each as its flag would give it).
 
     Examples:
         >>> check_fits(PassBytes(0, 1000), 64, torch.device("cpu"))  # 96 kB: fits anywhere
@@ -185,8 +185,9 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
     room = free / (PEAK_FACTOR * sharing) - fixed  # bytes a process has for its items
     fits = int(room // per_item) * processes if per_item > 0 and room > 0 else 0
     gib, mib = 2**30, 2**20
-    advice = [f"{what} {fits:,} or less" if fits >= 1 else
-              f"less memory per item ({what} 1 alone needs "
+    named = " + ".join(f"{name} (--{name.replace('_', '-')})" for name in what.split(" + "))
+    advice = [f"{named} {fits:,} or less" if fits >= 1 else
+              f"less memory per item ({named} 1 alone needs "
               f"{PEAK_FACTOR * (fixed + per_item) * sharing / gib:.1f} GiB)", *hints]
     raise ConfigError(
         f"a training step would need about {need / gib:.1f} GiB on {device} "
