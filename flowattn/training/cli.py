@@ -45,7 +45,9 @@ def add_run_arguments(parser: argparse.ArgumentParser, default_out: str) -> None
                        help="settings from a JSON or YAML file (flat keys, or nested by "
                        "section; --print-config lists every key); flags override it")
     group.add_argument("--print-config", nargs="?", const="yaml", choices=("yaml", "json"),
-                       help="print every setting (defaults, --config, flags) and exit")
+                       help="print every setting (defaults, --config, flags) and exit; checks "
+                       "that need the data (a width the heads divide, say) come when a run "
+                       "loads it")
     group.add_argument("--progress", action=argparse.BooleanOptionalAction, default=True,
                        help="progress bar (default: on)")
     group.add_argument("--tensorboard", action=argparse.BooleanOptionalAction, default=None,
