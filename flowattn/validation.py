@@ -13,6 +13,7 @@ layers ran (:func:`check_deferred`).
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,6 +25,7 @@ from .errors import InputError, NonFiniteError
 
 __all__ = [
     "check_sets",
+    "check_count",
     "check_finite",
     "check_precision",
     "check_output",
@@ -86,6 +88,22 @@ def _all_finite(*tensors: Tensor) -> bool:
     tensors = tuple(t.detach() for t in tensors)
     total = sum(t.sum() for t in tensors)
     return bool(torch.isfinite(total)) or all(bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def check_count(value, name: str, low: int = 1) -> int:
+    """``value`` as an int, refused unless it is an integer >= ``low`` (not a bool, not 2.5).
+
+    Examples:
+        >>> check_count(3, "blocks")
+        3
+        >>> check_count(0, "heads")
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: heads must be an integer >= 1, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
+        raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
+    return int(value)
 
 
 def check_finite(x: Tensor, name: str = "x") -> None:
@@ -174,7 +192,7 @@ def check_sets(
 
     Raises:
         ValueError: naming the wrong rank, width, dtype, non-finite values, mask shape or
-            dtype, or an empty set.
+            dtype, an empty set or an empty batch.
     """
     if _TRUST.trusted:
         return mask
@@ -186,6 +204,8 @@ def check_sets(
         raise InputError(f"{name} must be floating point, got dtype {x.dtype}")
     if dim is not None and x.shape[-1] != dim:
         raise InputError(f"{name} has width D={x.shape[-1]}, but the module expects D={dim}")
+    if x.shape[0] == 0:
+        raise InputError(f"{name} holds no sets (B=0): shape {tuple(x.shape)}")
     if x.shape[1] == 0:
         raise InputError(f"{name} holds empty sets (N=0): shape {tuple(x.shape)}")
     check_finite(x, name)
@@ -211,13 +231,14 @@ LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
 def check_precision(x: Tensor, *modules: torch.nn.Module, name: str = "x") -> None:
-    """Refuse half-precision data or parameters of a flow, naming the supported way.
+    """Refuse half-precision data or parameters of a flow, naming the supported way, and data
+    whose dtype is not that of the flow's parameters.
 
     Flows keep their parameters and data in float32 or float64: log-determinants (slogdet,
     power series) and iterative inverses need at least float32, and CPU kernels of ``slogdet``
     and ``solve`` have no float16 or bfloat16 versions. Mixed precision is supported through
     ``torch.autocast``: the branches then compute in the low precision while log-dets and
-    inverses stay in float32.
+    inverses stay in float32 (the flow's inputs stay in its own precision).
 
     Examples:
         >>> check_precision(torch.zeros(2, 3, 2, dtype=torch.float16))
@@ -226,10 +247,16 @@ def check_precision(x: Tensor, *modules: torch.nn.Module, name: str = "x") -> No
         flowattn.errors.InputError: x has dtype torch.float16: ...
     """
     dtypes = [x.dtype] + [
-        p.dtype for m in modules for p in (next(m.parameters(), None),) if p is not None
+        p.dtype for m in modules for p in (_first_floating(m),) if p is not None
     ]
     low = next((d for d in dtypes if d in LOW_PRECISION), None)
     if low is None:
+        other = next((d for d in dtypes[1:] if d != x.dtype), None)
+        if other is not None:
+            raise InputError(
+                f"{name} has dtype {x.dtype}, but the flow's parameters are {other}: give "
+                f"{name} in {other} ({name}.to({other})) or convert the flow "
+                f"(flow.to({x.dtype}))")
         return
     what = f"{name} has dtype {low}" if x.dtype == low else f"the flow's parameters are {low}"
     raise InputError(
@@ -239,6 +266,16 @@ def check_precision(x: Tensor, *modules: torch.nn.Module, name: str = "x") -> No
         "float16 or bfloat16); the branches then compute in the low precision and the "
         "log-determinants in float32 (docs/flows.md, 'Mixed precision')"
     )
+
+
+def _first_floating(module: torch.nn.Module) -> Tensor | None:
+    """The first floating-point parameter of ``module``, else its first floating-point buffer
+    (a layer fixed at construction), else None."""
+    for tensors in (module.parameters(), module.buffers()):
+        for t in tensors:
+            if t.is_floating_point():
+                return t
+    return None
 
 
 def present_counts(mask: Tensor | None, batch: int, length: int, device=None) -> Tensor:

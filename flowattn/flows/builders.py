@@ -21,6 +21,7 @@ from ..branches import (
 from ..data.augment import reflection_signs
 from ..errors import InputError
 from ..validation import (
+    check_count,
     check_deferred,
     check_precision,
     check_sets,
@@ -29,7 +30,7 @@ from ..validation import (
     trusted_inputs,
 )
 from .base import sample_standard_normal, standard_normal_log_prob
-from .geometry import subtract_mean
+from .geometry import check_centred, subtract_mean
 from .inverse import InverseOptions
 from .layers import ActNorm, EquivariantLinear, SetLocation
 from .logdet import LogDetOptions
@@ -357,7 +358,8 @@ class SetFlow(nn.Module):
         Differentiable in the flow's parameters wherever its inverse is (residual blocks by
         implicit differentiation): what training by energy needs, E_q[E(x) + log q(x)] with
         z ~ N(0, I) fixed and the flow's parameters varying. In zero-centre-of-mass mode ``z``
-        must lie on the subspace (as :meth:`sample` draws it). These are the flow's own sets
+        must lie on the subspace (as :meth:`sample` draws it; refused otherwise, as are sets of
+        one element). These are the flow's own sets
         and density q, before any mirror average (``symmetry``).
 
         Examples:
@@ -366,13 +368,20 @@ class SetFlow(nn.Module):
             >>> bool(torch.allclose(log_q, flow.log_prob(x), atol=1e-4))
             True
         """
-        return self._from_noise(z, check_sets(z, mask, dim=self.dim, name="z"))
+        mask = check_sets(z, mask, dim=self.dim, name="z")
+        if not inputs_trusted():
+            check_precision(z, self, name="z")
+            if self.zero_com:
+                _check_zero_com_sizes(z, mask)
+                check_centred(z, mask, name="z")
+        return self._from_noise(z, mask)
 
     def _from_noise(self, z: Tensor, mask: Tensor | None) -> tuple[Tensor, Tensor]:
         x, logdet_inv = self._inverse(z, mask)
         return x, standard_normal_log_prob(z, mask, self.zero_com) - logdet_inv
 
     def _base_sample(self, num_samples, set_size, mask, generator):
+        num_samples = check_count(num_samples, "num_samples")
         if mask is not None:
             if mask.dtype != torch.bool or mask.dim() != 2 or mask.shape[0] != num_samples:
                 raise InputError(
@@ -381,12 +390,15 @@ class SetFlow(nn.Module):
             if set_size is not None and set_size != mask.shape[1]:
                 raise InputError(f"set_size={set_size} disagrees with mask width {mask.shape[1]}")
             set_size = mask.shape[1]
-        if set_size is None or set_size < 1:
-            raise InputError(f"set_size must be a positive integer, got {set_size}")
-        if num_samples < 1:
-            raise InputError(f"num_samples must be positive, got {num_samples}")
+        if set_size is None:
+            raise InputError("set_size must be a positive integer, got None")
+        set_size = check_count(set_size, "set_size")
         if self.zero_com and set_size < 2 and mask is None:
             raise InputError("zero_com needs sets of at least 2 elements")
+        if self.zero_com and mask is not None and int(mask.sum(dim=1).min()) < 2:
+            first = int(torch.nonzero(mask.sum(dim=1) < 2)[0, 0])
+            raise InputError(f"mask gives set {first} fewer than 2 elements: in zero-centre-of-"
+                             "mass mode a set needs at least 2 (one element has no density)")
         ref = self._reference_tensor()
         check_precision(ref, name="the flow's parameters")
         if mask is not None:
@@ -443,9 +455,11 @@ def _lifted_attention(width: int) -> Callable[..., nn.Module]:
     return build
 
 
-def _check(blocks: int, coeff: float) -> None:
-    if blocks < 1:
-        raise InputError(f"blocks must be >= 1, got {blocks}")
+def _check(dim: int, blocks: int, heads: int, hidden: int | None, coeff: float) -> None:
+    for name, value in (("dim", dim), ("blocks", blocks), ("heads", heads)):
+        check_count(value, name)
+    if hidden is not None:
+        check_count(hidden, "hidden")
     if not 0 < coeff < 1:
         raise InputError(f"coeff must lie in (0, 1), got {coeff}")
 
@@ -579,7 +593,7 @@ def set_flow(
         >>> flow.log_prob(torch.randn(5, 4, 2)).shape
         torch.Size([5])
     """
-    _check(blocks, coeff)
+    _check(dim, blocks, heads, hidden, coeff)
     if interaction not in INTERACTIONS:
         raise InputError(f"interaction must be one of {INTERACTIONS}, got {interaction!r}")
     if manybody and interaction != "radial":
@@ -666,7 +680,7 @@ def sequence_flow(
         >>> flow.log_prob(torch.randn(2, 6, 2)).shape
         torch.Size([2])
     """
-    _check(blocks, coeff)
+    _check(dim, blocks, heads, hidden, coeff)
     hidden = hidden or 4 * dim
     residual = dict(logdet=logdet, inverse=inverse, causal=causal, zero_com=False)
     layers: list[Transform] = []

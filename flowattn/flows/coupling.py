@@ -45,9 +45,9 @@ from torch import Tensor, nn
 
 from ..attention import DotProductMHA
 from ..errors import InputError
-from ..validation import check_deferred, check_sets, present_weights, trusted_inputs
+from ..validation import check_deferred, present_weights, trusted_inputs
 from .builders import SetFlow
-from .geometry import full_precision, mask_from_context, subtract_mean
+from .geometry import checked_inputs, full_precision, subtract_mean
 from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
 from .splines import UNIT_SLOPE, rational_quadratic
 
@@ -135,7 +135,7 @@ class SetCoupling(Transform):
         return params[..., :k], params[..., k:2 * k], params[..., 2 * k:]
 
     def _couple(self, inputs: Tensor, context, inverse: bool) -> tuple[Tensor, Tensor]:
-        mask = check_sets(inputs, mask_from_context(context, inputs), self.dim, "inputs")
+        mask = checked_inputs(inputs, context, self, self.dim)
         w = present_weights(inputs, mask).unsqueeze(-1)
         x = inputs if mask is None else inputs * w  # padded values never enter
         with trusted_inputs():  # checked here, once

@@ -7,8 +7,10 @@ elements zeroed and, with ``zero_com``, each set's centre of mass removed. Every
 restricts its maps to the range of P, so log-determinants, divergences and inverses are those
 of the restricted map. This module holds the pieces they share:
 
-* :func:`mask_from_context` -- the mask, carried by nflows' ``context`` argument;
+* :func:`mask_from_context` -- the mask, carried by nflows' ``context`` argument, and
+  :func:`checked_inputs` -- a transform's inputs checked and its mask;
 * :func:`subtract_mean` and :func:`project` -- the centring and the projection P;
+  :func:`check_centred` -- the refusal of sets off the subspace;
 * :func:`set_times` -- the time of a vector field's call, one for all sets or one per set;
 * :func:`sample_probes` -- Hutchinson probes P u with E[u u^T] = I (log-det series, CNF
   divergences);
@@ -28,11 +30,13 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
-from ..validation import present_weights
+from ..validation import check_precision, check_sets, inputs_trusted, present_weights
 
 __all__ = [
     "mask_from_context",
+    "checked_inputs",
     "subtract_mean",
+    "check_centred",
     "project",
     "set_times",
     "sample_probes",
@@ -50,14 +54,27 @@ PROBES = ("rademacher", "gaussian")  # the laws of Hutchinson probes
 def mask_from_context(context, x: Tensor) -> Tensor | None:
     """The padding mask carried by nflows' ``context`` argument.
 
-    ``context`` may be ``None``, a bool tensor (B, N) (True = present) or a dict with a
-    ``"mask"`` entry. Anything else raises ``ValueError``: in this library the context slot of a
-    set / sequence transform is reserved for the mask.
+    ``context`` may be ``None``, a bool tensor (B, N) (True = present) or a dict whose one
+    entry is ``"mask"`` (a mask or None). Anything else raises ``ValueError``: in this library
+    the context slot of a set / sequence transform is reserved for the mask, and a dict
+    without that entry (``{"masks": m}``) would otherwise drop the mask unseen.
+
+    Examples:
+        >>> x, m = torch.zeros(1, 3, 2), torch.tensor([[True, True, False]])
+        >>> mask_from_context({"mask": m}, x).tolist()
+        [[True, True, False]]
+        >>> mask_from_context({"masks": m}, x)
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: a dict context of a set transform holds one entry, ...
     """
     if context is None:
         return None
     if isinstance(context, dict):
-        context = context.get("mask")
+        if list(context) != ["mask"]:
+            raise InputError("a dict context of a set transform holds one entry, 'mask'; got "
+                             f"the keys {sorted(map(str, context))}")
+        context = context["mask"]
         if context is None:
             return None
     if not isinstance(context, Tensor) or context.dtype != torch.bool:
@@ -67,6 +84,26 @@ def mask_from_context(context, x: Tensor) -> Tensor | None:
             + (f" of dtype {context.dtype}" if isinstance(context, Tensor) else "")
         )
     return context
+
+
+def checked_inputs(inputs: Tensor, context, module: torch.nn.Module, dim: int | None = None,
+                   name: str = "inputs") -> Tensor | None:
+    """The mask of a transform's call (:func:`mask_from_context`), once ``inputs`` are checked
+    (:func:`~flowattn.validation.check_sets`: shape, width ``dim``, finiteness, the mask) and
+    their dtype against ``module``'s parameters (:func:`~flowattn.validation.check_precision`);
+    inside :func:`~flowattn.validation.trusted_inputs` nothing is checked.
+
+    Examples:
+        >>> from flowattn.flows import ActNorm
+        >>> checked_inputs(torch.zeros(2, 3, 4, dtype=torch.float64), None, ActNorm(4))
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: inputs has dtype torch.float64, but the flow's parameters ...
+    """
+    mask = check_sets(inputs, mask_from_context(context, inputs), dim, name)
+    if not inputs_trusted():
+        check_precision(inputs, module, name=name)
+    return mask
 
 
 def subtract_mean(x: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -97,6 +134,31 @@ def project(v: Tensor, mask: Tensor | None = None, zero_com: bool = False) -> Te
     if mask is None:
         return v
     return v * mask.unsqueeze(-1).to(v.dtype)
+
+
+def check_centred(x: Tensor, mask: Tensor | None = None, name: str = "inputs") -> None:
+    """Refuse sets off the zero-centre-of-mass subspace: a present element's centre-of-mass
+    coordinate above sqrt(eps) (1 + max |x|) in ``x``'s precision (rounding passes).
+
+    Examples:
+        >>> check_centred(subtract_mean(torch.randn(2, 3, 2)))
+        >>> check_centred(torch.ones(1, 2, 2))
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: inputs must be centred (sum of present elements = 0 per ...
+    """
+    x = x.detach()  # a check, not part of the graph
+    offset = x - subtract_mean(x, mask)
+    if mask is not None:
+        offset = offset * mask.unsqueeze(-1).to(x.dtype)
+    scale = 1.0 + float(x.abs().max())
+    tol = torch.finfo(x.dtype).eps ** 0.5 * scale
+    worst = float(offset.abs().max())
+    if worst > tol:
+        raise InputError(
+            f"{name} must be centred (sum of present elements = 0 per set) in zero-centre-of-"
+            f"mass mode; its largest centre-of-mass coordinate is {worst:.3g} > {tol:.3g}"
+        )
 
 
 def set_times(t: Tensor | float, z: Tensor) -> Tensor:

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from ..errors import InputError
 from ..validation import check_sets, present_weights
 from .base import set_dims
-from .geometry import full_precision, mask_from_context
+from .geometry import checked_inputs, full_precision
 from .splines import rational_quadratic
 
 __all__ = ["ActNorm", "EquivariantLinear", "SetLocation", "feature_moments", "size_features"]
@@ -126,7 +126,7 @@ class ActNorm(_InitialisedOnce, Transform):
     def _prepare(self, inputs: Tensor, context):
         flat = isinstance(inputs, Tensor) and inputs.dim() == 2
         x = inputs.unsqueeze(1) if flat else inputs
-        mask = check_sets(x, mask_from_context(context, x), dim=self.dim, name="inputs")
+        mask = checked_inputs(x, context, self, self.dim)
         return x, mask, flat
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
@@ -294,7 +294,7 @@ class EquivariantLinear(Transform):
         return logdet
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
-        mask = check_sets(inputs, mask_from_context(context, inputs), self.dim, "inputs")
+        mask = checked_inputs(inputs, context, self, self.dim)
         with full_precision(inputs):  # an exact layer: its log-det is that of this very map
             mean, w, n = self._split(inputs, mask)
             y = (inputs - mean) @ self.deviation.matrix()
@@ -304,7 +304,7 @@ class EquivariantLinear(Transform):
             return y, self._logdet(n)
 
     def inverse(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
-        mask = check_sets(inputs, mask_from_context(context, inputs), self.dim, "inputs")
+        mask = checked_inputs(inputs, context, self, self.dim)
         with full_precision(inputs):
             mean, w, n = self._split(inputs, mask)
             x = self.deviation.solve_right(inputs - mean)
@@ -448,8 +448,7 @@ class SetLocation(Transform):
         return (x * w).sum(dim=1) / n.unsqueeze(-1), n, w
 
     def _move(self, x: Tensor, context, direction: str) -> tuple[Tensor, Tensor]:
-        mask = mask_from_context(context, x)
-        mask = check_sets(x, mask, dim=self.dim)
+        mask = checked_inputs(x, context, self, self.dim)
         with full_precision(x):  # an exact layer (splines with their own log-dets)
             centre, n, w = self._centroid(x, mask)
             features = size_features(n)

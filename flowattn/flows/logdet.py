@@ -139,8 +139,17 @@ class LogDetOptions:
             if int(value) != value or value < low:
                 raise InputError(f"LogDetOptions.{name} must be an integer >= {low}, got {value}")
             object.__setattr__(self, name, int(value))
+        if self.eval_n_terms is not None:
+            if int(self.eval_n_terms) != self.eval_n_terms or self.eval_n_terms < 1:
+                raise InputError("LogDetOptions.eval_n_terms must be an integer >= 1 or None "
+                                 f"(from the branch's bound), got {self.eval_n_terms}")
+            object.__setattr__(self, "eval_n_terms", int(self.eval_n_terms))
         object.__setattr__(self, "memory_efficient", bool(self.memory_efficient))
         object.__setattr__(self, "roulette_param", float(self.roulette_param))
+        check_roulette_param(self.roulette, self.roulette_param, "LogDetOptions.roulette_param")
+        if self.generator is not None and not isinstance(self.generator, torch.Generator):
+            raise InputError("LogDetOptions.generator must be a torch.Generator or None, got "
+                             f"{type(self.generator).__name__}")
         if not (math.isfinite(self.eval_max_error) and self.eval_max_error >= 0):
             raise InputError("LogDetOptions.eval_max_error must be a finite number >= 0, got "
                              f"{self.eval_max_error}")
@@ -552,18 +561,42 @@ def precise_series_logdet(
     return samples.mean(dim=0), variance
 
 
+def check_roulette_param(distribution: str, param: float, name: str = "param") -> None:
+    """Refuse a roulette law's parameter outside its range: the geometric p in (0, 1), the
+    Poisson rate lambda finite and positive.
+
+    Examples:
+        >>> check_roulette_param("poisson", float("inf"))
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: param, the Poisson rate, must be a finite number > 0, got inf
+    """
+    if distribution == "geometric" and not 0 < param < 1:
+        raise InputError(f"{name}, the geometric parameter p, must lie in (0, 1), got {param}")
+    if distribution == "poisson" and not (math.isfinite(param) and param > 0):
+        raise InputError(f"{name}, the Poisson rate, must be a finite number > 0, got {param}")
+
+
 def roulette_tail_probability(distribution: str, param: float, m: int) -> float:
     """P(L >= m) for the number L >= 1 of random extra terms.
 
     ``"geometric"``: P(L = l) = p (1 - p)^(l - 1), l >= 1, so P(L >= m) = (1 - p)^(m - 1).
-    ``"poisson"``: L = 1 + Poisson(lambda), so P(L >= m) = P(Poisson(lambda) >= m - 1).
+    ``"poisson"``: L = 1 + Poisson(lambda), so P(L >= m) = P(Poisson(lambda) >= m - 1), its
+    terms summed in logarithms (no overflow of lambda^j / j! at large rates).
+
+    Examples:
+        >>> round(roulette_tail_probability("poisson", 2.0, 2), 6)  # 1 - e^-2
+        0.864665
+        >>> roulette_tail_probability("poisson", 400.0, 300) > 0.99999
+        True
     """
     if m <= 1:
         return 1.0
     if distribution == "geometric":
         return (1.0 - param) ** (m - 1)
     if distribution == "poisson":
-        cdf = sum(math.exp(-param) * param**j / math.factorial(j) for j in range(m - 1))
+        log_rate = math.log(param)
+        cdf = sum(math.exp(-param + j * log_rate - math.lgamma(j + 1)) for j in range(m - 1))
         return max(1.0 - cdf, 0.0)
     raise InputError(f"distribution must be 'geometric' or 'poisson', got {distribution!r}")
 
@@ -576,14 +609,11 @@ def sample_roulette_lengths(
 ) -> Tensor:
     """Draw the number L >= 1 of random extra terms from torch's seeded RNG (CPU long tensor)."""
     gen_device = generator.device if generator is not None else torch.device("cpu")
+    check_roulette_param(distribution, param)
     if distribution == "geometric":
-        if not 0 < param < 1:
-            raise InputError(f"the geometric parameter p must lie in (0, 1), got {param}")
         draws = torch.empty(tuple(shape), dtype=torch.float64, device=gen_device)
         draws.geometric_(param, generator=generator)
     elif distribution == "poisson":
-        if not param > 0:
-            raise InputError(f"the Poisson rate must be positive, got {param}")
         rates = torch.full(tuple(shape), float(param), dtype=torch.float64, device=gen_device)
         draws = 1 + torch.poisson(rates, generator=generator)
     else:

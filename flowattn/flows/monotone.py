@@ -29,8 +29,8 @@ from nflows.transforms import Transform
 from torch import Tensor, nn
 
 from ..errors import InputError, InverseNotConverged
-from ..validation import check_deferred, check_sets, present_weights, trusted_inputs
-from .geometry import full_precision, mask_from_context, project, subtract_mean
+from ..validation import check_deferred, present_weights, trusted_inputs
+from .geometry import checked_inputs, full_precision, project, subtract_mean
 from .logdet import LogDetOptions, jacobian_logdet, residual_matrix
 from .residual import InvertibleResidual
 
@@ -153,7 +153,7 @@ class MonotoneResidual(Transform):
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """y = x + g(x) and log|det dy/dx| per set, shape (B,)."""
-        mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
+        mask = checked_inputs(inputs, context, self)
         if not self._verified:
             self.verify_branch(inputs, mask)
         with trusted_inputs(), full_precision(inputs):  # see the module docstring
@@ -166,7 +166,7 @@ class MonotoneResidual(Transform):
 
     def inverse(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """x with x + g(x) = inputs, and log|det dx/dy|."""
-        mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
+        mask = checked_inputs(inputs, context, self)
         if not self._verified:
             self.verify_branch(inputs, mask)
         a, scale_logdet = self._scale_logdet(inputs, mask)
@@ -257,7 +257,7 @@ class InverseMonotoneResidual(Transform):
 
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """z with z + g(z) = inputs, and log|det dz/dx| = -log det(I + J_g(z))."""
-        mask = check_sets(inputs, mask_from_context(context, inputs), name="inputs")
+        mask = checked_inputs(inputs, context, self)
         if not self.block._verified:
             self.block.verify_branch(inputs, mask)
         with trusted_inputs(), full_precision(inputs):  # a Newton solve

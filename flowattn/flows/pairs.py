@@ -33,8 +33,7 @@ from nflows.transforms import Transform
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..validation import check_sets
-from .geometry import full_precision, mask_from_context
+from .geometry import checked_inputs, full_precision
 from .splines import UNIT_SLOPE, rational_quadratic
 
 __all__ = ["PairSplines", "round_robin"]
@@ -125,7 +124,7 @@ class PairSplines(Transform):
         return self._rounds[key]
 
     def _move(self, inputs: Tensor, context, inverse: bool) -> tuple[Tensor, Tensor]:
-        mask = check_sets(inputs, mask_from_context(context, inputs), self.dim, "inputs")
+        mask = checked_inputs(inputs, context, self, self.dim)
         batch, n = inputs.shape[:2]
         rounds = self._pairs(n, inputs.device)
         x = inputs

@@ -17,12 +17,14 @@ from ..branches.mlp import frozen_power_iteration
 from ..errors import InputError
 from ..validation import (
     check_deferred,
-    check_precision,
-    check_sets,
-    inputs_trusted,
     trusted_inputs,
 )
-from .geometry import evaluation_generator, full_precision, mask_from_context, project
+from .geometry import (
+    checked_inputs,
+    evaluation_generator,
+    full_precision,
+    project,
+)
 from .inverse import InverseOptions, residual_inverse
 from .logdet import (
     LogDetOptions,
@@ -320,9 +322,7 @@ class InvertibleResidual(Transform):
     def forward(self, inputs: Tensor, context=None) -> tuple[Tensor, Tensor]:
         """y = x + g(x) and log|det dy/dx| per set, shape (B,)."""
         x_in, flat = self._as_sets(inputs)
-        mask = check_sets(x_in, mask_from_context(context, x_in), name="inputs")
-        if not inputs_trusted():
-            check_precision(x_in, self.branch, name="inputs")
+        mask = checked_inputs(x_in, context, self.branch, getattr(self.branch, "dim", None))
         with trusted_inputs():  # the branch trusts its caller
             y, logdet = self._checked_forward(x_in, mask)
         check_deferred(x_in, "InvertibleResidual", y, logdet)
@@ -385,9 +385,7 @@ class InvertibleResidual(Transform):
         and ``torch.autocast`` is off: the solve runs in the inputs' precision.
         """
         y_in, flat = self._as_sets(inputs)
-        mask = check_sets(y_in, mask_from_context(context, y_in), name="inputs")
-        if not inputs_trusted():
-            check_precision(y_in, self.branch, name="inputs")
+        mask = checked_inputs(y_in, context, self.branch, getattr(self.branch, "dim", None))
         # Under torch.autocast too the inverse solves in the inputs' precision: a branch
         # evaluated in bfloat16 is not smooth at the solver's tolerance.
         with frozen_power_iteration(), frozen_certificates(), trusted_inputs(), \

@@ -4,12 +4,28 @@ import logging
 
 import pytest
 import torch
+from nflows.distributions import StandardNormal
+from nflows.flows import Flow
 
 import flowattn.validation as validation
 from flowattn.attention import ContractiveL2MHA
 from flowattn.branches import LipschitzMLP
 from flowattn.errors import InputError, NonFiniteError
-from flowattn.flows import ActNorm, InvertibleResidual, LogDetOptions, coupling_flow, set_flow
+from flowattn.flows import (
+    CNF,
+    ActNorm,
+    AttentionField,
+    EquivariantLinear,
+    InvertibleResidual,
+    LogDetOptions,
+    PairSplines,
+    SetCoupling,
+    SetLocation,
+    TransformerResidualPair,
+    coupling_flow,
+    sequence_flow,
+    set_flow,
+)
 from flowattn.validation import check_sets, trusted_inputs
 
 SERIES = LogDetOptions("series", n_terms=3)
@@ -248,3 +264,112 @@ def test_the_deferred_check_leaves_compiled_code_without_a_graph_break_warning(s
         logger.removeHandler(records)
         torch._dynamo.reset()
     assert not [m for m in records.messages if "Graph break" in m], records.messages
+
+
+# -- what a transform called directly must refuse, and what it must keep --------------------
+
+def _blocks():
+    return {
+        "attention block": InvertibleResidual(ContractiveL2MHA(2, 1), logdet=SERIES),
+        "attention and MLP": TransformerResidualPair(ContractiveL2MHA(2, 1),
+                                                     LipschitzMLP(2, 8), logdet=SERIES),
+        "actnorm": ActNorm(2),
+        "equivariant linear": EquivariantLinear(2),
+        "set location": SetLocation(2),
+        "set coupling": SetCoupling(2, 0, 8, blocks=1),
+        "pair splines": PairSplines(2),
+    }
+
+
+@pytest.mark.parametrize("name", list(_blocks()))
+def test_a_transform_refuses_another_width_an_empty_batch_and_another_dtype(name):
+    layer = _blocks()[name]
+    with pytest.raises(InputError, match=r"width D=3, but the module expects D=2"):
+        layer(torch.randn(3, 4, 3))
+    with pytest.raises(InputError, match=r"no sets \(B=0\)"):
+        layer(torch.randn(0, 4, 2))
+    with pytest.raises(InputError, match=r"inputs has dtype torch.float64, but the flow's "
+                                         r"parameters are torch.float32"):
+        layer(torch.randn(3, 4, 2, dtype=torch.float64))
+    layer.double()
+    assert layer(torch.randn(3, 4, 2, dtype=torch.float64))[0].dtype == torch.float64
+
+
+def test_the_inverse_of_a_block_refuses_another_dtype_as_nflows_sampling_would_give_it():
+    # nflows' StandardNormal draws float32 noise whatever the flow's dtype
+    flow = Flow(InvertibleResidual(LipschitzMLP(2, 8), logdet=SERIES),
+                StandardNormal([4, 2])).double().eval()
+    with pytest.raises(InputError, match=r"dtype torch.float32, but the flow's parameters are "
+                                         r"torch.float64"):
+        flow.sample(3)
+    block = InvertibleResidual(LipschitzMLP(2, 8), logdet=SERIES).eval()
+    with pytest.raises(InputError, match=r"no sets \(B=0\)"):
+        block.inverse(torch.randn(0, 4, 2))
+
+
+def test_a_set_flow_refuses_another_dtype_and_an_empty_batch_at_every_entry_point():
+    flow = set_flow(dim=2, blocks=1, heads=1).eval()
+    x64 = torch.randn(3, 4, 2, dtype=torch.float64)
+    for call in (flow.log_prob, flow.transform_to_noise, flow.from_noise):
+        with pytest.raises(InputError, match="float64, but the flow's parameters are"):
+            call(x64)
+        with pytest.raises(InputError, match=r"B=0"):
+            call(torch.randn(0, 4, 2))
+    flow.double()
+    assert flow.log_prob(x64).dtype == torch.float64
+
+
+@pytest.mark.parametrize("context", [{"masks": "m"}, {}, {"mask": "m", "extra": None}],
+                         ids=["misspelt", "empty", "extra entry"])
+def test_a_dict_context_without_its_one_mask_entry_is_refused_not_dropped(context):
+    block = InvertibleResidual(ContractiveL2MHA(2, 1), logdet=LogDetOptions("exact"))
+    x, m = torch.randn(1, 4, 2), torch.tensor([[True, True, True, False]])
+    context = {k: (m if v == "m" else v) for k, v in context.items()}
+    with pytest.raises(InputError, match="one entry, 'mask'"):
+        block(x, context)
+    assert torch.equal(block(x, {"mask": m})[1], block(x, m)[1])
+    assert torch.equal(block(x, {"mask": None})[1], block(x)[1])
+
+
+def test_a_continuous_flow_takes_the_mask_in_a_dict_as_every_transform_does():
+    cnf = CNF(AttentionField(2, heads=1, layers=1, hidden=8))
+    x, m = torch.randn(2, 4, 2), torch.tensor([[True, True, True, False]] * 2)
+    assert torch.allclose(cnf(x, {"mask": m})[1], cnf(x, m)[1])
+    with pytest.raises(InputError, match="one entry, 'mask'"):
+        cnf(x, {"masks": m})
+
+
+def test_zero_com_flows_give_no_density_to_one_element_sets_and_need_centred_noise():
+    flow = set_flow(dim=2, blocks=1, heads=1, zero_com=True).eval()
+    one = torch.tensor([[True, True, False], [True, False, False]])
+    with pytest.raises(InputError, match="set 1 fewer than 2 elements"):
+        flow.sample_and_log_prob(2, mask=one)
+    with pytest.raises(InputError, match="set 1 fewer than 2 elements"):
+        flow.sample(2, mask=one)
+    with pytest.raises(InputError, match="1 element"):
+        flow.from_noise(torch.randn(2, 1, 2))
+    z = torch.randn(2, 3, 2)
+    with pytest.raises(InputError, match="must be centred"):
+        flow.from_noise(z)  # off the subspace: its log q would not be the flow's density
+    x, log_q = flow.from_noise(z - z.mean(dim=1, keepdim=True))
+    assert torch.allclose(log_q, flow.log_prob(x), atol=1e-4)
+
+
+@pytest.mark.parametrize("arguments", [dict(dim=0), dict(heads=0), dict(blocks=1.5),
+                                       dict(hidden=0), dict(blocks=True)],
+                         ids=["dim 0", "heads 0", "blocks 1.5", "hidden 0", "blocks True"])
+def test_the_builders_refuse_counts_that_are_not_positive_integers(arguments):
+    name = next(iter(arguments))
+    settings = {"dim": 2, "blocks": 1, "heads": 1, **arguments}
+    with pytest.raises(InputError, match=f"{name} must be an integer >= 1"):
+        set_flow(**settings)
+    with pytest.raises(InputError, match=f"{name} must be an integer >= 1"):
+        sequence_flow(**settings)
+
+
+def test_sampling_refuses_counts_that_are_not_positive_integers():
+    flow = set_flow(dim=2, blocks=1, heads=1).eval()
+    with pytest.raises(InputError, match="set_size must be an integer >= 1, got 2.5"):
+        flow.sample(2, set_size=2.5)
+    with pytest.raises(InputError, match="num_samples must be an integer >= 1, got 0"):
+        flow.sample(0, set_size=3)

@@ -1,10 +1,13 @@
 """Tests for flowattn.flows.logdet: exact, series and roulette log-determinants and gradients."""
 
+import math
+
 import pytest
 import torch
 
 from flowattn.attention import ContractiveL2MHA
 from flowattn.branches import LipschitzMLP
+from flowattn.errors import InputError
 from flowattn.flows.geometry import project
 from flowattn.flows.logdet import (
     exact_logdet,
@@ -195,6 +198,13 @@ def test_roulette_weights_and_lengths_follow_the_stated_laws():
     assert roulette_tail_probability("geometric", 0.5, 3) == pytest.approx(0.25)
     assert roulette_tail_probability("poisson", 2.0, 2) == pytest.approx(1 - torch.exp(
         torch.tensor(-2.0)).item())
+    # large rates: the terms lambda^j / j! are summed in logarithms (they overflowed a float)
+    rate = 150.0
+    direct = sum(math.exp(-rate + j * math.log(rate) - math.lgamma(j + 1)) for j in range(149))
+    assert roulette_tail_probability("poisson", rate, 150) == pytest.approx(1 - direct)
+    assert 0.45 < roulette_tail_probability("poisson", rate, 150) < 0.55  # the median
+    with pytest.raises(InputError, match="Poisson rate"):
+        sample_roulette_lengths("poisson", float("inf"), (3,))
     gen = torch.Generator().manual_seed(0)
     geo = sample_roulette_lengths("geometric", 0.5, (20000,), gen)
     assert geo.min() >= 1 and abs(geo.double().mean().item() - 2.0) < 0.05

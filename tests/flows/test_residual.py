@@ -64,6 +64,17 @@ def test_branch_without_bound_or_with_bound_at_least_one_is_rejected():
         (InverseOptions, {"tol": -1.0}, "InverseOptions.tol"),
         (InverseOptions, {"max_iter": 0}, "InverseOptions.max_iter"),
         (LogDetOptions, {"roulette": "binomial"}, "LogDetOptions.roulette"),
+        (LogDetOptions, {"roulette": "poisson", "roulette_param": float("inf")},
+         "LogDetOptions.roulette_param, the Poisson rate"),
+        (LogDetOptions, {"roulette": "poisson", "roulette_param": float("nan")},
+         "LogDetOptions.roulette_param, the Poisson rate"),
+        (LogDetOptions, {"roulette": "poisson", "roulette_param": 0.0},
+         "LogDetOptions.roulette_param, the Poisson rate"),
+        (LogDetOptions, {"roulette_param": 1.0}, "LogDetOptions.roulette_param, the geometric"),
+        (LogDetOptions, {"eval_n_terms": -3}, "LogDetOptions.eval_n_terms"),
+        (LogDetOptions, {"eval_n_terms": 0}, "LogDetOptions.eval_n_terms"),
+        (LogDetOptions, {"eval_n_terms": 2.5}, "LogDetOptions.eval_n_terms"),
+        (LogDetOptions, {"generator": "abc"}, "LogDetOptions.generator"),
     ],
 )
 def test_bad_options_are_rejected_by_name(options, kwargs, match):

@@ -13,7 +13,14 @@ from torchdiffeq import odeint, odeint_adjoint
 from ...errors import InputError, ODESolverError
 from ...validation import check_deferred, check_finite, check_sets, trusted_inputs
 from ..base import sample_standard_normal, standard_normal_log_prob
-from ..geometry import PROBES, evaluation_generator, project, sample_probes, subtract_mean
+from ..geometry import (
+    PROBES,
+    check_centred,
+    evaluation_generator,
+    mask_from_context,
+    project,
+    sample_probes,
+)
 from .alignment import ALIGNMENTS, align
 from .divergence import exact_divergence, hutchinson_divergence
 
@@ -329,6 +336,8 @@ class CNF(Transform):
     def _resolve_mask(self, inputs: Tensor, context, mask: Tensor | None) -> Tensor | None:
         if not isinstance(inputs, Tensor):
             raise InputError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+        if isinstance(context, dict):  # {"mask": mask}, as every set transform takes it
+            context = mask_from_context(context, inputs)
         if context is not None:
             is_mask = (
                 isinstance(context, Tensor)
@@ -362,20 +371,6 @@ class CNF(Transform):
             raise InputError("zero_com needs (B, N, D) inputs")
         check_finite(inputs, "inputs")
         return None
-
-    def _check_centred(self, inputs: Tensor, mask: Tensor | None) -> None:
-        inputs = inputs.detach()  # a check, not part of the graph
-        offset = inputs - subtract_mean(inputs, mask)
-        if mask is not None:
-            offset = offset * mask.unsqueeze(-1).to(inputs.dtype)
-        scale = 1.0 + float(inputs.abs().max())
-        tol = math.sqrt(torch.finfo(inputs.dtype).eps) * scale
-        worst = float(offset.abs().max())
-        if worst > tol:
-            raise InputError(
-                f"zero_com flow needs centred inputs (sum of present elements = 0 per set); "
-                f"largest centre-of-mass coordinate is {worst:.3g} > {tol:.3g}"
-            )
 
     # ------------------------------------------------------------------ solving
 
@@ -441,7 +436,7 @@ class CNF(Transform):
         """Map data to noise: returns (z(t1), log|det dz(t1)/dx|), shapes (B, ...) and (B,)."""
         mask = self._resolve_mask(inputs, context, mask)
         if self.zero_com:
-            self._check_centred(inputs, mask)
+            check_centred(inputs, mask)
         with trusted_inputs():  # checked here: the field trusts the solver's states
             out = self._solve(inputs, mask, reverse=False, regularise=self.regularise)
         check_deferred(inputs, "CNF", out[0], out[1])
@@ -458,7 +453,7 @@ class CNF(Transform):
         """Map noise to data: returns (z(0), log|det dz(0)/dz(t1)|) = (x, -forward logabsdet)."""
         mask = self._resolve_mask(inputs, context, mask)
         if self.zero_com:
-            self._check_centred(inputs, mask)
+            check_centred(inputs, mask)
         with trusted_inputs():
             out = self._solve(inputs, mask, reverse=True, regularise=False)
         check_deferred(inputs, "CNF", out[0], out[1])
@@ -526,7 +521,7 @@ class CNF(Transform):
                              f"must be (B, N, D), got {tuple(inputs.shape)}")
         mask = self._resolve_mask(inputs, None, mask)
         if self.zero_com:
-            self._check_centred(inputs, mask)
+            check_centred(inputs, mask)
         sets = inputs if inputs.dim() == 3 else inputs.reshape(inputs.shape[0], 1, -1)
         sets = project(sets, mask)  # padded elements: zero, as their noise and velocity
         if noise is None:

@@ -91,7 +91,7 @@ def test_zero_com_matching_projects_the_noise_and_is_invariant_under_rotations_a
     perm = torch.tensor([2, 0, 4, 1, 3])
     torch.testing.assert_close(cnf.matching_loss(x @ q.T, noise=z @ q.T, times=t), loss)
     torch.testing.assert_close(cnf.matching_loss(x[:, perm], noise=z[:, perm], times=t), loss)
-    with pytest.raises(InputError, match="centred inputs"):
+    with pytest.raises(InputError, match="inputs must be centred"):
         cnf.matching_loss(x + 1.0, noise=z, times=t)
 
 
