@@ -465,7 +465,8 @@ def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, n
         v_term = matrix_inf_norm(w_v.transpose(1, 2)).amax()
         o_term = matrix_inf_norm(w_o.t())
         return (4 * w0 + head_dim**-0.5) * o_term * q_term * v_term
-    qv = torch.sqrt((spectral(w_q) ** 2 * spectral(w_v) ** 2).sum())
+    tiny = torch.finfo(w_q.dtype).tiny  # zero weights: a finite derivative of sqrt at 0
+    qv = torch.sqrt((spectral(w_q) ** 2 * spectral(w_v) ** 2).sum().clamp_min(tiny))
     sqrt_n = torch.sqrt(n.to(w_q.dtype))
     return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral(w_o)
 
@@ -757,10 +758,13 @@ def _tight_l2_attention_bound(
         return mixed
     m_cat = m.reshape(dim, dim)  # [M_1; ...; M_H]
     w_cat = w_q.permute(1, 0, 2).reshape(dim, dim)  # W^Q = [W^{Q,1}, ..., W^{Q,H}]
+    # any lambda_h > 0 may be moved across the heads: beta_h, kept away from 0 (a zero W^{Q,h}
+    # would give 0 / 0; its head then contributes 0 either way)
+    lam = beta.clamp_min(torch.finfo(beta.dtype).tiny)[:, None, None]
     weights = torch.minimum(
         spectral(m_cat) * spectral(w_cat),
-        spectral((beta[:, None, None] * m).reshape(dim, dim))
-        * spectral((w_q / beta[:, None, None]).permute(1, 0, 2).reshape(dim, dim)),
+        spectral((lam * m).reshape(dim, dim))
+        * spectral((w_q / lam).permute(1, 0, 2).reshape(dim, dim)),
     )
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
@@ -780,15 +784,15 @@ def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor,
     # G_h G_k^T = Q_h (R_h M_h M_k^T R_k^T) Q_k^T with W^{Q,h} = Q_h R_h (orthonormal Q_h): the
     # d x d middle factor has the same spectral norm, at a fraction of the cost.
     rm = torch.linalg.qr(w_q).R @ m  # (H, d, D)
+    # c = 0 for rows that see one key, or zero weights (a zeroed W^O): keep sqrt's derivative
+    # at 0 finite (the value moves by at most sqrt(tiny), upwards: still a bound)
+    tiny = torch.finfo(m.dtype).tiny
     linear = torch.minimum(
-        _pairwise_spectral(rm, spectral).sum().sqrt(),
+        _pairwise_spectral(rm, spectral).sum().clamp_min(tiny).sqrt(),
         heads**0.5 * spectral(rm.reshape(dim, dim)),
     )
     gamma = _pairwise_spectral(m, spectral)
     cb = c * beta  # (..., H)
-    # c = 0 for rows that see one key: keep sqrt's derivative at 0 finite (the value moves
-    # by at most sqrt(tiny), upwards: still a bound)
-    tiny = torch.finfo(cb.dtype).tiny
     rank_one = torch.minimum(
         ((cb @ gamma) * cb).sum(dim=-1).clamp_min(tiny).sqrt(),
         spectral(m.reshape(dim, dim)) * cb.norm(dim=-1),

@@ -8,6 +8,7 @@ import torch
 
 from flowattn.attention import (
     L2MHA,
+    ContractiveInducedL2MHA,
     ContractiveL2MHA,
     ContractiveScaledCosineMHA,
     DotProductMHA,
@@ -1154,3 +1155,45 @@ def test_contractive_l2_with_squarings_divides_by_a_bound_at_least_the_exact_one
         assert torch.allclose(a, b, rtol=1e-12, atol=1e-14)
     with pytest.raises(InputError, match="spectral_norms must be one of"):
         ContractiveL2MHA(**settings, spectral_norms="svd")
+
+
+# -- a certificate of 0: F is constant, and c F is the contraction -----------------------------
+
+ZEROABLE = [
+    (ContractiveL2MHA, {}), (ContractiveL2MHA, {"norm": 2}), (ContractiveL2MHA, {"norm": "2,inf"}),
+    (ContractiveScaledCosineMHA, {}), (ContractiveInducedL2MHA, {}),
+]
+
+
+@pytest.mark.parametrize("weight", ["w_o", "w_v"])
+@pytest.mark.parametrize("kind,settings", ZEROABLE,
+                         ids=["l2-inf", "l2-2", "l2-mixed", "cosine", "induced"])
+@pytest.mark.parametrize("call", ["plain", "mask", "causal"])
+def test_a_zeroed_output_or_value_map_gives_zero_and_finite_gradients(kind, settings, weight,
+                                                                      call):
+    # a residual branch started at zero: the certificate is 0, and c F / 0 was 0 / 0
+    if kind is ContractiveInducedL2MHA and call == "causal":
+        pytest.skip("induced-point attention has no causal form")
+    torch.manual_seed(0)
+    f = kind(8, 2, **settings)
+    with torch.no_grad():
+        getattr(f.attention, weight).zero_()
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    options = {"plain": {}, "mask": {"mask": torch.ones(2, 4, dtype=torch.bool)},
+               "causal": {"causal": True}}[call]
+    y = f(x, **options)
+    assert torch.equal(y, torch.zeros_like(y))
+    grads = torch.autograd.grad(y.square().sum() + y.sum(), [x, *f.parameters()],
+                                allow_unused=True)
+    assert all(g is None or torch.isfinite(g).all() for g in grads)
+    assert torch.equal(f.lipschitz_bound(4), torch.tensor(f.coeff))
+
+
+def test_a_zeroed_query_map_gives_finite_outputs():
+    # uniform weights and (tied) zero values: F = 0; the 2-norm bound divided by ||W^{Q,h}|| = 0
+    for norm in ("inf", 2, "2,inf"):
+        f = ContractiveL2MHA(8, 2, norm=norm)
+        with torch.no_grad():
+            f.attention.w_q.zero_()
+        y = f(torch.randn(2, 4, 8))
+        assert torch.equal(y, torch.zeros_like(y))

@@ -177,6 +177,18 @@ def _weights_precision(module: nn.Module) -> torch.autocast:
     return torch.autocast(next(module.parameters()).device.type, enabled=False)
 
 
+def _divisor(bound: Tensor) -> Tensor:
+    """A certified bound to divide F by: a bound of 0 certifies that F is constant (a zeroed
+    W^O or W^V, say), so c F itself is a contraction and the bound is taken as 1 instead of
+    dividing 0 by 0.
+
+    Examples:
+        >>> _divisor(torch.tensor([0.0, 2.5]))
+        tensor([1.0000, 2.5000])
+    """
+    return torch.where(bound > 0, bound, torch.ones_like(bound))
+
+
 class ContractiveAttention(nn.Module):
     """Base of the contractive attention modules; a subclass sets ``attention`` (F), ``coeff``,
     ``norm`` (normalised by ``_norm_name(..., mixed=True)``) and ``output_dropout``."""
@@ -240,14 +252,14 @@ class ContractiveAttention(nn.Module):
         key = self._key(length, every_count, causal)
         shared = _SHARED.tables
         if shared is not None and key in shared:
-            return shared[key]
+            return _divisor(shared[key])
         kept = _FROZEN.kept
         with _weights_precision(self):
             if kept is None or torch.is_grad_enabled():
-                return self._certificate(counts, causal)
+                return _divisor(self._certificate(counts, causal))
             if key not in kept:
                 kept[key] = self._certificate(counts, causal)
-        return kept[key]
+        return _divisor(kept[key])
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
         """F's bound for ``counts`` keys in the module's norm (a subclass whose bound can use

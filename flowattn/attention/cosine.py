@@ -174,7 +174,8 @@ class ScaledCosineMHA(nn.Module):
             + 2 * (n - 1) * self.tau * scale * spectral_norm_exact(wq)
             + 2 * n * scale * spectral_norm_exact(wv)
         )
-        return per_head.pow(2).sum(-1).sqrt() * spectral_norm_exact(self.w_o)
+        tiny = torch.finfo(per_head.dtype).tiny  # zero weights: sqrt's derivative stays finite
+        return per_head.pow(2).sum(-1).clamp_min(tiny).sqrt() * spectral_norm_exact(self.w_o)
 
     def _tight_bound(self, n, norm: str, wq: Tensor, wk: Tensor, wv: Tensor) -> Tensor:
         n = torch.as_tensor(n, device=wq.device)
@@ -184,21 +185,25 @@ class ScaledCosineMHA(nn.Module):
         tau = self.tau * (n > 1).to(wq.dtype).unsqueeze(-1)  # (..., 1), heads last
         scale = self.nu * self.eps**-0.5
         o = self.w_o.reshape(self.heads, self.head_dim, self.dim)  # W^{O,h}: rows of head h
+        # zero weights (a zeroed W^O or W^V): sqrt's derivative at 0 kept finite, the value
+        # moved up by at most sqrt(tiny), still a bound
+        tiny = torch.finfo(wq.dtype).tiny
         if norm == "inf":
 
             def omega(w: Tensor) -> Tensor:  # >= ||W||_{2->1} per head
                 return torch.minimum(self.dim**0.5 * spectral_norm_exact(w), w.norm(dim=2).sum(1))
 
-            per_head = (omega(wv) ** 2 + tau**2 * (omega(wq) ** 2 + omega(wk) ** 2)).sqrt()
+            per_head = (omega(wv) ** 2 + tau**2 * (omega(wq) ** 2 + omega(wk) ** 2)).clamp_min(
+                tiny).sqrt()
             # (..., H) x (H, D) -> max over output coordinates r of sum_h
             return scale * (per_head @ o.norm(dim=1)).amax(dim=-1)
         per_head = (
             spectral_norm_exact(wv) ** 2
             + tau**2 * (spectral_norm_exact(wq) ** 2 + spectral_norm_exact(wk) ** 2)
-        ).sqrt()  # (..., H)
+        ).clamp_min(tiny).sqrt()  # (..., H)
         gamma = spectral_norm_exact(o.unsqueeze(1) @ o.unsqueeze(0).transpose(-1, -2))
         bound = scale * torch.minimum(
-            ((per_head @ gamma) * per_head).sum(-1).sqrt(),
+            ((per_head @ gamma) * per_head).sum(-1).clamp_min(tiny).sqrt(),
             spectral_norm_exact(self.w_o) * per_head.norm(dim=-1),
         )
         return bound * torch.sqrt(n.to(bound.dtype)) if norm == "2" else bound
