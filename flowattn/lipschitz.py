@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,7 @@ from .errors import InputError
 
 __all__ = [
     "lambertw0",
+    "check_counts",
     "phi_inverse",
     "matrix_inf_norm",
     "spectral_norm_exact",
@@ -152,6 +154,38 @@ def phi_inverse(n_minus_one: Tensor | float, check: bool = True) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- matrix norms
+
+
+def check_counts(n, what: str = "sequence length"):
+    """``n``, the number(s) of keys a certificate is asked for, refused unless it is an integer
+    >= 1, a non-empty range of them or an integer tensor (or list) of them: a count of 2.5 or
+    NaN certifies no set. A tensor is checked on its device (one read back).
+
+    Examples:
+        >>> check_counts(range(1, 4))
+        range(1, 4)
+        >>> check_counts(2.5)
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: sequence length must be an integer >= 1 (or a range or ...
+    """
+    if isinstance(n, bool) or not isinstance(n, (numbers.Integral, range, Tensor, list, tuple)):
+        raise InputError(f"{what} must be an integer >= 1 (or a range or an integer tensor of "
+                         f"them), got {n!r}")
+    if isinstance(n, numbers.Integral):
+        if n < 1:
+            raise InputError(f"{what} must be >= 1, got {n}")
+        return int(n)
+    if isinstance(n, range):
+        if len(n) == 0 or min(n) < 1:
+            raise InputError(f"{what} must be >= 1, got {n}")
+        return n
+    counts = torch.as_tensor(n)
+    if counts.is_floating_point() or counts.is_complex() or counts.dtype == torch.bool:
+        raise InputError(f"{what} counts must be integers, got a tensor of dtype {counts.dtype}")
+    if counts.numel() == 0 or (counts < 1).any():
+        raise InputError(f"{what} must be >= 1, got {n}")
+    return n if isinstance(n, Tensor) else counts
 
 
 def matrix_inf_norm(w: Tensor) -> Tensor:
@@ -414,18 +448,15 @@ def l2_attention_bound(
     # Counts given as numbers (or host tensors) are checked and turned into the constants on
     # the host, then moved: no read back from the weights' device.
     w0_of_count = None
-    if isinstance(n, (int, range)):  # checked, and the constants from a cache: no tensor read
+    n = check_counts(n)
+    if isinstance(n, (int, range)):  # the constants from a cache: no tensor read
         counts = [n] if isinstance(n, int) else list(n)
-        if not counts or min(counts) < 1:
-            raise InputError(f"sequence length must be >= 1, got {n}")
         w0_of_count = [_phi_inverse_of_count(k) for k in counts]
         if isinstance(n, int):
             w0_of_count = w0_of_count[0]
         n_host = torch.tensor(n if isinstance(n, int) else counts)
     else:
         n_host = torch.as_tensor(n)
-        if (n_host < 1).any():
-            raise InputError(f"sequence length must be >= 1, got {n}")
     n = n_host.to(w_q.device)
     if weighted_counts is not None and margin is None:
         raise InputError("weighted_counts needs the margin of the same offsets")
@@ -531,17 +562,13 @@ def induced_core_constant(n: int | range | Tensor, inducing: int) -> Tensor:
     """
     if not isinstance(inducing, int) or inducing < 1:
         raise InputError(f"inducing must be a positive number of points, got {inducing!r}")
+    n = check_counts(n, "set size")
     if isinstance(n, (int, range)):
         counts = [n] if isinstance(n, int) else list(n)
-        if not counts or min(counts) < 1:
-            raise InputError(f"set size must be >= 1, got {n}")
         values = torch.tensor(_induced_constant_table(tuple(counts), inducing),
                               dtype=torch.float64)
         return values[0] if isinstance(n, int) else values
-    n_host = torch.as_tensor(n)
-    if (n_host < 1).any():
-        raise InputError(f"set size must be >= 1, got {n}")
-    return _induced_constants(n_host.to(torch.float64), inducing)
+    return _induced_constants(torch.as_tensor(n).to(torch.float64), inducing)
 
 
 _INDUCED_CONSTANTS: dict[tuple[int, int], float] = {}  # (N, M) -> r(N, M)

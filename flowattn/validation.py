@@ -26,6 +26,7 @@ from .errors import InputError, NonFiniteError
 __all__ = [
     "check_sets",
     "check_count",
+    "check_heads",
     "check_finite",
     "check_precision",
     "check_output",
@@ -104,6 +105,22 @@ def check_count(value, name: str, low: int = 1) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < low:
         raise InputError(f"{name} must be an integer >= {low}, got {value!r}")
     return int(value)
+
+
+def check_heads(dim, heads, name: str = "dim") -> None:
+    """Refuse an attention module's width ``dim`` (called ``name``) and number of ``heads``
+    unless both are positive integers and the heads divide the width.
+
+    Examples:
+        >>> check_heads(8, 3)
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: heads=3 must divide dim=8
+    """
+    check_count(dim, name)
+    check_count(heads, "heads")
+    if dim % heads != 0:
+        raise InputError(f"heads={heads} must divide {name}={dim}")
 
 
 def check_finite(x: Tensor, name: str = "x") -> None:

@@ -1197,3 +1197,47 @@ def test_a_zeroed_query_map_gives_finite_outputs():
             f.attention.w_q.zero_()
         y = f(torch.randn(2, 4, 8))
         assert torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("kind", [L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA,
+                                  ContractiveScaledCosineMHA, ContractiveInducedL2MHA])
+@pytest.mark.parametrize("dim,heads,match", [
+    (8, 0, "heads must be an integer >= 1, got 0"), (8, -2, "heads must be an integer >= 1"),
+    (0, 1, "dim must be an integer >= 1, got 0"), (8, 2.0, "heads must be an integer >= 1"),
+    (8, 3, "heads=3 must divide dim=8"),
+])
+def test_widths_and_heads_are_refused_at_construction_by_name(kind, dim, heads, match):
+    with pytest.raises(InputError, match=match):
+        kind(dim, heads)
+
+
+@pytest.mark.parametrize("kind", [ScaledCosineMHA, ContractiveScaledCosineMHA])
+@pytest.mark.parametrize("name", ["tau", "eps", "nu"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1.0])
+def test_scaled_cosine_constants_must_be_finite_and_positive(kind, name, value):
+    if kind is ContractiveScaledCosineMHA and name == "nu":
+        pytest.skip("the contractive module takes tau and eps only")
+    with pytest.raises(InputError, match=f"{name} must be a finite number > 0"):
+        kind(8, 2, **{name: value})
+
+
+@pytest.mark.parametrize("module", [
+    L2MHA(8, 2), L2MHA(8, 2, self_offset=1.0), ScaledCosineMHA(8, 2), ContractiveL2MHA(8, 2),
+], ids=["l2", "l2-offsets", "cosine", "contractive"])
+@pytest.mark.parametrize("n,match", [
+    (-1, ">= 1, got -1"), (0, ">= 1, got 0"), (2.5, "an integer >= 1"),
+    (float("nan"), "an integer >= 1"), (torch.tensor([3.0, 4.0]), "must be integers"),
+    (range(0, 3), ">= 1"), (True, "an integer >= 1"),
+])
+def test_a_certificate_is_refused_for_counts_that_are_no_set_size(module, n, match):
+    with pytest.raises(InputError, match=match):
+        module.lipschitz_bound(n)
+
+
+def test_the_lipsformer_certificate_checks_its_counts_as_the_tight_one_does():
+    attn = ScaledCosineMHA(8, 2)
+    with pytest.raises(InputError, match=">= 1, got 0"):
+        attn.lipschitz_bound(0, method="lipsformer")
+    table = attn.lipschitz_bound(range(1, 4), method="lipsformer")
+    assert torch.equal(table, torch.stack([attn.lipschitz_bound(k, method="lipsformer")
+                                           for k in (1, 2, 3)]))

@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..errors import InputError
-from ..lipschitz import _norm_name
+from ..lipschitz import _norm_name, check_counts
 from .masking import keys_per_row
 from .projections import Projection
 
@@ -301,6 +301,7 @@ class ContractiveAttention(nn.Module):
         ||S||_p <= coeff / bound_own(1) (the bound grows with N), so
         Lip_other(f) <= coeff * bound_other(n) / bound_own(1): valid, though loose.
         """
+        n = check_counts(n)
         norm = self.norm if norm is None else _norm_name(norm, mixed=True)
         if self.only_norm is not None and norm != self.only_norm:
             raise InputError(f"{type(self).__name__} is certified in the norm "
@@ -308,6 +309,7 @@ class ContractiveAttention(nn.Module):
         w = self.attention.w_q
         coeff = torch.as_tensor(self.coeff, dtype=w.dtype, device=w.device)
         if norm == self.norm:
-            return coeff.expand(torch.as_tensor(n).shape)
+            return coeff.expand(() if isinstance(n, int) else (len(n),) if isinstance(n, range)
+                                else torch.as_tensor(n).shape)
         own = self.attention.lipschitz_bound(1, self.norm)
         return coeff * self.attention.lipschitz_bound(n, norm) / own

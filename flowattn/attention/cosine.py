@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
-from ..validation import check_output, check_sets
+from ..lipschitz import _norm_name, check_counts, matrix_inf_norm, spectral_norm_exact
+from ..validation import check_heads, check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
 from .kernels import attend
@@ -71,10 +73,10 @@ class ScaledCosineMHA(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        if dim % heads != 0:
-            raise InputError(f"heads={heads} must divide dim={dim}")
-        if tau <= 0 or eps <= 0 or nu <= 0:
-            raise InputError(f"tau, eps and nu must be positive, got {tau}, {eps}, {nu}")
+        check_heads(dim, heads)
+        for name, value in (("tau", tau), ("eps", eps), ("nu", nu)):
+            if not (math.isfinite(value) and value > 0):
+                raise InputError(f"{name} must be a finite number > 0, got {value}")
         if not 0.0 <= dropout < 1.0:
             raise InputError(f"dropout must lie in [0, 1), got {dropout}")
         self.dim, self.heads, self.head_dim = dim, heads, dim // heads
@@ -151,6 +153,9 @@ class ScaledCosineMHA(nn.Module):
             )
         if method not in COSINE_CERTIFICATES:
             raise InputError(f"method must be one of {COSINE_CERTIFICATES}, got {method!r}")
+        n = check_counts(n)
+        if isinstance(n, range):
+            n = torch.tensor(list(n))
         norm = _norm_name(norm, mixed=method == "tight")
         wq, wk, wv = (self.head_weights(w) for w in (self.w_q, self.w_k, self.w_v))
         if method == "tight":

@@ -7,7 +7,7 @@ import math
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..validation import check_output, check_sets
+from ..validation import check_heads, check_output, check_sets
 from .kernels import attend
 from .masking import attention_mask, masked_softmax, zero_padded
 from .projections import Projection
@@ -64,8 +64,7 @@ class DotProductMHA(nn.Module):
 
     def __init__(self, dim: int, heads: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        if dim % heads != 0:
-            raise InputError(f"heads={heads} must divide dim={dim}")
+        check_heads(dim, heads)
         if not 0.0 <= dropout < 1.0:
             raise InputError(f"dropout must lie in [0, 1), got {dropout}")
         self.dim, self.heads, self.head_dim, self.dropout = dim, heads, dim // heads, dropout

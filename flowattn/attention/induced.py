@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from ..lipschitz import _norm_name, induced_attention_bound
-from ..validation import check_output, check_sets
+from ..validation import check_heads, check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
 from .l2 import square_weight
@@ -72,8 +72,7 @@ class InducedL2MHA(nn.Module):
 
     def __init__(self, dim: int, heads: int, inducing: int = 16):
         super().__init__()
-        if dim % heads != 0:
-            raise InputError(f"heads={heads} must divide dim={dim}")
+        check_heads(dim, heads)
         if not isinstance(inducing, int) or inducing < 1:
             raise InputError(f"inducing must be a positive number of points, got {inducing!r}")
         self.dim, self.heads, self.head_dim, self.inducing = dim, heads, dim // heads, inducing

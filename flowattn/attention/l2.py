@@ -15,7 +15,7 @@ from torch.nn.utils import parametrizations, parametrize
 from ..errors import InputError
 from ..lipschitz import CERTIFICATES, _spectral_norm, l2_attention_bound
 from ..passes import per_pass
-from ..validation import check_output, check_sets
+from ..validation import check_heads, check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
 from .kernels import _transformed, attend
@@ -301,8 +301,7 @@ class L2MHA(nn.Module):
             raise InputError(f"offset_certificate must be one of {OFFSET_CERTIFICATES}, got "
                              f"{offset_certificate!r}")
         self.offset_certificate = offset_certificate
-        if dim % heads != 0:
-            raise InputError(f"heads={heads} must divide dim={dim}")
+        check_heads(dim, heads)
         if not 0.0 <= dropout < 1.0:
             raise InputError(f"dropout must lie in [0, 1), got {dropout}")
         if certificate is not None and certificate not in CERTIFICATES:

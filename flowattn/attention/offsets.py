@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import InputError
+from ..lipschitz import check_counts
 
 __all__ = ["LogitOffsets"]
 
@@ -121,6 +122,7 @@ class LogitOffsets(nn.Module):
             >>> offsets.weighted_counts(range(1, 4)).detach().squeeze(-1)
             tensor([0.0000, 2.7183, 5.4366])
         """
+        n = check_counts(n)
         counts = torch.tensor(list(n)) if isinstance(n, range) else torch.as_tensor(n)
         ref = self.offset_logit if self.offset_logit is not None else self.position_logit
         # the length is read from the counts before they move: no read back from the device

@@ -16,7 +16,7 @@ from ..attention import L2MHA, Projection
 from ..attention.contractive import ContractiveAttention
 from ..errors import InputError
 from ..lipschitz import _norm_name, spectral_norm_exact
-from ..validation import check_sets
+from ..validation import check_count, check_heads, check_sets
 from .mlp import LipSwish
 
 __all__ = ["LiftedL2MHA", "ContractiveLiftedL2MHA"]
@@ -58,10 +58,8 @@ class LiftedL2MHA(nn.Module):
 
     def __init__(self, dim: int, width: int = 64, heads: int = 4) -> None:
         super().__init__()
-        if dim < 1 or width < 1:
-            raise InputError(f"dim and width must be >= 1, got dim={dim}, width={width}")
-        if width % heads:
-            raise InputError(f"heads={heads} must divide width={width}")
+        check_count(dim, "dim")
+        check_heads(width, heads, "width")  # the attention acts at the lifted width
         self.dim, self.width, self.heads = dim, width, heads
         self.lift = nn.Linear(dim, width)
         self.activation = LipSwish()
