@@ -124,7 +124,8 @@ class _LambertW0(torch.autograd.Function):
             ew = torch.exp(w)
             f = w * ew - x
             w = w - f / (ew * (w + 1) - (w + 2) * f / (2 * w + 2))
-        return torch.where(x == 0, torch.zeros_like(w), w)
+        # W_0(0) = 0 and W_0(inf) = inf (the iterations would give NaN there)
+        return torch.where(x == 0, torch.zeros_like(w), torch.where(torch.isinf(x), x, w))
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:

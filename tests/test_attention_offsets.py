@@ -7,11 +7,12 @@ import pytest
 import torch
 
 from flowattn.attention import L2MHA, ContractiveL2MHA
-from flowattn.attention.offsets import LogitOffsets
+from flowattn.attention.offsets import MAX_OFFSET, LogitOffsets
 from flowattn.lipschitz import (
     jacobian_norm,
     l2_attention_bound,
     l2_core_column_constant,
+    lambertw0,
     lipschitz_lower_bound,
     logit_margin_constant,
     phi_inverse,
@@ -349,6 +350,41 @@ def test_offset_arguments_are_checked():
     eye = torch.eye(1)
     with pytest.raises(ValueError, match="Theorem 3.2"):
         l2_attention_bound(3, eye[None], eye[None], eye, method="thm3.2", margin=1.0)
+
+
+def _at_their_caps(offsets: LogitOffsets) -> None:
+    """beta_h and every b_h(k) next to their caps: e^{beta + b} near e^160."""
+    with torch.no_grad():
+        offsets.offset_logit.fill_(30.0)
+        offsets.position_logit.fill_(1000.0)
+
+
+def test_the_largest_offsets_keep_a_finite_certificate_and_larger_ones_are_refused():
+    # e^{beta + b} summed in float64: in float32 a cap of 90 made the bound NaN, and the
+    # contractive module's output all NaN
+    torch.manual_seed(0)
+    attn = L2MHA(DIM, HEADS, self_offset=MAX_OFFSET, position_bias=MAX_OFFSET)
+    _at_their_caps(attn.offsets)
+    for norm in ("inf", "2,inf", 2):
+        bound = attn.lipschitz_bound(range(1, 9), norm)
+        assert torch.isfinite(bound).all() and bound.dtype == torch.float32
+    f = ContractiveL2MHA(DIM, HEADS, self_offset=MAX_OFFSET, position_bias=MAX_OFFSET)
+    _at_their_caps(f.attention.offsets)
+    x = torch.randn(2, 6, DIM)
+    for options in ({}, {"causal": True}, {"mask": torch.ones(2, 6, dtype=torch.bool)}):
+        assert torch.isfinite(f(x, **options)).all()
+    with pytest.raises(ValueError, match="self_offset must be a number from 0 to 80"):
+        L2MHA(DIM, HEADS, self_offset=MAX_OFFSET + 1)
+    assert float(lambertw0(float("inf"))) == math.inf
+
+
+def test_the_language_models_cap_offsets_where_the_attention_does():
+    from flowattn.lm.config import LMRunConfig
+
+    LMRunConfig.build({"attention": "l2-tied", "self_offset": MAX_OFFSET,
+                       "position_bias": MAX_OFFSET})
+    with pytest.raises(ValueError, match="less than or equal to 80"):
+        LMRunConfig.build({"attention": "l2-tied", "self_offset": MAX_OFFSET + 1})
 
 
 def test_modules_without_offsets_keep_their_state_dict_keys():

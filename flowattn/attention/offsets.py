@@ -11,7 +11,11 @@ from torch import Tensor, nn
 from ..errors import InputError
 from ..lipschitz import check_counts
 
-__all__ = ["LogitOffsets"]
+__all__ = ["LogitOffsets", "MAX_OFFSET"]
+
+# The largest cap of an offset: e^{2 MAX_OFFSET}, a self-offset and a bias together, stays far
+# inside float64, in which the certificate's weighted counts are summed (float32 ends at e^88).
+MAX_OFFSET = 80.0
 
 
 class LogitOffsets(nn.Module):
@@ -58,8 +62,10 @@ class LogitOffsets(nn.Module):
     ):
         super().__init__()
         for name, value in (("self_offset", self_offset), ("position_bias", position_bias)):
-            if not (math.isfinite(value) and value >= 0):
-                raise InputError(f"{name} must be a finite number >= 0, got {value}")
+            if not (math.isfinite(value) and 0 <= value <= MAX_OFFSET):
+                raise InputError(f"{name} must be a number from 0 to {MAX_OFFSET:g}, got {value}"
+                                 " (an offset B weights a key e^B times; the certificate's "
+                                 "constant grows like B + log N)")
         if max_distance < 1:
             raise InputError(f"max_distance must be >= 1, got {max_distance}")
         if self_offset == 0 and position_bias == 0:
@@ -105,7 +111,7 @@ class LogitOffsets(nn.Module):
         return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
     def weighted_counts(self, n: int | range | Tensor, causal: bool = False) -> Tensor:
-        """S_h(n) (..., H): for every row that sees ``n`` keys (itself included), an upper bound
+        """S_h(n) (..., H), float64: for every row that sees ``n`` keys (itself included), a bound
         on sum_{j != i} e^{b_h(i, j) - b_h(i, i)}, the row's other keys each weighted by the
         ratio of its offset to the self-offset.
 
@@ -119,7 +125,7 @@ class LogitOffsets(nn.Module):
 
         Examples:
             >>> offsets = LogitOffsets(heads=1, self_offset=2.0)  # beta = 1: S = (n - 1) e
-            >>> offsets.weighted_counts(range(1, 4)).detach().squeeze(-1)
+            >>> offsets.weighted_counts(range(1, 4)).detach().squeeze(-1).float()
             tensor([0.0000, 2.7183, 5.4366])
         """
         n = check_counts(n)
@@ -131,18 +137,19 @@ class LogitOffsets(nn.Module):
         k = torch.arange(1, max(length, 1), device=ref.device)
         if not causal:
             k = torch.cat([k, -k])
+        # in float64: e^{beta + b} reaches e^160 with the largest caps (float32 ends at e^88)
         table = self.position_table()
         if table is None:
-            weights = torch.ones(self.heads, k.numel(), dtype=ref.dtype, device=ref.device)
+            weights = torch.ones(self.heads, k.numel(), dtype=torch.float64, device=ref.device)
         else:
             k = k.clamp(-self.max_distance, self.max_distance) + self.max_distance
             # stable: equal weights (every bias starts at 0) keep their order, so the gradient
             # lands on the same entries on every device
-            weights = table[:, k].exp().sort(dim=1, descending=True, stable=True).values
+            weights = table[:, k].double().exp().sort(dim=1, descending=True, stable=True).values
         top = torch.cat([weights.new_zeros(self.heads, 1), weights.cumsum(dim=1)], dim=1)
         sums = top[:, counts - 1].movedim(0, -1)  # (..., H): the n - 1 largest weights
         beta = self.offset()
-        return sums if beta is None else sums * beta.exp()
+        return sums if beta is None else sums * beta.double().exp()
 
     def parts(self) -> tuple[Tensor | None, Tensor | None]:
         """(beta_h, b_h): :meth:`offset` and :meth:`position_table`, all that :meth:`forward`

@@ -101,7 +101,9 @@ AUTO_TRAINING: dict[tuple[str, bool], dict[str, Any]] = {
 }
 NANOGPT_TRAINING: dict[str, Any] = {"lr": 1e-3, "warmup": 100}
 
-_Cap = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# a logit offset's cap: flowattn.attention.offsets.MAX_OFFSET (not imported: no torch here;
+# a test keeps the two equal)
+_Cap = Annotated[float, Field(ge=0, le=80.0, allow_inf_nan=False)]
 _Scale = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 
 
