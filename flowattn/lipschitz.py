@@ -26,10 +26,12 @@ import torch
 from torch import Tensor, nn
 
 from .errors import InputError
+from .validation import check_count
 
 __all__ = [
     "lambertw0",
     "check_counts",
+    "check_certificate_precision",
     "phi_inverse",
     "matrix_inf_norm",
     "spectral_norm_exact",
@@ -158,9 +160,9 @@ def phi_inverse(n_minus_one: Tensor | float, check: bool = True) -> Tensor:
 
 
 def check_counts(n, what: str = "sequence length"):
-    """``n``, the number(s) of keys a certificate is asked for, refused unless it is an integer
-    >= 1, a non-empty range of them or an integer tensor (or list) of them: a count of 2.5 or
-    NaN certifies no set. A tensor is checked on its device (one read back).
+    """``n``, the number(s) of keys a certificate is asked for, refused unless it is a positive
+    integer, a non-empty range of them or an integer tensor (or list) of them: a count of 2.5
+    or NaN certifies no set. A tensor is checked on its device (one read back).
 
     Examples:
         >>> check_counts(range(1, 4))
@@ -187,6 +189,25 @@ def check_counts(n, what: str = "sequence length"):
     if counts.numel() == 0 or (counts < 1).any():
         raise InputError(f"{what} must be >= 1, got {n}")
     return n if isinstance(n, Tensor) else counts
+
+
+def check_certificate_precision(*weights: Tensor) -> None:
+    """Refuse weights in half precision: a certificate is evaluated in its weights' precision,
+    and in float16 or bfloat16 neither its rounding nor the CPU's eigensolvers serve (mixed
+    precision keeps the weights in float32 under ``torch.autocast``).
+
+    Examples:
+        >>> check_certificate_precision(torch.eye(2, dtype=torch.bfloat16))
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.InputError: a certified bound needs float32 or float64 weights, got ...
+    """
+    for w in weights:
+        if w.dtype in (torch.float16, torch.bfloat16):
+            raise InputError(
+                f"a certified bound needs float32 or float64 weights, got {w.dtype}: keep the "
+                "module in float32 and run it under torch.autocast for mixed precision (its "
+                "certificate is then evaluated in float32)")
 
 
 def matrix_inf_norm(w: Tensor) -> Tensor:
@@ -440,6 +461,7 @@ def l2_attention_bound(
         raise InputError(f"method must be one of {CERTIFICATES}, got {method!r}")
     norm = _norm_name(norm, mixed=method == "tight")
     spectral = _spectral_norm(spectral_norms)
+    check_certificate_precision(w_q, w_v, w_o)
     heads, dim, head_dim = w_q.shape
     if w_v.shape != w_q.shape or w_o.shape != (dim, dim) or heads * head_dim != dim:
         raise InputError(
@@ -528,6 +550,7 @@ def induced_attention_bound(
         >>> bool(torch.isclose(b, 1 + induced_core_constant(2, 1)))
         True
     """
+    check_certificate_precision(w_q, w_v, w_o)
     heads, dim, head_dim = w_q.shape
     if w_v.shape != w_q.shape or w_o.shape != (dim, dim) or heads * head_dim != dim:
         raise InputError(
@@ -841,6 +864,9 @@ def layernorm_lipschitz_bound(
     For D = 1 the output is constant and the bound is 0.
     """
     norm = _norm_name(norm)
+    check_count(dim, "dim")
+    if not (math.isfinite(eps) and eps > 0):
+        raise InputError(f"LayerNorm's eps must be a finite number > 0 for a bound, got {eps}")
     gamma = torch.ones(()) if weight is None else weight.detach().abs().max()
     if dim == 1:
         return torch.zeros_like(gamma)

@@ -33,6 +33,7 @@ __all__ = [
     "check_deferred",
     "trusted_inputs",
     "inputs_trusted",
+    "values_readable",
     "present_counts",
     "present_weights",
 ]
@@ -82,10 +83,20 @@ def inputs_trusted() -> bool:
     return _TRUST.trusted
 
 
+def values_readable() -> bool:
+    """False under a ``torch.func`` transform (``vmap``, ``grad``, ``jacrev``, ...), where a
+    check that reads a value back is data-dependent control flow, which ``vmap`` refuses: the
+    value checks (finiteness, empty sets, overflow) are then skipped; shapes, widths and dtypes
+    are still checked."""
+    return not torch._C._are_functorch_transforms_active()
+
+
 def _all_finite(*tensors: Tensor) -> bool:
     # One reduction answers for the common case: a NaN or Inf makes the sum non-finite. Only
     # then are the values checked one by one, so a sum that overflows on huge finite values
     # (1e38 in float32, 7e4 in float16) is not taken for a NaN or Inf.
+    if not values_readable():
+        return True
     tensors = tuple(t.detach() for t in tensors)
     total = sum(t.sum() for t in tensors)
     return bool(torch.isfinite(total)) or all(bool(torch.isfinite(t).all()) for t in tensors)
@@ -192,6 +203,7 @@ def check_sets(
     mask: Tensor | None = None,
     dim: int | None = None,
     name: str = "x",
+    module: torch.nn.Module | None = None,
 ) -> Tensor | None:
     """Validate a batch of sets or sequences ``x`` of shape (B, N, D) and its padding mask.
 
@@ -201,6 +213,9 @@ def check_sets(
             contain at least one present element.
         dim: the expected feature width D, if the caller has one.
         name: the argument's name, used in error messages.
+        module: the module ``x`` is for: ``x`` must have the dtype of its (first floating)
+            parameters, unless ``torch.autocast`` is on for ``x``'s device (mixed precision
+            hands lower-precision activations to full-precision weights on purpose).
 
     Inside :func:`trusted_inputs` nothing is checked and ``mask`` is returned as given.
 
@@ -221,6 +236,8 @@ def check_sets(
         raise InputError(f"{name} must be floating point, got dtype {x.dtype}")
     if dim is not None and x.shape[-1] != dim:
         raise InputError(f"{name} has width D={x.shape[-1]}, but the module expects D={dim}")
+    if module is not None:
+        _check_module_dtype(x, module, name)
     if x.shape[0] == 0:
         raise InputError(f"{name} holds no sets (B=0): shape {tuple(x.shape)}")
     if x.shape[1] == 0:
@@ -237,6 +254,8 @@ def check_sets(
             f"mask must have shape (B, N) = {tuple(x.shape[:2])}, got {tuple(mask.shape)}"
         )
     mask = mask.to(x.device)
+    if not values_readable():
+        return mask
     empty = ~mask.any(dim=1)
     if empty.any():
         rows = empty.nonzero().flatten().tolist()[:8]
@@ -283,6 +302,26 @@ def check_precision(x: Tensor, *modules: torch.nn.Module, name: str = "x") -> No
         "float16 or bfloat16); the branches then compute in the low precision and the "
         "log-determinants in float32 (docs/flows.md, 'Mixed precision')"
     )
+
+
+def _check_module_dtype(x: Tensor, module: torch.nn.Module, name: str) -> None:
+    weight = _first_floating(module)
+    if weight is None or weight.dtype == x.dtype or _autocast_on(x.device.type):
+        return
+    raise InputError(
+        f"{name} has dtype {x.dtype}, but the module's weights are {weight.dtype}: give {name} "
+        f"in {weight.dtype} ({name}.to({weight.dtype})) or convert the module "
+        f"(module.to({x.dtype})); mixed precision goes through torch.autocast")
+
+
+def _autocast_on(device_type: str) -> bool:
+    """Whether ``torch.autocast`` is on for ``device_type`` (torch < 2.4 asks per device)."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except TypeError:  # pragma: no cover - torch < 2.4
+        if device_type == "cpu":
+            return torch.is_autocast_cpu_enabled()
+        return torch.is_autocast_enabled()
 
 
 def _first_floating(module: torch.nn.Module) -> Tensor | None:

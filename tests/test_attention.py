@@ -1241,3 +1241,67 @@ def test_the_lipsformer_certificate_checks_its_counts_as_the_tight_one_does():
     table = attn.lipschitz_bound(range(1, 4), method="lipsformer")
     assert torch.equal(table, torch.stack([attn.lipschitz_bound(k, method="lipsformer")
                                            for k in (1, 2, 3)]))
+
+
+@pytest.mark.parametrize("kind,settings", [
+    (L2MHA, {}), (ContractiveL2MHA, {}),
+    (ContractiveL2MHA, {"norm": "2,inf", "self_offset": 4.0, "position_bias": 4.0}),
+    (DotProductMHA, {}), (ScaledCosineMHA, {}), (ContractiveScaledCosineMHA, {}),
+], ids=["l2", "contractive", "contractive-offsets", "dp", "cosine", "contractive-cosine"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_vmap_over_sets_gives_the_batched_call(kind, settings, causal):
+    # the value checks read nothing back under a torch.func transform (vmap refuses that)
+    torch.manual_seed(0)
+    attn = kind(8, 2, **settings).double()
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool)
+    one = torch.func.vmap(lambda xi, mi: attn(xi[None], mask=mi[None], causal=causal)[0])
+    torch.testing.assert_close(one(x, mask), attn(x, mask=mask, causal=causal))
+    per_sample = torch.func.vmap(torch.func.grad(
+        lambda xi: attn(xi[None], causal=causal).square().sum()))(x)
+    (batched,) = torch.autograd.grad(attn(x.requires_grad_(), causal=causal).square().sum(), x)
+    torch.testing.assert_close(per_sample, batched)
+
+
+@pytest.mark.parametrize("kind", [L2MHA, ContractiveL2MHA, ScaledCosineMHA,
+                                  ContractiveInducedL2MHA])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_certificates_of_half_precision_weights_are_refused_with_the_supported_way(kind, dtype):
+    attn = kind(8, 2).to(dtype)
+    with pytest.raises(InputError, match="needs float32 or float64 weights.*torch.autocast"):
+        if isinstance(attn, (ContractiveL2MHA, ContractiveInducedL2MHA)):
+            attn(torch.randn(2, 4, 8, dtype=dtype))  # its own bound is c: F's is evaluated here
+        else:
+            attn.lipschitz_bound(4)
+
+
+@pytest.mark.parametrize("kind", [L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA])
+def test_inputs_of_another_dtype_than_the_weights_are_refused_outside_autocast(kind):
+    attn = kind(8, 2)
+    x = torch.randn(2, 4, 8)
+    with pytest.raises(InputError, match="x has dtype torch.float64, but the module's weights "
+                                         "are torch.float32"):
+        attn(x.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # mixed precision: on purpose
+        assert torch.isfinite(attn(x.bfloat16())).all()
+
+
+@pytest.mark.parametrize("settings", [{}, {"self_offset": 2.0}], ids=["fused", "offsets"])
+def test_float16_attention_is_right_or_raises_where_squared_norms_overflow(settings):
+    # a key whose squared norm overflows float16 got the coordinate -inf, and the kernel
+    # dropped it: finite outputs off by up to 100 %
+    torch.manual_seed(0)
+    half = L2MHA(8, 2, **settings).half()
+    exact = L2MHA(8, 2, **settings).double()
+    exact.load_state_dict(half.state_dict())
+    raised = 0
+    for scale in (1.0, 30.0, 100.0, 150.0, 1000.0):
+        x = (torch.randn(2, 6, 8) * scale).half()
+        try:
+            y = half(x)
+        except NonFiniteError:
+            raised += 1
+            continue
+        reference = exact(x.double())
+        assert (y.double() - reference).abs().max() <= 1e-2 * reference.abs().max()
+    assert raised >= 2  # the scales beyond float16's squared norms

@@ -407,7 +407,8 @@ def test_the_memory_check_of_training_by_energy_counts_and_names_its_samples(
     monkeypatch.setattr(memory, "available_memory", lambda device: 1.0)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match=r", 13 items\).*use less memory per item "
-                                          r"\(batch_size \+ energy_samples 1 alone"):
+                                          r"\(batch_size \(--batch-size\) \+ "
+                                          r"energy_samples \(--energy-samples\) 1 alone"):
         task.check_memory()
 
 

@@ -491,3 +491,12 @@ def test_jacobian_norm_in_the_mixed_norm_of_a_linear_map():
     assert value <= blocks.sum(dim=1).max().item() + 1e-12  # at most the block-row sums
     with pytest.raises(ValueError, match="sets"):
         jacobian_norm(lambda v: v, torch.zeros(4, dtype=torch.float64), "2,inf")
+
+
+@pytest.mark.parametrize("eps", [0.0, -1.0, float("nan"), float("inf")])
+def test_a_layernorm_bound_needs_a_positive_finite_eps(eps):
+    # eps = -1 gave a complex "bound", eps = 0 a ZeroDivisionError
+    with pytest.raises(InputError, match="eps must be a finite number > 0"):
+        layernorm_lipschitz_bound(None, 4, eps)
+    with pytest.raises(InputError, match="dim must be an integer >= 1"):
+        layernorm_lipschitz_bound(None, 0, 1e-5)

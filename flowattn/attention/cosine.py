@@ -8,7 +8,13 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..lipschitz import _norm_name, check_counts, matrix_inf_norm, spectral_norm_exact
+from ..lipschitz import (
+    _norm_name,
+    check_certificate_precision,
+    check_counts,
+    matrix_inf_norm,
+    spectral_norm_exact,
+)
 from ..validation import check_heads, check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -95,7 +101,7 @@ class ScaledCosineMHA(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         q, k, v = (self._normalised_heads(x, w) for w in (self.w_q, self.w_k, self.w_v))
         heads = attend(
             q,
@@ -121,7 +127,7 @@ class ScaledCosineMHA(nn.Module):
             >>> p[0, 1, 0].tolist()
             [1.0, 0.0, 0.0]
         """
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         q, k = self._normalised_heads(x, self.w_q), self._normalised_heads(x, self.w_k)
         logits = self.tau * q @ k.transpose(-1, -2)
         return check_output(masked_softmax(logits, mask, causal), x, "ScaledCosineMHA",
@@ -154,6 +160,7 @@ class ScaledCosineMHA(nn.Module):
         if method not in COSINE_CERTIFICATES:
             raise InputError(f"method must be one of {COSINE_CERTIFICATES}, got {method!r}")
         n = check_counts(n)
+        check_certificate_precision(self.w_q, self.w_k, self.w_v, self.w_o)
         if isinstance(n, range):
             n = torch.tensor(list(n))
         norm = _norm_name(norm, mixed=method == "tight")

@@ -73,7 +73,7 @@ class DotProductMHA(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """Attend within each set of ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         q, k, v = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
         heads = attend(
             q,
@@ -98,7 +98,7 @@ class DotProductMHA(nn.Module):
             >>> tuple(p.shape), p[0, 0, 0].tolist()
             ((1, 2, 3, 3), [1.0, 0.0, 0.0])
         """
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         q, k, _ = (split_heads(t, self.heads) for t in self.qkv(x).chunk(3, dim=-1))
         logits = q @ k.transpose(-1, -2) * (1.0 / math.sqrt(self.head_dim))
         return check_output(masked_softmax(logits, mask, causal), x, "DotProductMHA",

@@ -100,7 +100,7 @@ class InducedL2MHA(nn.Module):
                 "InducedL2MHA pools the whole set into its summaries: it has no causal form "
                 "(use L2MHA for sequences)"
             )
-        return check_sets(x, mask, self.dim)
+        return check_sets(x, mask, self.dim, module=self)
 
     def _tied_value_map(self) -> Tensor:
         """(H, d, d): W^{Q,h T} W^{V,h} / sqrt(d), so that x A_h W^{V,h} = q_h times it."""

@@ -15,7 +15,7 @@ from torch.nn.utils import parametrizations, parametrize
 from ..errors import InputError
 from ..lipschitz import CERTIFICATES, _spectral_norm, l2_attention_bound
 from ..passes import per_pass
-from ..validation import check_heads, check_output, check_sets
+from ..validation import check_heads, check_output, check_sets, values_readable
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
 from .kernels import _transformed, attend
@@ -140,7 +140,8 @@ def _centred_and_scaled(
     limit = square_safe_limit(dtype, head_dim + 1, spare=cap)
     # The test reads a value back: eager code on the CPU only. Compiled code and other devices
     # (where it would be a host synchronisation in every call) take the general form below.
-    if not (always or torch.compiler.is_compiling() or q.device.type != "cpu"):
+    if not (always or torch.compiler.is_compiling() or q.device.type != "cpu"
+            or not values_readable()):
         largest = q.detach().abs().amax()
         if not tied:
             largest = torch.maximum(largest, k.detach().abs().amax())
@@ -365,7 +366,7 @@ class L2MHA(nn.Module):
                   output_scale: Callable[[int], Tensor] | None = None) -> Tensor:
         """:meth:`forward`, or s F(x) with s = ``output_scale(N)`` (a scalar) taken into W^O:
         s W^O is D x D numbers where s F(x) would be B N D (and as many in the backward)."""
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         w_o = self.w_o if output_scale is None else self.w_o * output_scale(x.shape[1])
         q = split_heads(x @ self.w_q, self.heads)
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
@@ -396,6 +397,10 @@ class L2MHA(nn.Module):
         centre = _first_present(k, mask) if causal else masked_mean(k, mask, dim=2)
         q, k, r, scale = _centred_and_scaled(q, k, centre, mask, self.tied)
         q_aug, k_aug = _augmented(q, k, r)
+        if scale is None and k_aug.dtype == torch.float16:
+            # float16 keeps the plain computation: a key whose squared norm overflows gets the
+            # coordinate -inf, and the kernel would drop it unseen; the output check sees it
+            scale = k_aug[..., -1]
         allowed = None if mask is None else attention_mask(mask, causal, x.shape[1], x.device)
         heads = attend(
             q_aug,
@@ -460,7 +465,9 @@ class L2MHA(nn.Module):
             v = q @ self._tied_value_map()
         else:
             v = split_heads(x @ self.w_v, self.heads)
-        p, scale = self._probabilities(q, k, mask, causal, on_first=causal)
+        p, centred, _, scale = self._centred_probabilities(q, k, mask, causal, on_first=causal)
+        if scale is None and centred.dtype == torch.float16:  # as in _fused: overflowed norms
+            scale = centred.pow(2).sum(-1)
         p = F.dropout(p, dropout, training=dropout > 0)
         return merge_heads(p @ v) @ w_o, scale
 
@@ -499,7 +506,7 @@ class L2MHA(nn.Module):
             >>> torch.allclose(vjp(w), auto)
             True
         """
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         if not self.tied:
             raise InputError("linearise needs tied L2 attention (tied=True)")
         if self.training and self.dropout > 0:
@@ -647,7 +654,7 @@ class L2MHA(nn.Module):
             >>> bool(torch.allclose(p.sum(-1), torch.ones(2, 2, 4)))
             True
         """
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         q = split_heads(x @ self.w_q, self.heads)
         k = q if self.tied else split_heads(x @ self.w_k, self.heads)
         p, scale = self._probabilities(q, k, mask, causal, on_first=False)

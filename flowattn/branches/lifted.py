@@ -77,7 +77,7 @@ class LiftedL2MHA(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None = None, causal: bool = False) -> Tensor:
         """F(X) for ``x`` (B, N, D); ``mask`` (B, N) marks present elements."""
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         # F_W gives padded rows zeros, and the read-out has no bias: they stay zero
         return self.read(self.attention(self.features(x), mask, causal))
 
@@ -85,7 +85,7 @@ class LiftedL2MHA(nn.Module):
         self, x: Tensor, mask: Tensor | None = None, causal: bool = False
     ) -> Tensor:
         """The attention matrices P (B, H, N, N) of F_W on the lifted elements."""
-        mask = check_sets(x, mask, self.dim)
+        mask = check_sets(x, mask, self.dim, module=self)
         return self.attention.attention_probabilities(self.features(x), mask, causal)
 
     def projections(self) -> list[Projection]:

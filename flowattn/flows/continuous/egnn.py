@@ -143,7 +143,7 @@ class EGNNField(nn.Module):
 
         ``t`` is one time for every set, or a (B,) tensor of one time per set (flow matching).
         """
-        mask = check_sets(z, mask, self.dim, name="z")
+        mask = check_sets(z, mask, self.dim, name="z", module=self)
         t = set_times(t, z)  # (1 or B, 1)
         chunk = self._chunk(z)
         if chunk >= z.shape[0]:

@@ -65,7 +65,7 @@ class _StackedAttentionField(nn.Module):
 
         ``t`` is one time for every set, or a (B,) tensor of one time per set (flow matching).
         """
-        mask = check_sets(z, mask, self.dim, name="z")
+        mask = check_sets(z, mask, self.dim, name="z", module=self)
         t = set_times(t, z)
         raw = self.time_net(t).reshape(-1, 2, self.layers, 1, self.hidden)
         gains, shifts = torch.tanh(raw[:, 0]), raw[:, 1]  # (1 or B, layers, 1, hidden)
