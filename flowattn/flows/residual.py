@@ -114,8 +114,10 @@ class InvertibleResidual(Transform):
     Padded elements pass through unchanged and do not enter the log-determinant.
 
     The branch must provide ``forward(x, mask=None, causal=False)`` and a certified
-    ``lipschitz_bound(n)`` < 1; it is checked at construction (on ``check_size`` elements), in
-    evaluation mode and before every inverse (on the actual N). It may declare
+    ``lipschitz_bound(n)`` < 1; it is checked at construction (on ``check_size`` elements; with
+    ``zero_com`` a branch not certified in the 2-norm must be below 1/2 there, as the
+    centring's factor 2 (n - 1) / n reaches 2 on large sets), in evaluation mode and before
+    every inverse (on the actual N). It may declare
     ``jacobian_structure = "pointwise"`` (block-diagonal Jacobian: exact log-det from D VJPs),
     or a closed-form ``jacobian(x, mask)`` of shape (B, N, D, N, D), which the exact path then
     uses instead of N D VJPs, or ``linearise(x, mask=None, causal=False)`` returning g(x) and
@@ -189,6 +191,18 @@ class InvertibleResidual(Transform):
                 f"branch {type(branch).__name__} is not contractive: certified Lipschitz bound "
                 f"{bound:.4f} >= 1 on sets of {check_size} elements"
             )
+        if zero_com and getattr(branch, "norm", None) != "2":
+            # the centring's factor 2 (n - 1) / n grows to 2: the branch's own bound must stay
+            # below 1/2, or larger sets would train on a map that is not a contraction
+            own = branch_bound(branch, check_size)
+            if 2 * own >= 1:
+                raise InputError(
+                    f"branch {type(branch).__name__} is certified in the "
+                    f"{getattr(branch, 'norm', 'inf')!r} norm with bound {own:.4f}: in zero-"
+                    "centre-of-mass mode the centring multiplies that by 2 (n - 1) / n, up to 2 "
+                    "on large sets, so it must be below 1/2 (a coeff below 0.5, as set_flow "
+                    "takes, or a branch certified in the 2-norm, where the centring costs "
+                    "nothing)")
         self.branch = branch
         self.logdet_options = logdet
         self.inverse_options = inverse
