@@ -287,12 +287,8 @@ def check_precision(x: Tensor, *modules: torch.nn.Module, name: str = "x") -> No
     ]
     low = next((d for d in dtypes if d in LOW_PRECISION), None)
     if low is None:
-        other = next((d for d in dtypes[1:] if d != x.dtype), None)
-        if other is not None:
-            raise InputError(
-                f"{name} has dtype {x.dtype}, but the flow's parameters are {other}: give "
-                f"{name} in {other} ({name}.to({other})) or convert the flow "
-                f"(flow.to({x.dtype}))")
+        for module in modules:
+            _check_module_dtype(x, module, name)
         return
     what = f"{name} has dtype {low}" if x.dtype == low else f"the flow's parameters are {low}"
     raise InputError(
@@ -309,9 +305,9 @@ def _check_module_dtype(x: Tensor, module: torch.nn.Module, name: str) -> None:
     if weight is None or weight.dtype == x.dtype or _autocast_on(x.device.type):
         return
     raise InputError(
-        f"{name} has dtype {x.dtype}, but the module's weights are {weight.dtype}: give {name} "
-        f"in {weight.dtype} ({name}.to({weight.dtype})) or convert the module "
-        f"(module.to({x.dtype})); mixed precision goes through torch.autocast")
+        f"{name} has dtype {x.dtype}, but the {type(module).__name__}'s weights are "
+        f"{weight.dtype}: give {name} in {weight.dtype} ({name}.to({weight.dtype})) or convert "
+        f"the module (module.to({x.dtype})); mixed precision goes through torch.autocast")
 
 
 def _autocast_on(device_type: str) -> bool:

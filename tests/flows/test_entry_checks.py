@@ -288,8 +288,8 @@ def test_a_transform_refuses_another_width_an_empty_batch_and_another_dtype(name
         layer(torch.randn(3, 4, 3))
     with pytest.raises(InputError, match=r"no sets \(B=0\)"):
         layer(torch.randn(0, 4, 2))
-    with pytest.raises(InputError, match=r"inputs has dtype torch.float64, but the flow's "
-                                         r"parameters are torch.float32"):
+    with pytest.raises(InputError, match=r"inputs has dtype torch.float64, but the \w+'s "
+                                         r"weights are torch.float32"):
         layer(torch.randn(3, 4, 2, dtype=torch.float64))
     layer.double()
     assert layer(torch.randn(3, 4, 2, dtype=torch.float64))[0].dtype == torch.float64
@@ -299,8 +299,8 @@ def test_the_inverse_of_a_block_refuses_another_dtype_as_nflows_sampling_would_g
     # nflows' StandardNormal draws float32 noise whatever the flow's dtype
     flow = Flow(InvertibleResidual(LipschitzMLP(2, 8), logdet=SERIES),
                 StandardNormal([4, 2])).double().eval()
-    with pytest.raises(InputError, match=r"dtype torch.float32, but the flow's parameters are "
-                                         r"torch.float64"):
+    with pytest.raises(InputError, match=r"dtype torch.float32, but the LipschitzMLP's "
+                                         r"weights are torch.float64"):
         flow.sample(3)
     block = InvertibleResidual(LipschitzMLP(2, 8), logdet=SERIES).eval()
     with pytest.raises(InputError, match=r"no sets \(B=0\)"):
@@ -311,7 +311,7 @@ def test_a_set_flow_refuses_another_dtype_and_an_empty_batch_at_every_entry_poin
     flow = set_flow(dim=2, blocks=1, heads=1).eval()
     x64 = torch.randn(3, 4, 2, dtype=torch.float64)
     for call in (flow.log_prob, flow.transform_to_noise, flow.from_noise):
-        with pytest.raises(InputError, match="float64, but the flow's parameters are"):
+        with pytest.raises(InputError, match="float64, but the SetFlow's weights are"):
             call(x64)
         with pytest.raises(InputError, match=r"B=0"):
             call(torch.randn(0, 4, 2))
