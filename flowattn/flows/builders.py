@@ -359,8 +359,8 @@ class SetFlow(nn.Module):
         implicit differentiation): what training by energy needs, E_q[E(x) + log q(x)] with
         z ~ N(0, I) fixed and the flow's parameters varying. In zero-centre-of-mass mode ``z``
         must lie on the subspace (as :meth:`sample` draws it; refused otherwise, as are sets of
-        one element). These are the flow's own sets
-        and density q, before any mirror average (``symmetry``).
+        one element). These are the flow's own sets and density q, before any mirror average
+        (``symmetry``).
 
         Examples:
             >>> flow = set_flow(dim=2, blocks=1, heads=1, logdet=LogDetOptions("exact")).eval()
