@@ -1305,3 +1305,30 @@ def test_float16_attention_is_right_or_raises_where_squared_norms_overflow(setti
         reference = exact(x.double())
         assert (y.double() - reference).abs().max() <= 1e-2 * reference.abs().max()
     assert raised >= 2  # the scales beyond float16's squared norms
+
+
+def test_a_causal_length_fixes_the_2_norm_bound_of_every_causal_call():
+    torch.manual_seed(0)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, norm=2, causal_length=8).double()
+    x = torch.randn(1, 8, 4, dtype=torch.float64)
+    full = f(x, causal=True)
+    for length in (1, 3, 5):  # earlier rows do not see how many follow
+        torch.testing.assert_close(f(x[:, :length], causal=True), full[:, :length])
+    with pytest.raises(InputError, match="exceeds causal_length=8"):
+        f(torch.randn(1, 9, 4, dtype=torch.float64), causal=True)
+    # the bound of 8 elements holds for 5: the causal map on 5 is the leading block of that on 8
+    short = x[:, :5].clone().requires_grad_()
+    jac = torch.autograd.functional.jacobian(lambda v: f(v, causal=True), short).reshape(20, 20)
+    assert float(torch.linalg.matrix_norm(jac, ord=2)) <= 0.9
+    # without it, each call takes the bound of its own length (sets: no causal structure)
+    g = ContractiveL2MHA(4, 2, coeff=0.9, norm=2).double()
+    g.load_state_dict(f.state_dict())
+    assert not torch.allclose(g(x[:, :5], causal=True), g(x, causal=True)[:, :5])
+
+
+def test_2_norm_certificates_with_offsets_are_shared_by_evaluating_them_alone():
+    layers = [ContractiveL2MHA(4, 2, norm=2, self_offset=2.0) for _ in range(2)]
+    x = torch.randn(2, 5, 4)
+    with shared_certificates(layers, length=5):  # its bound reads the margin on the host
+        y = layers[0](x)
+    torch.testing.assert_close(y, layers[0](x))

@@ -109,7 +109,7 @@ def shared_certificates(modules: Iterable[nn.Module], length: int,
     """
     groups: dict[tuple, list[ContractiveAttention]] = {}
     for module in modules:
-        if isinstance(module, ContractiveAttention) and not any(
+        if isinstance(module, ContractiveAttention) and module.batchable and not any(
                 parametrize.is_parametrized(m) for m in module.modules()):
             groups.setdefault(_signature(module), []).append(module)
     # inside frozen_certificates and without gradients the tables join the kept ones, so that
@@ -118,9 +118,10 @@ def shared_certificates(modules: Iterable[nn.Module], length: int,
     tables = {}
     for group in groups.values():
         every_count = group[0]._every_count(False, causal)  # the mask-free call
-        keys = [m._key(length, every_count, causal) for m in group]
+        certified = length if every_count else group[0]._certified_length(length, causal)
+        keys = [m._key(certified, every_count, causal) for m in group]
         if len(group) > 1 and not (kept is not None and all(k in kept for k in keys)):
-            tables.update(zip(keys, _batched_bounds(group, length, every_count, causal),
+            tables.update(zip(keys, _batched_bounds(group, certified, every_count, causal),
                               strict=True))
     if kept is not None:
         kept.update(tables)
@@ -200,6 +201,11 @@ class ContractiveAttention(nn.Module):
     # set by a module whose F is certified in its own norm alone (e.g. "2,inf"): a bound in any
     # other norm is refused
     only_norm: str | None = None
+    # in the 2-norm, the length whose bound every causal call takes (None: the call's own)
+    causal_length: int | None = None
+    # whether the certificate may be evaluated batched over modules alike (torch.func.vmap):
+    # not where it reads a value back to the host
+    batchable: bool = True
 
     def _contraction(self, coeff: float, norm: str | int, output_dropout: float) -> None:
         """Check and set ``coeff`` in (0, 1), ``norm`` and ``output_dropout`` in [0, 1)."""
@@ -225,6 +231,7 @@ class ContractiveAttention(nn.Module):
         and the counts never leave the device."""
         batch, length = x.shape[:2]
         if not self._every_count(mask is not None, causal):
+            length = self._certified_length(length, causal)
             return self._bound(length, every_count=False, causal=causal).reshape(1, 1, 1)
         table = self._bound(length, every_count=True, causal=causal)  # (N,)
         if self.norm == "2":
@@ -234,8 +241,24 @@ class ContractiveAttention(nn.Module):
 
     def _every_count(self, masked: bool, causal: bool) -> bool:
         """Whether a call needs the table of bounds for every count of keys 1..N (masks, and
-        causal rows outside the 2-norm, whose bound is one per set) or the bound for N."""
+        causal rows outside the 2-norm, whose bound is one per set) or the bound for N (a
+        causal call in the 2-norm with a ``causal_length``: the bound for that length)."""
+        if causal and self.norm == "2" and self.causal_length is not None:
+            return False
         return masked or (causal and self.norm != "2")
+
+    def _certified_length(self, length: int, causal: bool) -> int:
+        """The number of elements whose bound a call of ``length`` elements takes: its own, or
+        for a causal call in the 2-norm the module's ``causal_length``. A causal map on N
+        elements is the leading block of the map on more (the later elements do not reach
+        the earlier outputs), so its Jacobian's 2-norm is at most theirs, and earlier outputs
+        then do not depend on how many elements follow."""
+        if not (causal and self.norm == "2" and self.causal_length is not None):
+            return length
+        if length > self.causal_length:
+            raise InputError(f"a causal call of {length} elements exceeds causal_length="
+                             f"{self.causal_length}, the length the module is certified for")
+        return self.causal_length
 
     def _key(self, length: int, every_count: bool, causal: bool) -> tuple:
         """Where the certificates kept or shared over a context file this call's bound: the

@@ -15,7 +15,7 @@ from torch.nn.utils import parametrizations, parametrize
 from ..errors import InputError
 from ..lipschitz import CERTIFICATES, _spectral_norm, l2_attention_bound
 from ..passes import per_pass
-from ..validation import check_heads, check_output, check_sets, values_readable
+from ..validation import check_count, check_heads, check_output, check_sets, values_readable
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
 from .kernels import _transformed, attend
@@ -757,6 +757,11 @@ class ContractiveL2MHA(ContractiveAttention):
             certificate (see :class:`L2MHA`).
         spectral_norms: ``"eigh"`` (default) or ``"squarings"``, how F's certificate takes
             its spectral norms (see :class:`L2MHA`; ``"squarings"`` for speed on a GPU).
+        causal_length: with ``norm=2``, every causal call is divided by the bound for this
+            many elements (calls may be shorter, not longer): a causal map on N elements is
+            the leading block of that on more, so the bound holds, and an earlier output does
+            not depend on how many elements follow it, as a language model needs. ``None``:
+            each call takes the bound for its own length.
 
     Attributes:
         attention: the tied :class:`L2MHA` F.
@@ -786,6 +791,7 @@ class ContractiveL2MHA(ContractiveAttention):
         max_distance: int = 64,
         offset_certificate: str = "weighted",
         spectral_norms: str = "eigh",
+        causal_length: int | None = None,
     ):
         super().__init__()
         if dropout != 0.0:
@@ -811,6 +817,11 @@ class ContractiveL2MHA(ContractiveAttention):
             spectral_norms=spectral_norms,
         )
         self.dim, self.heads = dim, heads
+        self.causal_length = None if causal_length is None else check_count(causal_length,
+                                                                            "causal_length")
+        # the 2-norm certificate of offsets reads their largest margin back to the host
+        # (its column constant is tabulated there): evaluated alone, not batched by vmap
+        self.batchable = not (self.norm == "2" and self.attention.offsets is not None)
 
     @property
     def certificate(self) -> str:
@@ -833,7 +844,8 @@ class ContractiveL2MHA(ContractiveAttention):
             return super()._divided(x, mask, causal)
         y = self.attention._attended(
             x, mask, causal,
-            lambda length: self.coeff / self._bound(length, every_count=False, causal=causal))
+            lambda length: self.coeff / self._bound(self._certified_length(length, causal),
+                                                    every_count=False, causal=causal))
         # the dtype the division gives: under autocast F's products are of lower precision
         # than the bound, which is in the weights' (a no-op otherwise)
         return y.to(torch.promote_types(y.dtype, self.attention.w_o.dtype))

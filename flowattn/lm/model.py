@@ -205,7 +205,7 @@ def _attention(config: LMConfig) -> nn.Module:
     return ContractiveL2MHA(
         d, h, coeff=config.contractive_coeff, norm=config.contractive_norm,
         output_dropout=p if config.invertible else 0.0, offset_certificate=count,
-        spectral_norms=config.spectral_norms, **offsets,
+        spectral_norms=config.spectral_norms, causal_length=config.block_size, **offsets,
     )
 
 
