@@ -60,6 +60,18 @@ def test_eval_reports_the_validation_loss_of_the_checkpoint_in_nats_and_bits(tra
     assert result["characters"] == len(TEXT) - int(0.9 * len(TEXT))
 
 
+def test_eval_of_a_model_whose_activations_overflow_fails_instead_of_scoring_nan(trained,
+                                                                                capsys):
+    out, _ = trained
+    checkpoint = torch.load(out / "checkpoint.pt", weights_only=False)
+    checkpoint["model"]["tok_emb.weight"] *= 1e30  # finite weights, overflowing activations
+    torch.save(checkpoint, out / "overflowing.pt")
+    code, stdout, err = run(capsys, "lm", "eval", "--checkpoint", out / "overflowing.pt",
+                            "--json")
+    assert code == 2 and stdout == ""  # it printed "val loss nan" and exited 0
+    assert "val loss on this text is nan" in err and "Traceback" not in err
+
+
 def test_sample_continues_the_prompt_with_characters_of_the_vocabulary(trained, capsys):
     out, _ = trained
     code, stdout, _ = run(capsys, "lm", "sample", "--checkpoint", out, "--prompt", "to be",

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import flowattn.validation as validation
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA
-from flowattn.errors import InverseNotConverged, NonFiniteError
+from flowattn.errors import InputError, InverseNotConverged, NonFiniteError
 from flowattn.lm.config import ATTENTIONS, INITS, LMConfig, LMRunConfig
 from flowattn.lm.invertible import invert_hidden_states, reconstruction_report
 from flowattn.lm.model import (
@@ -705,3 +705,30 @@ def test_a_2_norm_language_model_is_causal_in_its_length_and_runs_with_offsets(s
     full = model(idx)[0]
     for length in (1, 4, 11):
         torch.testing.assert_close(model(idx[:, :length])[0], full[:, :length])
+
+
+@pytest.mark.parametrize("model", ["transformer", "lstm"])
+def test_token_ids_and_generation_arguments_are_refused_by_name(model):
+    m = build_model(LMConfig(vocab_size=11, block_size=12, layers=1, dim=16, heads=2,
+                             model=model))
+    ok = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(InputError, match=r"outside \[0, 11\), the vocabulary: \[11\]"):
+        m(torch.tensor([[3, 11]]))
+    with pytest.raises(InputError, match=r"outside \[0, 11\).*\[-1\]"):
+        m(torch.tensor([[3, -1]]))
+    with pytest.raises(InputError, match=r"no tokens: shape \(1, 0\)"):
+        m(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(InputError, match="targets holds token ids outside"):
+        m(ok, torch.full((1, 4), -100))  # every target ignored: a loss of NaN
+    with pytest.raises(InputError, match="targets must have idx's shape"):
+        m(ok, ok[:, :3])
+    with pytest.raises(InputError, match="max_new_tokens must be an integer >= 0, got -3"):
+        m.generate(ok, -3)
+    with pytest.raises(InputError, match="nothing is left to sample"):
+        m.generate(ok, 2, exclude=list(range(11)))
+    with pytest.raises(InputError, match=r"exclude holds ids outside \[0, 11\)"):
+        m.generate(ok, 2, exclude=[20])
+    with pytest.raises(InputError, match="no tokens"):
+        m.generate(torch.zeros(1, 0, dtype=torch.long), 5)
+    assert m.generate(ok, 0).shape == (1, 4)
+    assert not set(m.generate(ok, 20, exclude=[0, 5])[0, 4:].tolist()) & {0, 5}

@@ -823,6 +823,31 @@ def test_unusable_checkpoints_are_one_line_naming_the_file(tmp_path, capsys, kin
                                  "--out folder"), line
 
 
+def test_a_checkpoint_whose_bytes_changed_is_refused_by_its_checksums(tmp_path, capsys):
+    # zeroed bytes inside a tensor's record leave finite weights: torch.load read them, and
+    # the run evaluated silently with damaged weights
+    import struct
+    import zipfile
+
+    run = tmp_path / "run"
+    fit_tiny(run, steps=2)
+    path = run / "checkpoint.pt"
+    read_checkpoint(run, "sets")  # intact: every record passes
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as archive:
+        record = next(i for i in archive.infolist() if "/data/" in i.filename
+                      and i.file_size >= 16)
+    name_length, extra_length = struct.unpack(
+        "<HH", data[record.header_offset + 26 : record.header_offset + 30])
+    start = record.header_offset + 30 + name_length + extra_length
+    data[start : start + 16] = bytes(16)
+    path.write_bytes(data)
+    with pytest.raises(CheckpointError, match=f"record {record.filename} fails the checksum"):
+        read_checkpoint(run, "sets")
+    line = one_line(capsys, "sets", "eval", "--checkpoint", run, "--data", "gaussian-sets")
+    assert "is corrupted" in line and line.endswith("--out folder"), line
+
+
 def test_a_checkpoint_holding_python_objects_is_refused_in_one_sentence(tmp_path, capsys):
     import fractions
 

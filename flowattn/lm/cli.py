@@ -10,7 +10,7 @@ import argparse
 import math
 import sys
 
-from ..errors import InputError, InverseNotConverged
+from ..errors import InputError, InverseNotConverged, NonFiniteError
 from ..training.cli import (
     add_run_arguments,
     add_threads,
@@ -149,6 +149,11 @@ def _eval(args: argparse.Namespace) -> int:
     check_block_size(corpus, block)
     data = corpus.val if args.split == "val" else corpus.train
     loss = evaluate(model, data, block, args.batch_size, device)
+    if not math.isfinite(loss):  # a diverged or damaged model: no score to report
+        raise NonFiniteError(
+            f"the model's {args.split} loss on this text is {loss} (step {ckpt['step']} of "
+            f"{args.checkpoint}): its activations overflow, as a diverged run's do; evaluate an "
+            "earlier checkpoint, or train again with a smaller learning rate")
     result = {
         "val_loss" if args.split == "val" else "train_loss": loss,
         "bpc": loss / math.log(2),

@@ -18,7 +18,7 @@ from ..attention import (
     shared_certificates,
 )
 from ..errors import InputError
-from ..validation import check_deferred, trusted_inputs
+from ..validation import check_count, check_deferred, trusted_inputs
 from .config import INITS, LMConfig
 
 __all__ = [
@@ -461,15 +461,37 @@ class _CharLM(nn.Module):
 
     config: LMConfig
 
-    def _check_idx(self, idx: Tensor) -> None:
+    def _check_idx(self, idx: Tensor, name: str = "idx") -> None:
+        """Refuse token ids that are not a (B, T) LongTensor with 1 <= T <= block_size and
+        every id in [0, vocab_size). The ids' range is read where they are, on the host; on
+        another device, and in compiled code, an asynchronous assertion checks it (no
+        synchronisation per step, no graph break)."""
         if idx.dim() != 2 or idx.dtype != torch.long:
             raise InputError(
-                f"idx must be a (B, T) LongTensor, got {idx.dtype} {tuple(idx.shape)}"
+                f"{name} must be a (B, T) LongTensor, got {idx.dtype} {tuple(idx.shape)}"
             )
         if idx.shape[1] > self.config.block_size:
             raise InputError(
                 f"sequence length {idx.shape[1]} exceeds the block size {self.config.block_size}"
             )
+        if idx.shape[1] == 0 or idx.shape[0] == 0:
+            raise InputError(f"{name} holds no tokens: shape {tuple(idx.shape)}")
+        vocab = self.config.vocab_size
+        inside = ((idx >= 0) & (idx < vocab)).all()
+        message = f"{name} holds token ids outside [0, {vocab}), the vocabulary"
+        if idx.device.type != "cpu" or torch.compiler.is_compiling():
+            torch._assert_async(inside, message)  # no read back, no graph break
+        elif not bool(inside):
+            bad = idx[(idx < 0) | (idx >= vocab)][:4].tolist()
+            raise InputError(f"{message}: {bad}")
+
+    def _check_targets(self, idx: Tensor, targets: Tensor) -> None:
+        """Targets are token ids of ``idx``'s shape (no ignored positions: -100, PyTorch's
+        ignore index, left a loss of NaN where every target was ignored)."""
+        if targets.shape != idx.shape:
+            raise InputError(f"targets must have idx's shape {tuple(idx.shape)}, got "
+                             f"{tuple(targets.shape)}")
+        self._check_idx(targets, "targets")
 
     def _losses(self, logits: Tensor, targets: Tensor, extra: Tensor | None) -> dict:
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -499,6 +521,14 @@ class _CharLM(nn.Module):
             raise InputError(f"temperature must be a positive number, got {temperature}")
         if top_k is not None and top_k < 1:
             raise InputError(f"top_k must be >= 1, got {top_k}")
+        check_count(max_new_tokens, "max_new_tokens", low=0)
+        self._check_idx(idx[:, -self.config.block_size :])
+        vocab = self.config.vocab_size
+        exclude = sorted(set(exclude))
+        if any(not 0 <= k < vocab for k in exclude):
+            raise InputError(f"exclude holds ids outside [0, {vocab}): {exclude}")
+        if len(exclude) == vocab:
+            raise InputError("exclude holds every token id: nothing is left to sample")
         for _ in range(max_new_tokens):
             logits, _ = self(idx[:, -self.config.block_size :])
             logits = logits[:, -1, :]
@@ -600,6 +630,8 @@ class TransformerLM(_CharLM):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         config = self.config
+        if targets is not None:
+            self._check_targets(idx, targets)
         affinity = targets is not None and config.ortho_affinity > 0
         h, penalty = self.hidden_states(self.drop(self.embed(idx)), affinity=affinity)
         logits = self.logits(h)
@@ -653,6 +685,8 @@ class LSTMLM(_CharLM):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         self._check_idx(idx)
+        if targets is not None:
+            self._check_targets(idx, targets)
         h, _ = self.lstm(self.drop(self.tok_emb(idx)))
         logits = self.head(self.drop(h))
         if targets is None:

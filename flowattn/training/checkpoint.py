@@ -80,6 +80,17 @@ def _numpy_archive(path: Path) -> bool:
     return bool(names) and all("/" not in n and n.endswith(".npy") for n in names)
 
 
+def _damaged_record(path: Path) -> str | None:
+    """The first record of the zip archive at ``path`` whose bytes fail the CRC-32 the archive
+    stores for it (bytes changed on disk or in a copy, values still finite: torch.load does
+    not check), or None (also where the archive itself cannot be read: torch.load says why)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError, ValueError, NotImplementedError):
+        return None
+
+
 def read_checkpoint(location: str | os.PathLike, kind: str,
                     map_location: str | torch.device = "cpu") -> dict:
     """The checkpoint of a ``kind`` run (``lm`` or ``sets``) at ``location``, a file or folder.
@@ -87,8 +98,9 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
     Returns the record with ``kind`` and ``version`` filled in and ``path`` (the file read).
 
     Raises:
-        CheckpointError: naming the file, if it is missing, empty, truncated or unreadable, not
-            a flowattn checkpoint, another command's, or of a newer format version.
+        CheckpointError: naming the file, if it is missing, empty, truncated, corrupted (a
+            record failing its checksum) or unreadable, not a flowattn checkpoint, another
+            command's, or of a newer format version.
     """
     path = find_checkpoint(location)
     if path.stat().st_size == 0:
@@ -102,6 +114,10 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
         raise CheckpointError(f"{path} is a numpy .npz archive (data), not a checkpoint: give "
                               "the run folder or its checkpoint.pt as the checkpoint, and this "
                               "file as the data")
+    damaged = _damaged_record(path) if head.startswith(b"PK") else None
+    if damaged is not None:
+        raise CheckpointError(f"checkpoint {path} is corrupted: its record {damaged} fails the "
+                              f"checksum the archive stores; {_DAMAGED}")
     try:
         record = torch.load(path, map_location=map_location, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, OSError,
