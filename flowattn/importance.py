@@ -84,7 +84,8 @@ def self_normalised_mean(log_w: Tensor, values: Tensor) -> tuple[Tensor, Tensor]
         values: f(x_i), shape (n,), finite wherever the weight is not zero.
 
     Returns:
-        (estimate, standard error), 0-dim tensors in the dtype of ``values``.
+        (estimate, standard error), 0-dim tensors in the dtype of ``values`` (of the weights
+        for integer or boolean values, such as counts and indicators).
 
     Examples:
         >>> log_w = torch.tensor([0.0, 0.0, math.log(2.0)])
@@ -97,6 +98,8 @@ def self_normalised_mean(log_w: Tensor, values: Tensor) -> tuple[Tensor, Tensor]
         shape = tuple(values.shape) if isinstance(values, Tensor) else type(values).__name__
         raise InputError(f"values must be a tensor of the weights' shape {tuple(w.shape)}, "
                          f"got {shape}")
+    if not values.is_floating_point():  # counts or indicators: their mean is not an integer
+        values = values.to(w.dtype)
     used = w > 0
     if not torch.isfinite(values[used]).all():
         raise NonFiniteError("values hold NaN or Inf where the weight is not zero")

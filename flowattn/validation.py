@@ -236,13 +236,19 @@ def check_sets(
         raise InputError(f"{name} must be floating point, got dtype {x.dtype}")
     if dim is not None and x.shape[-1] != dim:
         raise InputError(f"{name} has width D={x.shape[-1]}, but the module expects D={dim}")
-    if module is not None:
-        _check_module_dtype(x, module, name)
     if x.shape[0] == 0:
         raise InputError(f"{name} holds no sets (B=0): shape {tuple(x.shape)}")
     if x.shape[1] == 0:
         raise InputError(f"{name} holds empty sets (N=0): shape {tuple(x.shape)}")
     check_finite(x, name)
+    mask = _checked_mask(x, mask)
+    if module is not None:  # after the values and the mask: those errors come first
+        _check_module_dtype(x, module, name)
+    return mask
+
+
+def _checked_mask(x: Tensor, mask: Tensor | None) -> Tensor | None:
+    """The mask of :func:`check_sets`, checked and moved to ``x``'s device."""
     if mask is None:
         return None
     if not isinstance(mask, Tensor):

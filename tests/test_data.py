@@ -24,6 +24,8 @@ from flowattn.data import (
     load_npz,
     metropolis,
     particle_data,
+    repulsive_log_normaliser,
+    repulsive_sets,
     save_npz,
 )
 from flowattn.errors import InputError
@@ -346,3 +348,46 @@ def test_particle_data_is_cached_and_zero_centred(tmp_path):
     assert first["train"].zero_com and not torch.equal(first["train"].x[:20],
                                                        first["test"].x)
     assert first["test"].x.sum(1).abs().max() < 1e-5
+
+
+def test_split_sizes_must_be_positive_integers_of_splits_the_data_set_has():
+    for sizes, match in (({"train": 0}, "train split must be an integer >= 1, got 0"),
+                         ({"train": -3}, "got -3"), ({"train": 2.5}, "got 2.5"),
+                         ({"tran": 10}, r"splits \['tran'\] that 'gaussian-sets' does not have")):
+        with pytest.raises(InputError, match=match):
+            load_dataset("gaussian-sets", sizes)
+    with pytest.raises(InputError, match="min_size=5 exceeds max_size=3"):
+        cluster_sets(5, min_size=5, max_size=3)
+    with pytest.raises(InputError, match="clusters must be an integer >= 1"):
+        cluster_sets(5, clusters=0)
+    with pytest.raises(InputError, match="batch_size must be an integer >= 1"):
+        next(cluster_sets(5).batches(0))
+
+
+def test_padding_may_hold_nan_and_the_exact_densities_ignore_it():
+    x = torch.randn(2, 3, 2)
+    mask = torch.tensor([[True, True, False]] * 2)
+    clean = SetData(x.clone(), mask, true_log_prob=lambda a, m: cluster_sets_log_prob(
+        a, m, 4, 3.0, 0.5))
+    x[:, 2] = float("nan")
+    padded = dataclasses.replace(clean, x=x)
+    assert padded.mean_true_nll() == clean.mean_true_nll()  # it was NaN
+    assert torch.equal(padded.x[:, 2], torch.zeros(2, 2))
+
+
+def test_the_particle_energies_refuse_another_dimension():
+    with pytest.raises(InputError, match=r"DW4 configurations have shape \(\.\.\., 4, 2\)"):
+        dw4_energy(torch.randn(2, 4, 3))
+    with pytest.raises(InputError, match="LJ13 configurations"):
+        lj13_energy(torch.randn(2, 13, 2))
+
+
+def test_a_normaliser_lost_to_cancellation_is_refused_and_so_is_an_endless_sampler():
+    # the alternating sum over 2^15 graphs came out negative (a math domain error), or at
+    # 1e-13 where Monte Carlo gives 1e-28, and the sampler then never returned
+    for length in (2.5, 3.0, 4.0):
+        with pytest.raises(InputError, match="lost to cancellation"):
+            repulsive_log_normaliser(6, 1, 1.0, length, 1.0)
+    assert math.isfinite(repulsive_log_normaliser(6, 1, 1.0, 0.4, 1.0))  # the defaults
+    with pytest.raises(InputError, match="would take about .* proposals"):
+        repulsive_sets(10**5, length=1.0)

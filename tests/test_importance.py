@@ -132,3 +132,11 @@ def test_event_kl_edge_cases_and_bad_input():
     for p, q in ((-0.1, 0.5), (0.5, 1.5), (math.nan, 0.5)):
         with pytest.raises(InputError, match="probability"):
             event_kl(p, q)
+
+
+def test_the_mean_of_counts_and_indicators_is_not_rounded_to_an_integer():
+    # the normalised weights were cast to the values' integer dtype: every weight became 0
+    mean, error = self_normalised_mean(torch.zeros(3), torch.tensor([1, 2, 3]))
+    assert mean.item() == pytest.approx(2.0) and error.item() > 0
+    mean, _ = self_normalised_mean(torch.zeros(3), torch.tensor([True, False, True]))
+    assert mean.item() == pytest.approx(2 / 3)

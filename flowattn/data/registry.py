@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..errors import DataError, InputError
+from ..validation import check_count
 from .particles import particle_data
 from .repulsive import repulsive_sets
 from .sets import SetData, load_npz
@@ -97,7 +98,8 @@ def load_dataset(
 
     Raises:
         DataError: an unknown name (the message lists the known ones) or an unusable file.
-        InputError: a ``set_size`` for a data set whose set size is fixed, or below 1.
+        InputError: a ``set_size`` for a data set whose set size is fixed, or below 1; sizes
+            of splits the data set does not have, or that are not positive integers.
 
     Examples:
         >>> splits = load_dataset("surface-clouds", {"train": 4, "val": 2, "test": 2},
@@ -109,11 +111,15 @@ def load_dataset(
         if name_or_path not in SIZED_DATASETS:
             raise InputError(f"set_size={set_size} applies to {', '.join(SIZED_DATASETS)}, "
                              f"not to {name_or_path!r} (its sets have a fixed size)")
-        if set_size < 1:
-            raise InputError(f"set_size must be a positive integer, got {set_size}")
+        check_count(set_size, "set_size")
     if name_or_path in DATASETS:
         wanted = dict(DEFAULT_SIZES[name_or_path])
-        wanted.update(sizes or {})
+        unknown = sorted(set(sizes or {}) - set(wanted))
+        if unknown:
+            raise InputError(f"sizes names splits {unknown} that {name_or_path!r} does not "
+                             f"have: its splits are {', '.join(wanted)}")
+        for split, count in (sizes or {}).items():
+            wanted[split] = check_count(count, f"the size of the {split} split")
         overrides = {} if set_size is None else {"set_size": set_size}
         return DATASETS[name_or_path](wanted, seed, cache_dir, progress, **overrides)
     if not name_or_path:

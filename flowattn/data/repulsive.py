@@ -31,7 +31,9 @@ Gaussian, centroid or linear model can express it. Since 0 <= phi <= 1:
 Sums with alternating signs are taken in float64, with terms at most 1 in magnitude. At the
 defaults (n = 6, D = 1, sigma = 1, l = 0.4, a = 1) the absolute sum of the terms of Z_6 is
 9.7e3 Z_6, which leaves about 12 significant digits; a longer range l / sigma or a larger D
-makes Z_n smaller and costs digits in proportion (and acceptance in the sampler).
+makes Z_n smaller and costs digits in proportion (and acceptance in the sampler). With fewer
+than 6 digits left the normaliser is refused (its value would be noise, even negative), and so
+is a sampler that would need more than ``MAX_DRAWS`` proposals.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ __all__ = ["repulsive_sets", "repulsive_sets_log_prob", "repulsive_sets_iid_log_
 LOG_2PI = math.log(2 * math.pi)
 MAX_SIZE = 6  # 2^15 graphs; 7 points would need 2^21
 MAX_PROPOSALS = 100_000  # proposals drawn at once by the rejection sampler
+MAX_DRAWS = 1e9  # the most proposals the rejection sampler may need in all (minutes of work)
 
 
 def repulsive_sets(
@@ -95,6 +98,10 @@ def repulsive_sets(
     accepted: list[Tensor] = []
     count = 0
     acceptance = math.exp(repulsive_log_normaliser(set_size, dim, sigma, length, strength))
+    if num_sets / acceptance > MAX_DRAWS:
+        raise InputError(f"{num_sets} repelling sets at an acceptance rate of {acceptance:.2g} "
+                         f"would take about {num_sets / acceptance:.2g} proposals (at most "
+                         f"{MAX_DRAWS:.0e}): use a shorter length or a weaker strength")
     while count < num_sets:
         batch = min(MAX_PROPOSALS, max(64, int(1.2 * (num_sets - count) / acceptance)))
         x = sigma * torch.randn(batch, set_size, dim, dtype=torch.float64, generator=generator)
@@ -190,7 +197,17 @@ def repulsive_log_normaliser(
     laplacians, edges = _graph_laplacians(set_size)
     matrix = torch.eye(set_size, dtype=torch.float64) + (sigma / length) ** 2 * laplacians
     terms = (-strength) ** edges * torch.exp(-0.5 * dim * torch.linalg.slogdet(matrix)[1])
-    return math.log(float(terms.sum()))
+    total = float(terms.sum())
+    # 2^E terms of both signs: the sum keeps about log10(Z / sum |terms|) fewer digits than
+    # float64's 16; with fewer than 6 left it is no value (it was garbage or negative)
+    digits = 16 + math.log10(total / float(terms.abs().sum())) if total > 0 else -math.inf
+    if digits < 6:
+        raise InputError(
+            f"the normaliser of {set_size} repelling points (sigma={sigma}, length={length}, "
+            f"strength={strength}) is lost to cancellation: its series keeps "
+            f"{max(digits, 0):.0f} of float64's 16 digits (Z is far below the size of its "
+            "terms); use fewer points, a shorter length or a weaker strength")
+    return math.log(total)
 
 
 @lru_cache(maxsize=64)

@@ -13,6 +13,7 @@ from torch import Tensor
 
 from ..errors import DataError, InputError
 from ..files import atomic_write, no_such_file
+from ..validation import check_count
 
 __all__ = ["SetData", "load_npz", "save_npz", "size_mask"]
 
@@ -24,7 +25,8 @@ class SetData:
     """M sets of up to N elements in R^D, padded to (M, N, D), with an optional padding mask.
 
     Arguments:
-        x: (M, N, D) float tensor; padded entries are zero.
+        x: (M, N, D) float tensor; padded entries may hold anything (NaN too) and are stored
+            as zero.
         mask: (M, N) bool tensor, True where an element is present, or None (all present).
         name: where the data came from.
         zero_com: whether the sets live in the zero-centre-of-mass subspace (particle systems):
@@ -47,6 +49,8 @@ class SetData:
         validate(self.x, self.mask, self.name)
         if self.mask is not None and bool(self.mask.all()):
             self.mask = None
+        if self.mask is not None:  # padding given as anything (NaN too) is stored as zero
+            self.x = torch.where(self.mask[..., None], self.x, torch.zeros_like(self.x))
 
     def __len__(self) -> int:
         return self.x.shape[0]
@@ -81,6 +85,7 @@ class SetData:
         self, batch_size: int, generator: torch.Generator | None = None, drop_last: bool = False
     ) -> Iterator[tuple[Tensor, Tensor | None]]:
         """Mini-batches (x, mask); shuffled when a generator is given."""
+        check_count(batch_size, "batch_size")
         m = len(self)
         order = torch.arange(m) if generator is None else torch.randperm(m, generator=generator)
         stop = m - m % batch_size if drop_last and m >= batch_size else m

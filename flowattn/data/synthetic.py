@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ..errors import InputError
+from ..validation import check_count
 from .sets import SetData, size_mask
 
 __all__ = ["gaussian_sets", "cluster_sets", "gaussian_sets_log_prob", "cluster_sets_log_prob"]
@@ -59,6 +60,8 @@ def gaussian_sets(
     generator: torch.Generator | None = None,
 ) -> SetData:
     """Sets of ``set_size`` points sharing a Gaussian random offset (see the module docstring)."""
+    for name, value in (("num_sets", num_sets), ("set_size", set_size), ("dim", dim)):
+        check_count(value, name)
     mu = tau * torch.randn(num_sets, 1, dim, generator=generator)
     x = mu + sigma * torch.randn(num_sets, set_size, dim, generator=generator)
 
@@ -104,6 +107,11 @@ def cluster_sets(
     generator: torch.Generator | None = None,
 ) -> SetData:
     """Variable-size sets around one of ``clusters`` centres (see the module docstring)."""
+    for name, value in (("num_sets", num_sets), ("min_size", min_size), ("max_size", max_size),
+                        ("clusters", clusters)):
+        check_count(value, name)
+    if min_size > max_size:
+        raise InputError(f"min_size={min_size} exceeds max_size={max_size}")
     if dim < 2:
         raise InputError(f"cluster_sets needs dim >= 2 (centres lie on a circle), got {dim}")
     k = torch.randint(clusters, (num_sets,), generator=generator)

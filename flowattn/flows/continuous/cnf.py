@@ -11,7 +11,15 @@ from torch import Tensor, nn
 from torchdiffeq import odeint, odeint_adjoint
 
 from ...errors import InputError, ODESolverError
-from ...validation import check_deferred, check_finite, check_sets, trusted_inputs
+from ...validation import (
+    check_count,
+    check_deferred,
+    check_finite,
+    check_precision,
+    check_sets,
+    inputs_trusted,
+    trusted_inputs,
+)
 from ..base import sample_standard_normal, standard_normal_log_prob
 from ..geometry import (
     PROBES,
@@ -158,6 +166,12 @@ def _state_norm(present: Tensor | None, count: Tensor | None):
     return norm
 
 
+def _described(value) -> str:
+    """A tensor's shape, or what else the value is, for a message."""
+    return f"shape {tuple(value.shape)}" if isinstance(value, Tensor) else \
+        f"a {type(value).__name__}"
+
+
 class CNF(Transform):
     r"""Continuous normalizing flow on sets, sequences or vectors (Chen et al. 2018; FFJORD,
     Grathwohl et al. 2019; RNODE, Finlay et al. 2020).
@@ -296,12 +310,18 @@ class CNF(Transform):
             raise InputError(f"probe must be 'rademacher' or 'gaussian', got {probe!r}")
         if eval_seed is not None and not isinstance(eval_seed, int):
             raise InputError(f"eval_seed must be an int or None, got {eval_seed!r}")
-        if max_steps is not None and max_steps < 1:
-            raise InputError(f"max_steps must be a positive integer, got {max_steps!r}")
-        if solver in FIXED_GRID_SOLVERS and "step_size" not in (solver_options or {}):
-            raise InputError(
-                f"fixed-grid solver {solver!r} needs solver_options={{'step_size': h}}"
-            )
+        if max_steps is not None:
+            max_steps = check_count(max_steps, "max_steps")
+        if solver in FIXED_GRID_SOLVERS:
+            if "step_size" not in (solver_options or {}):
+                raise InputError(
+                    f"fixed-grid solver {solver!r} needs solver_options={{'step_size': h}}"
+                )
+            step = solver_options["step_size"]
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or not (
+                    math.isfinite(step) and step > 0):
+                raise InputError(f"the step size of solver {solver!r} must be a finite number "
+                                 f"> 0, got {step!r}")
         self.field = field
         self.t1, self.solver, self.atol, self.rtol = float(t1), solver, atol, rtol
         self.adjoint, self.seminorm = adjoint, seminorm
@@ -356,10 +376,15 @@ class CNF(Transform):
                 raise InputError("mask and context are both given and differ")
             mask = context
         if inputs.dim() == 3:
-            return check_sets(inputs, mask, getattr(self.field, "dim", None), name="inputs")
-        if inputs.dim() < 2:
+            return check_sets(inputs, mask, getattr(self.field, "dim", None), name="inputs",
+                              module=self.field)
+        if inputs.dim() != 2 or getattr(self.field, "takes_sets", False):
+            shapes = "(B, N, D)" if getattr(self.field, "takes_sets", False) else \
+                "(B, N, D) or (B, D)"
             raise InputError(
-                f"inputs must have shape (B, N, D) or (B, D), got shape {tuple(inputs.shape)}"
+                f"inputs must have shape {shapes} for the field {type(self.field).__name__}, "
+                f"got shape "
+                f"{tuple(inputs.shape)}"
             )
         if not inputs.is_floating_point():
             raise InputError(f"inputs must be floating point, got dtype {inputs.dtype}")
@@ -370,6 +395,7 @@ class CNF(Transform):
         if self.zero_com:
             raise InputError("zero_com needs (B, N, D) inputs")
         check_finite(inputs, "inputs")
+        check_precision(inputs, self.field, name="inputs")
         return None
 
     # ------------------------------------------------------------------ solving
@@ -527,19 +553,30 @@ class CNF(Transform):
         if noise is None:
             noise = sample_standard_normal(tuple(sets.shape), mask, self.zero_com, generator,
                                            sets.device, sets.dtype)
-        elif noise.shape != inputs.shape:
-            raise InputError(f"noise must have the inputs' shape {tuple(inputs.shape)}, got "
-                             f"{tuple(noise.shape)}")
+        elif not isinstance(noise, Tensor) or noise.shape != inputs.shape:
+            raise InputError(f"noise must be a tensor of the inputs' shape "
+                             f"{tuple(inputs.shape)}, got {_described(noise)}")
+        elif noise.dtype != inputs.dtype:
+            raise InputError(f"noise has dtype {noise.dtype}, the inputs {inputs.dtype}: give "
+                             "both in one dtype")
         else:
+            if not inputs_trusted():
+                check_finite(noise, "noise")
             noise = project(noise.reshape(sets.shape), mask, self.zero_com)
         if alignment != "none":
             noise = align(noise, sets, mask, rotations=alignment == "euclidean")
         if times is None:
             times = self.t1 * torch.rand(sets.shape[0], generator=generator,
                                          dtype=sets.dtype, device=sets.device)
-        elif times.shape != sets.shape[:1]:
-            raise InputError(f"times must have shape ({sets.shape[0]},), got "
-                             f"{tuple(times.shape)}")
+        elif not isinstance(times, Tensor) or times.shape != sets.shape[:1]:
+            raise InputError(f"times must be a tensor of shape ({sets.shape[0]},), one per "
+                             f"set, got {_described(times)}")
+        elif not inputs_trusted():  # read back: the task's own draws (trusted) are not
+            check_finite(times, "times")
+            if bool((times < 0).any()) or bool((times > self.t1).any()):
+                raise InputError(f"times must lie in [0, t1] = [0, {self.t1:g}], got values "
+                                 f"from {float(times.min()):g} to {float(times.max()):g}")
+        times = times.to(sets.dtype)  # numbers: a float32 draw serves a float64 flow
         target = (noise - sets) / self.t1
         path = sets + times.reshape(-1, 1, 1) * target
         with trusted_inputs():  # checked here: the field trusts its caller

@@ -122,6 +122,8 @@ class EGNNField(nn.Module):
         True
     """
 
+    takes_sets = True  # a field of sets (B, N, D): a CNF refuses (B, D) vectors for it
+
     def __init__(self, dim: int, hidden: int = 32, layers: int = 3, attention: bool = True,
                  coords_range: float = 15.0, zero_com: bool = True, eps: float = 1e-8) -> None:
         super().__init__()

@@ -19,6 +19,8 @@ __all__ = ["AttentionField", "DotProductField"]
 class _StackedAttentionField(nn.Module):
     """Shared body: lift, L x (attention -> time FiLM -> tanh), project; see AttentionField."""
 
+    takes_sets = True  # a field of sets (B, N, D): a CNF refuses (B, D) vectors for it
+
     def __init__(
         self,
         attention: type[nn.Module],

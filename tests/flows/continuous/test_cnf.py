@@ -12,7 +12,7 @@ from nflows.transforms.base import CompositeTransform
 from torch import nn
 from torchdiffeq import odeint
 
-from flowattn.errors import ODESolverError
+from flowattn.errors import InputError, ODESolverError
 from flowattn.flows.base import standard_normal_log_prob
 from flowattn.flows.continuous.cnf import CNF
 from flowattn.flows.geometry import sample_probes, subtract_mean
@@ -514,3 +514,28 @@ def test_log_prob_uses_the_zero_com_base_density():
     z, logabsdet = cnf(x)
     expected = standard_normal_log_prob(z, zero_com=True) + logabsdet
     assert torch.allclose(cnf.log_prob(x), expected, atol=1e-12)
+
+
+def test_a_cnf_refuses_another_dtype_than_its_field_and_shapes_its_field_cannot_take():
+    from flowattn.flows import AttentionField
+
+    cnf = CNF(AttentionField(dim=2, heads=1, layers=1, hidden=8).float())
+    x = torch.randn(3, 4, 2, dtype=torch.float32)
+    for call in (cnf, cnf.inverse, cnf.matching_loss):
+        with pytest.raises(InputError, match="dtype torch.float64, but the AttentionField's "
+                                             "weights are torch.float32"):
+            call(x.double())  # the field's own check is off inside the solve: refused here
+        with pytest.raises(InputError, match=r"shape \(B, N, D\) for the field AttentionField"):
+            call(torch.randn(3, 4, 2, 1))
+    with pytest.raises(InputError, match=r"shape \(B, N, D\) for the field"):
+        cnf(torch.randn(3, 2))  # a field of sets takes no (B, D) vectors
+    with pytest.raises(InputError, match=r"shape \(B, N, D\) or \(B, D\) for the field"):
+        CNF(MeanField())(torch.randn(3, 4, 2, 1, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("step", [0.0, -0.1, float("nan"), "0.1"])
+def test_fixed_grid_solvers_need_a_finite_positive_step(step):
+    with pytest.raises(InputError, match="step size of solver 'euler' must be a finite number"):
+        CNF(MeanField(), solver="euler", solver_options={"step_size": step})
+    with pytest.raises(InputError, match="max_steps must be an integer >= 1, got 2.5"):
+        CNF(MeanField(), max_steps=2.5)

@@ -110,10 +110,28 @@ def test_padded_elements_add_nothing_to_the_matching_loss():
 def test_matching_loss_refuses_draws_of_the_wrong_shape():
     cnf = CNF(TanhField(2))
     x = randn(3, 4, 2)
-    with pytest.raises(InputError, match="noise must have the inputs' shape"):
+    with pytest.raises(InputError, match="noise must be a tensor of the inputs' shape"):
         cnf.matching_loss(x, noise=randn(3, 4, 3))
-    with pytest.raises(InputError, match=r"times must have shape \(3,\)"):
+    with pytest.raises(InputError, match=r"times must be a tensor of shape \(3,\)"):
         cnf.matching_loss(x, times=torch.rand(4).double())
+
+
+def test_matching_loss_refuses_times_off_the_path_and_non_finite_draws():
+    # times beyond t1 trained past the noise, silently; NaN gave a loss of NaN
+    cnf = CNF(TanhField(2))
+    x = randn(3, 4, 2)
+    with pytest.raises(InputError, match=r"times must lie in \[0, t1\] = \[0, 1\]"):
+        cnf.matching_loss(x, times=torch.full((3,), 5.0, dtype=torch.float64))
+    with pytest.raises(InputError, match="times contains 3 non-finite"):
+        cnf.matching_loss(x, times=torch.full((3,), float("nan"), dtype=torch.float64))
+    with pytest.raises(InputError, match="noise contains 24 non-finite"):
+        cnf.matching_loss(x, noise=torch.full_like(x, float("nan")))
+    with pytest.raises(InputError, match="times must be a tensor of shape"):
+        cnf.matching_loss(x, times=0.5)
+    with pytest.raises(InputError, match="noise has dtype torch.float32"):
+        cnf.matching_loss(x, noise=x.float())
+    loss = cnf.matching_loss(x, times=torch.rand(3))  # float32 times serve a float64 flow
+    assert loss.dtype == torch.float64 and torch.isfinite(loss).all()
 
 
 @pytest.mark.parametrize("make", [
