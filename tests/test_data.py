@@ -375,13 +375,6 @@ def test_padding_may_hold_nan_and_the_exact_densities_ignore_it():
     assert torch.equal(padded.x[:, 2], torch.zeros(2, 2))
 
 
-def test_the_particle_energies_refuse_another_dimension():
-    with pytest.raises(InputError, match=r"DW4 configurations have shape \(\.\.\., 4, 2\)"):
-        dw4_energy(torch.randn(2, 4, 3))
-    with pytest.raises(InputError, match="LJ13 configurations"):
-        lj13_energy(torch.randn(2, 13, 2))
-
-
 def test_a_normaliser_lost_to_cancellation_is_refused_and_so_is_an_endless_sampler():
     # the alternating sum over 2^15 graphs came out negative (a math domain error), or at
     # 1e-13 where Monte Carlo gives 1e-28, and the sampler then never returned

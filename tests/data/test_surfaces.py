@@ -112,7 +112,7 @@ def test_set_size_reaches_the_clouds_and_defaults_to_1000():
 def test_set_size_is_refused_for_data_of_fixed_size():
     with pytest.raises(InputError, match="set_size=20 applies to surface-clouds"):
         load_dataset("shape-sets", {"train": 2, "val": 2, "test": 2}, set_size=20)
-    with pytest.raises(InputError, match="set_size must be a positive integer, got 0"):
+    with pytest.raises(InputError, match="set_size must be an integer >= 1, got 0"):
         load_dataset("surface-clouds", set_size=0)
     assert SIZED_DATA == SIZED_DATASETS  # the config (no torch) and the registry agree
     for data in ("shape-sets", "dw4", "mine.npz"):
