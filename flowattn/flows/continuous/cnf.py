@@ -248,7 +248,8 @@ class CNF(Transform):
             (``None``: draw them from ``generator`` too, so that repeated evaluations differ).
         regularise: integrate the RNODE regularisers during ``forward``.
         zero_com: zero-centre-of-mass mode; ``None`` takes ``field.zero_com`` (or False).
-        max_steps: maximum number of adaptive steps per solve (``None``: unlimited).
+        max_steps: maximum number of adaptive steps per solve (``None``: unlimited; refused
+            with a fixed-grid solver, whose steps are t1 / step_size).
         solver_options: further options for the torchdiffeq solver.
 
     Examples:
@@ -317,6 +318,10 @@ class CNF(Transform):
                 raise InputError(
                     f"fixed-grid solver {solver!r} needs solver_options={{'step_size': h}}"
                 )
+            if max_steps is not None:
+                raise InputError(f"max_steps bounds the steps of an adaptive solver; the "
+                                 f"fixed-grid solver {solver!r} takes t1 / step_size of them: "
+                                 "drop max_steps")
             step = solver_options["step_size"]
             if isinstance(step, bool) or not isinstance(step, (int, float)) or not (
                     math.isfinite(step) and step > 0):

@@ -539,3 +539,5 @@ def test_fixed_grid_solvers_need_a_finite_positive_step(step):
         CNF(MeanField(), solver="euler", solver_options={"step_size": step})
     with pytest.raises(InputError, match="max_steps must be an integer >= 1, got 2.5"):
         CNF(MeanField(), max_steps=2.5)
+    with pytest.raises(InputError, match="max_steps bounds the steps of an adaptive solver"):
+        CNF(MeanField(), solver="rk4", solver_options={"step_size": 0.1}, max_steps=10)
