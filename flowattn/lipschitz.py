@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from .errors import InputError
-from .validation import check_count
+from .validation import LOW_PRECISION, check_count
 
 __all__ = [
     "lambertw0",
@@ -176,11 +176,9 @@ def check_counts(n, what: str = "sequence length"):
         raise InputError(f"{what} must be an integer >= 1 (or a range or an integer tensor of "
                          f"them), got {n!r}")
     if isinstance(n, numbers.Integral):
-        if n < 1:
-            raise InputError(f"{what} must be >= 1, got {n}")
-        return int(n)
+        return check_count(n, what)
     if isinstance(n, range):
-        if len(n) == 0 or min(n) < 1:
+        if len(n) == 0 or min(n[0], n[-1]) < 1:  # a range's least is at one of its ends
             raise InputError(f"{what} must be >= 1, got {n}")
         return n
     counts = torch.as_tensor(n)
@@ -203,7 +201,7 @@ def check_certificate_precision(*weights: Tensor) -> None:
         flowattn.errors.InputError: a certified bound needs float32 or float64 weights, got ...
     """
     for w in weights:
-        if w.dtype in (torch.float16, torch.bfloat16):
+        if w.dtype in LOW_PRECISION:
             raise InputError(
                 f"a certified bound needs float32 or float64 weights, got {w.dtype}: keep the "
                 "module in float32 and run it under torch.autocast for mixed precision (its "

@@ -243,9 +243,13 @@ class ContractiveAttention(nn.Module):
         """Whether a call needs the table of bounds for every count of keys 1..N (masks, and
         causal rows outside the 2-norm, whose bound is one per set) or the bound for N (a
         causal call in the 2-norm with a ``causal_length``: the bound for that length)."""
-        if causal and self.norm == "2" and self.causal_length is not None:
+        if self._fixed_length(causal):
             return False
         return masked or (causal and self.norm != "2")
+
+    def _fixed_length(self, causal: bool) -> bool:
+        """Whether a call takes the bound of ``causal_length`` elements whatever its length."""
+        return causal and self.norm == "2" and self.causal_length is not None
 
     def _certified_length(self, length: int, causal: bool) -> int:
         """The number of elements whose bound a call of ``length`` elements takes: its own, or
@@ -253,7 +257,7 @@ class ContractiveAttention(nn.Module):
         elements is the leading block of the map on more (the later elements do not reach
         the earlier outputs), so its Jacobian's 2-norm is at most theirs, and earlier outputs
         then do not depend on how many elements follow."""
-        if not (causal and self.norm == "2" and self.causal_length is not None):
+        if not self._fixed_length(causal):
             return length
         if length > self.causal_length:
             raise InputError(f"a causal call of {length} elements exceeds causal_length="
@@ -273,16 +277,18 @@ class ContractiveAttention(nn.Module):
         N cannot enumerate (the weights' part is still differentiated)."""
         counts = range(1, length + 1) if every_count else length
         key = self._key(length, every_count, causal)
-        shared = _SHARED.tables
+        shared, kept = _SHARED.tables, _FROZEN.kept
         if shared is not None and key in shared:
-            return _divisor(shared[key])
-        kept = _FROZEN.kept
-        with _weights_precision(self):
-            if kept is None or torch.is_grad_enabled():
-                return _divisor(self._certificate(counts, causal))
+            bound = shared[key]
+        elif kept is None or torch.is_grad_enabled():
+            with _weights_precision(self):
+                bound = self._certificate(counts, causal)
+        else:
             if key not in kept:
-                kept[key] = self._certificate(counts, causal)
-        return _divisor(kept[key])
+                with _weights_precision(self):
+                    kept[key] = self._certificate(counts, causal)
+            bound = kept[key]
+        return _divisor(bound)
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
         """F's bound for ``counts`` keys in the module's norm (a subclass whose bound can use

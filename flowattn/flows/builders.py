@@ -393,12 +393,6 @@ class SetFlow(nn.Module):
         if set_size is None:
             raise InputError("set_size must be a positive integer, got None")
         set_size = check_count(set_size, "set_size")
-        if self.zero_com and set_size < 2 and mask is None:
-            raise InputError("zero_com needs sets of at least 2 elements")
-        if self.zero_com and mask is not None and int(mask.sum(dim=1).min()) < 2:
-            first = int(torch.nonzero(mask.sum(dim=1) < 2)[0, 0])
-            raise InputError(f"mask gives set {first} fewer than 2 elements: in zero-centre-of-"
-                             "mass mode a set needs at least 2 (one element has no density)")
         ref = self._reference_tensor()
         check_precision(ref, name="the flow's parameters")
         if mask is not None:
@@ -411,7 +405,10 @@ class SetFlow(nn.Module):
             ref.device,
             ref.dtype,
         )
-        return z, check_sets(z, mask, dim=self.dim, name="samples")  # e.g. empty sets
+        mask = check_sets(z, mask, dim=self.dim, name="samples")  # e.g. empty sets
+        if self.zero_com:  # and sets of one element, which have no density there
+            _check_zero_com_sizes(z, mask)
+        return z, mask
 
 
 def _check_zero_com_sizes(x: Tensor, mask: Tensor | None) -> None:

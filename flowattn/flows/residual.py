@@ -74,12 +74,14 @@ def points_only() -> Iterator[None]:
     finally:
         _POINTS_ONLY.on = previous
 
-def branch_bound(branch: nn.Module, n: int, zero_com: bool = False) -> float:
+def branch_bound(branch: nn.Module, n: int, zero_com: bool = False,
+                 any_size: bool = False) -> float:
     """The certified Lipschitz constant of ``branch`` on sets of ``n`` elements, as a float.
 
     In zero-centre-of-mass mode the branch is followed by the projection x -> x - mean(x), which
     is non-expansive in the 2-norm but has infinity-norm 2 (n - 1) / n; a branch whose
-    ``norm`` attribute is not ``"2"`` is charged that factor.
+    ``norm`` attribute is not ``"2"`` is charged that factor, or its limit 2 with ``any_size``
+    (the factor of large sets, for a check made on ``n`` elements only).
 
     Raises:
         ValueError: if the branch has no ``lipschitz_bound`` method or its bound is not finite.
@@ -92,8 +94,8 @@ def branch_bound(branch: nn.Module, n: int, zero_com: bool = False) -> float:
         )
     with torch.no_grad():
         bound = float(fn(n))
-    if zero_com and getattr(branch, "norm", None) != "2" and n > 1:
-        bound *= 2.0 * (n - 1) / n
+    if zero_com and getattr(branch, "norm", None) != "2" and (n > 1 or any_size):
+        bound *= 2.0 if any_size else 2.0 * (n - 1) / n
     if not math.isfinite(bound):
         raise InputError(f"branch {type(branch).__name__} reports a non-finite bound {bound}")
     return bound
@@ -185,24 +187,19 @@ class InvertibleResidual(Transform):
             raise InputError(f"logdet must be a LogDetOptions, got {type(logdet).__name__}")
         if not isinstance(inverse, InverseOptions):
             raise InputError(f"inverse must be an InverseOptions, got {type(inverse).__name__}")
-        bound = branch_bound(branch, check_size, zero_com)
+        # with zero_com, the centring's factor at its limit 2: larger sets than check_size
+        # would otherwise train on a map that is not a contraction
+        bound = branch_bound(branch, check_size, zero_com, any_size=True)
         if bound >= 1:
+            centring = zero_com and getattr(branch, "norm", None) != "2"
             raise InputError(
                 f"branch {type(branch).__name__} is not contractive: certified Lipschitz bound "
                 f"{bound:.4f} >= 1 on sets of {check_size} elements"
+                + (" and more, the zero-centre-of-mass centring's factor 2 (n - 1) / n taken "
+                   "at its limit 2: outside the 2-norm the branch's own bound must be below "
+                   "1/2 (a coeff below 0.5, as set_flow takes; in the 2-norm the centring "
+                   "costs nothing)" if centring else "")
             )
-        if zero_com and getattr(branch, "norm", None) != "2":
-            # the centring's factor 2 (n - 1) / n grows to 2: the branch's own bound must stay
-            # below 1/2, or larger sets would train on a map that is not a contraction
-            own = branch_bound(branch, check_size)
-            if 2 * own >= 1:
-                raise InputError(
-                    f"branch {type(branch).__name__} is certified in the "
-                    f"{getattr(branch, 'norm', 'inf')!r} norm with bound {own:.4f}: in zero-"
-                    "centre-of-mass mode the centring multiplies that by 2 (n - 1) / n, up to 2 "
-                    "on large sets, so it must be below 1/2 (a coeff below 0.5, as set_flow "
-                    "takes, or a branch certified in the 2-norm, where the centring costs "
-                    "nothing)")
         self.branch = branch
         self.logdet_options = logdet
         self.inverse_options = inverse

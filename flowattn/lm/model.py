@@ -485,15 +485,13 @@ class _CharLM(nn.Module):
             bad = idx[(idx < 0) | (idx >= vocab)][:4].tolist()
             raise InputError(f"{message}: {bad}")
 
-    def _check_targets(self, idx: Tensor, targets: Tensor) -> None:
-        """Targets are token ids of ``idx``'s shape (no ignored positions: -100, PyTorch's
-        ignore index, left a loss of NaN where every target was ignored)."""
-        if targets.shape != idx.shape:
-            raise InputError(f"targets must have idx's shape {tuple(idx.shape)}, got "
+    def _losses(self, logits: Tensor, targets: Tensor, extra: Tensor | None) -> dict:
+        # targets: token ids of idx's shape (no ignored positions: -100, PyTorch's ignore
+        # index, left a loss of NaN where every target was ignored)
+        if targets.shape != logits.shape[:-1]:
+            raise InputError(f"targets must have idx's shape {tuple(logits.shape[:-1])}, got "
                              f"{tuple(targets.shape)}")
         self._check_idx(targets, "targets")
-
-    def _losses(self, logits: Tensor, targets: Tensor, extra: Tensor | None) -> dict:
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
         reg = torch.zeros((), dtype=nll.dtype, device=nll.device) if extra is None else extra
         return {"loss": nll + reg, "nll": nll, "reg": reg}
@@ -522,7 +520,6 @@ class _CharLM(nn.Module):
         if top_k is not None and top_k < 1:
             raise InputError(f"top_k must be >= 1, got {top_k}")
         check_count(max_new_tokens, "max_new_tokens", low=0)
-        self._check_idx(idx[:, -self.config.block_size :])
         vocab = self.config.vocab_size
         exclude = sorted(set(exclude))
         if any(not 0 <= k < vocab for k in exclude):
@@ -630,8 +627,6 @@ class TransformerLM(_CharLM):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         config = self.config
-        if targets is not None:
-            self._check_targets(idx, targets)
         affinity = targets is not None and config.ortho_affinity > 0
         h, penalty = self.hidden_states(self.drop(self.embed(idx)), affinity=affinity)
         logits = self.logits(h)
@@ -685,8 +680,6 @@ class LSTMLM(_CharLM):
 
     def forward(self, idx: Tensor, targets: Tensor | None = None):
         self._check_idx(idx)
-        if targets is not None:
-            self._check_targets(idx, targets)
         h, _ = self.lstm(self.drop(self.tok_emb(idx)))
         logits = self.head(self.drop(h))
         if targets is None:

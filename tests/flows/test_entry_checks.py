@@ -342,10 +342,12 @@ def test_a_continuous_flow_takes_the_mask_in_a_dict_as_every_transform_does():
 def test_zero_com_flows_give_no_density_to_one_element_sets_and_need_centred_noise():
     flow = set_flow(dim=2, blocks=1, heads=1, zero_com=True).eval()
     one = torch.tensor([[True, True, False], [True, False, False]])
-    with pytest.raises(InputError, match="set 1 fewer than 2 elements"):
+    with pytest.raises(InputError, match="set 1 has 1 element"):
         flow.sample_and_log_prob(2, mask=one)
-    with pytest.raises(InputError, match="set 1 fewer than 2 elements"):
+    with pytest.raises(InputError, match="set 1 has 1 element"):
         flow.sample(2, mask=one)
+    with pytest.raises(InputError, match="set 0 has 1 element"):
+        flow.sample(2, set_size=1)
     with pytest.raises(InputError, match="1 element"):
         flow.from_noise(torch.randn(2, 1, 2))
     z = torch.randn(2, 3, 2)
