@@ -189,9 +189,18 @@ MUTANTS = [
     Edited("flowattn/flows/continuous/fields.py", "field bound without the centring's norm",
            "bound = bound * 2 * (nf - 1) / nf", "bound = bound * 1.0", FIELDS),
     Edited("flowattn/flows/residual.py", "branch bound without the centring's norm",
-           "bound *= 2.0 * (n - 1) / n", "bound *= 1.0",
+           "bound *= 2.0 if any_size else 2.0 * (n - 1) / n", "bound *= 1.0",
            ("tests/flows/test_residual.py::test_zero_com_factor_is_the_inf_norm_of_the_"
             "projection_and_is_attained",)),
+    Edited("flowattn/flows/residual.py", "zero-CoM construction check at its set size alone",
+           "branch_bound(branch, check_size, zero_com, any_size=True)",
+           "branch_bound(branch, check_size, zero_com)",
+           ("tests/flows/test_residual.py::test_a_zero_com_block_refuses_a_branch_the_"
+            "centring_would_make_expansive_on_large_sets",)),
+    Edited("flowattn/attention/contractive.py", "causal 2-norm calls at their own length",
+           "        return self.causal_length\n", "        return length\n",
+           ("tests/test_attention.py::test_a_causal_length_fixes_the_2_norm_bound_of_every_"
+            "causal_call",)),
     Edited("flowattn/flows/base.py", "n D degrees of freedom in the zero-centre-of-mass space",
            "        n = n - 1\n    return n * z.shape[-1]",
            "        n = n\n    return n * z.shape[-1]",
