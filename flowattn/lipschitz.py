@@ -25,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .errors import InputError
+from .errors import InputError, NonFiniteError
 from .validation import LOW_PRECISION, check_count
 
 __all__ = [
@@ -233,10 +233,23 @@ def spectral_norm_exact(w: Tensor) -> Tensor:
     tall = w.shape[-1] <= w.shape[-2]
     try:
         with torch.no_grad():
-            gram = w.mT @ w if tall else w @ w.mT
+            # the Gram matrix of W / max|W|: its eigenvectors are W's, and its entries stay
+            # within range for every finite W (those of W^T W overflow float32 from |W| ~ 1e19)
+            scale = w.abs().amax(dim=(-2, -1), keepdim=True).clamp_min(torch.finfo(w.dtype).tiny)
+            scaled = w / scale
+            gram = scaled.mT @ scaled if tall else scaled @ scaled.mT
             v = torch.linalg.eigh(gram).eigenvectors[..., -1:]  # (..., q, 1), ascending order
     except torch.linalg.LinAlgError:
-        return torch.linalg.matrix_norm(w, ord=2)
+        try:
+            return torch.linalg.matrix_norm(w, ord=2)
+        except torch.linalg.LinAlgError as error:
+            if bool(torch.isfinite(w).all()):
+                raise
+            raise NonFiniteError(
+                f"a spectral norm of a {w.dtype} matrix holding NaN or Inf was asked for: a "
+                "certificate of weights too large for their dtype overflows (scale them down or "
+                "use float64)"
+            ) from error
     return torch.linalg.vector_norm(w @ v if tall else w.mT @ v, dim=(-2, -1))
 
 
@@ -396,7 +409,11 @@ def l2_attention_bound(
         Lip_inf <= (4 phi^{-1}(N-1) + 1/sqrt(d)) ||W^O^T||_inf
                    max_h ||W^{Q,h}||_inf ||W^{Q,h}^T||_inf  max_h ||W^{V,h}^T||_inf
         Lip_2   <= sqrt(N)/sqrt(d) (4 phi^{-1}(N-1) + 1)
-                   sqrt(sum_h ||W^{Q,h}||_2^2 ||W^{V,h}||_2^2) ||W^O||_2
+                   sqrt(sum_h ||W^{Q,h}||_2^4 ||W^{V,h}||_2^2) ||W^O||_2
+
+      (the paper prints ||W^{Q,h}||_2^2 in the 2-norm bound; its own proof, eqs. (34)-(35),
+      gives the fourth power: each head's core bound carries ||W^{Q,h}||_2^2, and the
+      printed form falls below the Lipschitz constant once ||W^{Q,h}||_2 > 1)
 
     * ``method="tight"`` (default): each head factors as f_h(X) = g(X W^{Q,h} / d^{1/4}) d^{1/4}
       M_h with a parameter-free core g(Z) = softmax(-dist^2(Z)) Z and the product
@@ -518,7 +535,9 @@ def _theorem_3_2(n: Tensor, w0: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, n
         o_term = matrix_inf_norm(w_o.t())
         return (4 * w0 + head_dim**-0.5) * o_term * q_term * v_term
     tiny = torch.finfo(w_q.dtype).tiny  # zero weights: a finite derivative of sqrt at 0
-    qv = torch.sqrt((spectral(w_q) ** 2 * spectral(w_v) ** 2).sum().clamp_min(tiny))
+    # sqrt(sum_h ||J_{f^h}||^2 ||W^{V,h}||^2) with ||J_{f^h}|| proportional to ||W^{Q,h}||^2 (the
+    # paper's (34)-(35)): the fourth power of ||W^{Q,h}||, where the printed theorem has a square
+    qv = torch.sqrt((spectral(w_q) ** 4 * spectral(w_v) ** 2).sum().clamp_min(tiny))
     sqrt_n = torch.sqrt(n.to(w_q.dtype))
     return sqrt_n * head_dim**-0.5 * (4 * w0 + 1) * qv * spectral(w_o)
 
@@ -831,8 +850,14 @@ def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor,
     (head h's rank-one term has norm at most 4 c_h beta_h); ``spectral`` the norm function."""
     heads, dim, _ = w_q.shape
     # G_h G_k^T = Q_h (R_h M_h M_k^T R_k^T) Q_k^T with W^{Q,h} = Q_h R_h (orthonormal Q_h): the
-    # d x d middle factor has the same spectral norm, at a fraction of the cost.
-    rm = torch.linalg.qr(w_q).R @ m  # (H, d, D)
+    # d x d middle factor has the same spectral norm, at a fraction of the cost. Q is held
+    # constant and R taken as Q^T W^{Q,h}: the value is the same, and so is its derivative
+    # (the top singular vectors of G_h G_k^T lie in the span of Q), but it needs no QR
+    # backward, which divides by R's diagonal and gives NaN for a rank-deficient W^{Q,h}
+    # (a zeroed head, say).
+    with torch.no_grad():
+        q = torch.linalg.qr(w_q).Q  # (H, D, d)
+    rm = (q.mT @ w_q) @ m  # (H, d, D)
     # c = 0 for rows that see one key, or zero weights (a zeroed W^O): keep sqrt's derivative
     # at 0 finite (the value moves by at most sqrt(tiny), upwards: still a bound)
     tiny = torch.finfo(m.dtype).tiny

@@ -142,6 +142,32 @@ def check_finite(x: Tensor, name: str = "x") -> None:
         raise NonFiniteError(f"{name} contains {bad} non-finite value(s) (NaN or Inf)")
 
 
+def assert_finite(x: Tensor, message: str) -> None:
+    """Raise :class:`~flowattn.errors.NonFiniteError` with ``message`` if ``x`` holds NaN or
+    Inf: read back on the CPU; on another device, and in compiled code, an asynchronous
+    assertion (no synchronisation, no graph break). Skipped under ``torch.func`` transforms
+    (:func:`values_readable`), and deferred inside :func:`trusted_inputs` as
+    :func:`check_output` defers (for a value that makes the results NaN or Inf when it is:
+    the entry point's check of its results then raises).
+
+    Examples:
+        >>> assert_finite(torch.tensor([1.0, float("nan")]), "the bound is not a number")
+        Traceback (most recent call last):
+        ...
+        flowattn.errors.NonFiniteError: the bound is not a number
+    """
+    if not values_readable():
+        return
+    if _TRUST.trusted:
+        _TRUST.deferred[0] = True
+        return
+    finite = torch.isfinite(x).all()
+    if x.device.type != "cpu" or torch.compiler.is_compiling():
+        torch._assert_async(finite, message)
+    elif not bool(finite):
+        raise NonFiniteError(message)
+
+
 def check_output(
     y: Tensor, x: Tensor, name: str, cause: str = "", intermediate: Tensor | None = None
 ) -> Tensor:

@@ -136,6 +136,25 @@ def test_l2mha_jacobian_never_exceeds_its_certificate(method, p, parametrization
     assert 0 < best <= bound
 
 
+@pytest.mark.parametrize("method,p", CERTIFICATES)
+@pytest.mark.parametrize("query_scale", [0.1, 10.0])
+def test_certificates_hold_when_the_query_weights_carry_the_scale(method, p, query_scale):
+    # Lip(F) is homogeneous of degree 2 in W^Q and 1 in W^V and W^O: W^Q x s, W^V and W^O / s
+    # leave it where it was, but a bound with the wrong power of ||W^{Q,h}||
+    # moves (Theorem 3.2's printed 2-norm form has ||W^{Q,h}||^2, its proof the fourth power:
+    # at s = 10 it fell to 0.69 where the Jacobian reaches 0.77)
+    module = make(L2MHA, seed=5)
+    with torch.no_grad():
+        module.w_q.mul_(query_scale)
+        module.w_v.div_(query_scale)
+        module.w_o.div_(query_scale)
+    f = one_set_map(module)
+    for n in (2, 5):
+        bound = module.lipschitz_bound(n, p, method=method).item()
+        best, _ = lipschitz_lower_bound(f, (n, DIM), p, restarts=3, steps=40)
+        assert 0 < best <= bound, (n, best, bound)
+
+
 @pytest.mark.parametrize("p", ["inf", 2, "2,inf"])
 def test_tight_certificate_holds_for_wider_sets_and_more_heads(p):
     torch.manual_seed(23)
@@ -1198,6 +1217,41 @@ def test_a_zeroed_query_map_gives_finite_outputs():
             f.attention.w_q.zero_()
         y = f(torch.randn(2, 4, 8))
         assert torch.equal(y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("norm", ["inf", 2, "2,inf"])
+@pytest.mark.parametrize("zeroed", ["every head", "one head"])
+def test_a_zeroed_query_map_gives_finite_gradients(norm, zeroed):
+    # the mixed- and 2-norm certificates reduce G_h G_k^T to d x d through a QR of W^{Q,h}, whose
+    # backward divides by R's diagonal: a zeroed head gave NaN gradients to every weight
+    torch.manual_seed(0)
+    f = ContractiveL2MHA(8, 2, norm=norm)
+    with torch.no_grad():  # head h reads the columns h d .. (h + 1) d - 1 of W^Q
+        (f.attention.w_q if zeroed == "every head" else f.attention.w_q[:, :4]).zero_()
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    y = f(x)
+    grads = torch.autograd.grad(y.square().sum() + y.sum(), [x, *f.parameters()],
+                                allow_unused=True)
+    assert torch.isfinite(y).all()
+    assert all(g is None or torch.isfinite(g).all() for g in grads)
+
+
+@pytest.mark.parametrize("norm", ["inf", 2, "2,inf"])
+def test_a_certificate_that_overflows_its_dtype_is_refused_by_name(norm):
+    # float32 weights of 1e12: the certificate's products (~|W|^4) overflow float32; a NaN
+    # bound was taken as 1 (the output then finite, the map not contractive)
+    torch.manual_seed(0)
+    f = ContractiveL2MHA(8, 2, norm=norm)
+    with torch.no_grad():
+        for name in ("w_q", "w_v", "w_o"):
+            getattr(f.attention, name).mul_(1e12)
+    x = torch.randn(2, 4, 8) * 1e-12
+    with pytest.raises(NonFiniteError, match="certified Lipschitz bound|spectral norm"):
+        f(x)
+    # the same weights in float64: a finite bound, and the map is contractive
+    f, x = f.double(), x.double()
+    assert torch.isfinite(f(x)).all()
+    assert float(jacobian_norm(lambda z: f(z[None])[0], x[0], p=norm)) < 1.0
 
 
 @pytest.mark.parametrize("kind", [L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA,

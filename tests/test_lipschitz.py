@@ -500,3 +500,13 @@ def test_a_layernorm_bound_needs_a_positive_finite_eps(eps):
         layernorm_lipschitz_bound(None, 4, eps)
     with pytest.raises(InputError, match="dim must be an integer >= 1"):
         layernorm_lipschitz_bound(None, 0, 1e-5)
+
+
+@pytest.mark.parametrize("norm", ["inf", 2, "2,inf"])
+def test_tight_certificate_derivatives_match_finite_differences(norm):
+    # spectral norms with their top vectors held constant, and the mixed norm's d x d reduction
+    # through a constant Q (R = Q^T W^{Q,h}): first derivatives equal to the bound's own
+    torch.manual_seed(3)
+    weights = [torch.randn(shape, dtype=torch.float64) for shape in ((2, 6, 3), (2, 6, 3), (6, 6))]
+    assert torch.autograd.gradcheck(lambda q, v, o: l2_attention_bound(5, q, v, o, norm),
+                                    tuple(w.requires_grad_() for w in weights))

@@ -18,6 +18,7 @@ from torch.nn.utils import parametrize
 
 from ..errors import InputError
 from ..lipschitz import _norm_name, check_counts
+from ..validation import assert_finite
 from .masking import keys_per_row
 from .projections import Projection
 
@@ -181,13 +182,14 @@ def _weights_precision(module: nn.Module) -> torch.autocast:
 def _divisor(bound: Tensor) -> Tensor:
     """A certified bound to divide F by: a bound of 0 certifies that F is constant (a zeroed
     W^O or W^V, say), so c F itself is a contraction and the bound is taken as 1 instead of
-    dividing 0 by 0.
+    dividing 0 by 0. Any other value is kept: a NaN bound (weights too large for their dtype)
+    makes the output NaN rather than leaving F undivided.
 
     Examples:
-        >>> _divisor(torch.tensor([0.0, 2.5]))
-        tensor([1.0000, 2.5000])
+        >>> _divisor(torch.tensor([0.0, 2.5, float("nan")]))
+        tensor([1.0000, 2.5000,    nan])
     """
-    return torch.where(bound > 0, bound, torch.ones_like(bound))
+    return torch.where(bound == 0, torch.ones_like(bound), bound)
 
 
 class ContractiveAttention(nn.Module):
@@ -288,6 +290,11 @@ class ContractiveAttention(nn.Module):
                 with _weights_precision(self):
                     kept[key] = self._certificate(counts, causal)
             bound = kept[key]
+        # a NaN bound stays NaN (_divisor), so that inside a flow its results are NaN too and
+        # the deferred check at its entry point raises
+        assert_finite(bound, f"the certified Lipschitz bound of {type(self).__name__} is NaN or "
+                      f"Inf: its weights are too large for {bound.dtype} (scale them down or "
+                      "use float64)")
         return _divisor(bound)
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:

@@ -94,7 +94,7 @@ class SetFlow(nn.Module):
                  symmetry: str = "none") -> None:
         super().__init__()
         self.transform = transform
-        self.dim = dim
+        self.dim = check_count(dim, "dim")
         self.zero_com = bool(zero_com)
         self.standardisation = _fixed_actnorm(dim, self.zero_com)
         self.symmetry = symmetry

@@ -20,6 +20,7 @@ from flowattn.flows import (
     LogDetOptions,
     PairSplines,
     SetCoupling,
+    SetFlow,
     SetLocation,
     TransformerResidualPair,
     coupling_flow,
@@ -202,6 +203,24 @@ def test_an_overflow_inside_a_flow_is_caught_at_its_entry_point(monkeypatch):
     assert not validation.inputs_trusted()
 
 
+def test_a_certificate_that_is_not_a_number_is_caught_at_the_flow_entry_point(monkeypatch):
+    """A NaN certificate (weights too large for their dtype) is not read back inside a flow;
+    it stays NaN in the division (it was taken as 1, leaving a finite map that is not a
+    contraction), so the flow's results are NaN and its entry point raises."""
+    torch.manual_seed(0)
+    flow = set_flow(dim=3, blocks=2, heads=1, logdet=SERIES)
+    x = torch.randn(4, 5, 3)
+    flow.log_prob(x)
+    attention = next(m for m in flow.modules() if isinstance(m, ContractiveL2MHA))
+    monkeypatch.setattr(type(attention), "_certificate",
+                        lambda self, counts, causal: torch.tensor(float("nan")))
+    with pytest.raises(NonFiniteError, match="SetFlow overflowed"):
+        flow.log_prob(x)
+    with pytest.raises(NonFiniteError, match="bound of ContractiveL2MHA is NaN"):  # directly
+        attention(x)
+    assert not validation.inputs_trusted()
+
+
 def test_an_overflow_inside_compiled_layers_is_caught_at_the_flow_entry_point(monkeypatch):
     """Compiled layers defer their overflow check too, and the note that they did survives
     the compiled code (a list's mutation, replayed; the rebinding of an attribute would be
@@ -375,3 +394,11 @@ def test_sampling_refuses_counts_that_are_not_positive_integers():
         flow.sample(2, set_size=2.5)
     with pytest.raises(InputError, match="num_samples must be an integer >= 1, got 0"):
         flow.sample(0, set_size=3)
+
+
+@pytest.mark.parametrize("dim", [0, -1, 2.5, True])
+def test_a_set_flow_refuses_a_width_that_is_not_a_positive_integer(dim):
+    # it was kept, and failed later inside torch.zeros (or only at the first call)
+    base = set_flow(dim=2, blocks=1, heads=1)
+    with pytest.raises(InputError, match="dim must be an integer >= 1"):
+        SetFlow(base.transform, dim=dim)
