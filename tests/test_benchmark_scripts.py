@@ -432,3 +432,23 @@ def test_lm_variants_study_lists_every_model_and_needs_no_corpus(lm, capsys, tmp
     rows = capsys.readouterr().out.splitlines()[2:]
     assert [row.split("|")[1].strip() for row in rows] == list(lm.VARIANTS)
     assert "| invertible | invertible=True, heads=auto |" in rows
+
+
+def test_certificate_audit_runs_every_family_and_reports_a_certificate_below_a_norm(
+        monkeypatch, capsys, tmp_path):
+    # benchmarks/certificate_audit.py: random weight scales and settings for every certified
+    # map; exit 0 when every certificate holds, 1 (naming the trial) when one is exceeded
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    audit = _script("certificate_audit")
+    out = tmp_path / "audit.json"
+    small = ["--trials", "2", "--restarts", "1", "--steps", "5"]
+    assert audit.main([*small, "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["family"] for r in rows] == list(audit.FAMILIES)
+    assert all(0 < r["largest"] <= 1 + 1e-9 and r["violations"] == 0 for r in rows)
+    from flowattn.branches import LipschitzMLP
+
+    monkeypatch.setattr(LipschitzMLP, "lipschitz_bound", lambda self, n=None: torch.tensor(1e-6))
+    capsys.readouterr()
+    assert audit.main([*small, "--families", "mlp"]) == 1
+    assert "VIOLATION mlp: " in capsys.readouterr().out
