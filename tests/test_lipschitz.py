@@ -510,3 +510,19 @@ def test_tight_certificate_derivatives_match_finite_differences(norm):
     weights = [torch.randn(shape, dtype=torch.float64) for shape in ((2, 6, 3), (2, 6, 3), (6, 6))]
     assert torch.autograd.gradcheck(lambda q, v, o: l2_attention_bound(5, q, v, o, norm),
                                     tuple(w.requires_grad_() for w in weights))
+
+
+def test_a_failed_spectral_norm_says_why(monkeypatch):
+    # the eigensolver and then the SVD fail: on a matrix holding NaN or Inf (weights that
+    # overflowed) a NonFiniteError says so; on a finite one the solver's own error stands
+    from flowattn.errors import NonFiniteError
+
+    def fails(*args, **kwargs):
+        raise torch.linalg.LinAlgError("did not converge")
+
+    monkeypatch.setattr(torch.linalg, "eigh", fails)
+    monkeypatch.setattr(torch.linalg, "matrix_norm", fails)
+    with pytest.raises(NonFiniteError, match="holding NaN or Inf"):
+        lipschitz.spectral_norm_exact(torch.tensor([[1.0, float("inf")], [0.0, 1.0]]))
+    with pytest.raises(torch.linalg.LinAlgError, match="did not converge"):
+        lipschitz.spectral_norm_exact(torch.eye(3))
