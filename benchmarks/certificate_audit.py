@@ -46,8 +46,10 @@ from flowattn.branches import (
     RadialInteraction,
 )
 from flowattn.lipschitz import lipschitz_lower_bound
+from flowattn.lm import LMConfig, TransformerLM
 
-# One trial: (the map on one set (N, D) -> (N, D'), its certificate, the norm, a description)
+# One trial: the map on one set (N, D) -> (N, D'), its certificate, the norm, a description
+# and the set's shape (N, D)
 Trial = tuple[Callable[[torch.Tensor], torch.Tensor], float, str | int, str, tuple[int, int]]
 
 
@@ -142,6 +144,33 @@ def draw(family: str, rng: random.Random) -> Trial:
         module = LiftedL2MHA(dim, width, heads).double()
         scale_weights(module, rng)
         bound, what = float(module.lipschitz_bound(n).detach()), f"W = {width}"
+    elif family in ("lm-attention", "lm-feed-forward"):
+        # a block of the invertible language model: its two branches against the constants
+        # lipschitz_bounds reports (attention in its own norm over a causal sequence,
+        # feed-forward in the 2-norm per token), with or without weighted residuals
+        norm = rng.choice(["inf", "2,inf"])
+        weighted = rng.random() < 0.5
+        config = LMConfig(vocab_size=5, block_size=6, layers=1, dim=dim * 2, heads=heads,
+                          invertible=True, contractive_norm=norm, weighted_residual=weighted,
+                          self_offset=rng.choice([0.0, 2.0]), position_bias=0.0)
+        model = TransformerLM(config).double().eval()
+        scale_weights(model, rng)
+        block = model.blocks[0]
+        if weighted:
+            with torch.no_grad():
+                block.alpha_attn.uniform_(-1.5, 1.5)
+                block.alpha_ff.uniform_(-1.5, 1.5)
+        attn_bound, ff_bound = model.lipschitz_bounds(n)[0]
+        dim *= 2
+        if family == "lm-attention":
+            call, bound = "causal", attn_bound
+            module = block.attention_branch
+        else:
+            norm, call, bound, n = 2, "plain", ff_bound, 1
+            module = block.ff_branch
+        what = "weighted residual" if weighted else ""
+        f = lambda z, module=module: module(z[None])[0]  # noqa: E731 (causal by construction)
+        return f, bound, norm, f"D={dim} H={heads} N={n} {norm} {call} {what}".strip(), (n, dim)
     elif family in ("mlp", "radial", "manybody"):
         norm, call = 2, "plain"
         if family == "mlp":
@@ -179,7 +208,8 @@ def lower_bound(f, shape: tuple[int, int], norm, rng: random.Random, restarts: i
 
 
 FAMILIES = ("l2", "contractive-l2", "cosine", "contractive-cosine", "induced",
-            "contractive-induced", "lifted", "mlp", "radial", "manybody")
+            "contractive-induced", "lifted", "lm-attention", "lm-feed-forward", "mlp", "radial",
+            "manybody")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -221,11 +251,13 @@ def main(argv: list[str] | None = None) -> int:
         violations = sum(f.startswith(f"{family}:") for f in failed)
         median = sorted(ratios)[len(ratios) // 2] if ratios else math.nan
         seconds = time.perf_counter() - start
+        wider = None if wider < 0 else wider  # every trial of one element
         rows.append({"family": family, "trials": args.trials, "largest": worst[0],
                      "largest_trial": worst[1], "largest_n2": wider, "median": median,
                      "violations": violations, "seconds": seconds})
-        print(f"| {family} | {args.trials} | {worst[0]:.3f} | {worst[1]} | {wider:.3f} | "
-              f"{median:.3f} | {violations} | {seconds:.0f} |", flush=True)
+        print(f"| {family} | {args.trials} | {worst[0]:.3f} | {worst[1]} | "
+              f"{'-' if wider is None else f'{wider:.3f}'} | {median:.3f} | {violations} | "
+              f"{seconds:.0f} |", flush=True)
     if args.json is not None:
         args.json.write_text(json.dumps({"rows": rows, "failures": failed}, indent=1) + "\n")
     for line in failed:
