@@ -169,8 +169,6 @@ def draw(family: str, rng: random.Random) -> Trial:
             norm, call, bound, n = 2, "plain", ff_bound, 1
             module = block.ff_branch
         what = "weighted residual" if weighted else ""
-        f = lambda z, module=module: module(z[None])[0]  # noqa: E731 (causal by construction)
-        return f, bound, norm, f"D={dim} H={heads} N={n} {norm} {call} {what}".strip(), (n, dim)
     elif family in ("mlp", "radial", "manybody"):
         norm, call = 2, "plain"
         if family == "mlp":
@@ -184,8 +182,10 @@ def draw(family: str, rng: random.Random) -> Trial:
         bound, what = float(torch.as_tensor(module.lipschitz_bound(n)).detach()), ""
     else:
         raise SystemExit(f"unknown family {family!r}")
-    module.eval()
-    f = one_set(module, n, call, rng, dim)
+    if isinstance(module, torch.nn.Module):  # (a branch of the language model is a method)
+        module.eval()
+    # a branch of the language model is causal by construction: called plain
+    f = one_set(module, n, "plain" if family.startswith("lm-") else call, rng, dim)
     shape = f"D={dim} N={n}" if family in ("mlp", "radial", "manybody") else \
         f"D={dim} H={heads} N={n}"
     return f, bound, norm, f"{shape} {norm} {call} {what}".strip(), (n, dim)

@@ -156,16 +156,21 @@ def assert_finite(x: Tensor, message: str) -> None:
         ...
         flowattn.errors.NonFiniteError: the bound is not a number
     """
-    if not values_readable():
-        return
-    if _TRUST.trusted:
-        _TRUST.deferred[0] = True
+    if not values_readable() or _deferred():
         return
     finite = torch.isfinite(x).all()
     if x.device.type != "cpu" or torch.compiler.is_compiling():
         torch._assert_async(finite, message)
     elif not bool(finite):
         raise NonFiniteError(message)
+
+
+def _deferred() -> bool:
+    """Inside :func:`trusted_inputs`: note that a check was deferred to the entry point (which
+    then checks its results, :func:`check_deferred`) and say so; outside: False."""
+    if _TRUST.trusted:
+        _TRUST.deferred[0] = True
+    return _TRUST.trusted
 
 
 def check_output(
@@ -183,8 +188,7 @@ def check_output(
     :func:`check_deferred` once, after all its layers ran (also from compiled code: no
     graph break here).
     """
-    if _TRUST.trusted:
-        _TRUST.deferred[0] = True
+    if _deferred():
         return y
     if _all_finite(y) if intermediate is None else _all_finite(y, intermediate):
         return y

@@ -1254,6 +1254,21 @@ def test_a_certificate_that_overflows_its_dtype_is_refused_by_name(norm):
     assert float(jacobian_norm(lambda z: f(z[None])[0], x[0], p=norm)) < 1.0
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "shared"])
+def test_a_certificate_that_is_not_a_number_is_refused_where_it_is_evaluated(monkeypatch, shared):
+    # each layer's own certificate, and the one evaluation batched over layers alike
+    # (shared_certificates, what the language models use): checked once, as they are evaluated
+    torch.manual_seed(0)
+    layers = [ContractiveL2MHA(8, 2) for _ in range(2)]
+    monkeypatch.setattr(ContractiveL2MHA, "_certificate",
+                        lambda self, counts, causal: self.attention.w_q.sum() * float("nan"))
+    x = torch.randn(2, 4, 8)
+    context = shared_certificates(layers, length=4) if shared else contextlib.nullcontext()
+    with pytest.raises(NonFiniteError, match="bound of ContractiveL2MHA is NaN"):
+        with context:
+            layers[0](x)
+
+
 @pytest.mark.parametrize("kind", [L2MHA, ContractiveL2MHA, DotProductMHA, ScaledCosineMHA,
                                   ContractiveScaledCosineMHA, ContractiveInducedL2MHA])
 @pytest.mark.parametrize("dim,heads,match", [

@@ -122,8 +122,9 @@ def shared_certificates(modules: Iterable[nn.Module], length: int,
         certified = length if every_count else group[0]._certified_length(length, causal)
         keys = [m._key(certified, every_count, causal) for m in group]
         if len(group) > 1 and not (kept is not None and all(k in kept for k in keys)):
-            tables.update(zip(keys, _batched_bounds(group, certified, every_count, causal),
-                              strict=True))
+            bounds = _check_bound(_batched_bounds(group, certified, every_count, causal),
+                                  type(group[0]).__name__)
+            tables.update(zip(keys, bounds, strict=True))
     if kept is not None:
         kept.update(tables)
         tables = {}
@@ -177,6 +178,16 @@ def _weights_precision(module: nn.Module) -> torch.autocast:
     in its weights' precision also when the attention itself runs in a lower one (products
     rounded to bfloat16 could bring the bound below the Lipschitz constant it certifies)."""
     return torch.autocast(next(module.parameters()).device.type, enabled=False)
+
+
+def _check_bound(bound: Tensor, name: str) -> Tensor:
+    """``bound``, a certificate as evaluated (once, before it is kept or shared), refused by
+    name where it is NaN or Inf (:func:`~flowattn.validation.assert_finite`). A NaN bound also
+    stays NaN in :func:`_divisor`, so that inside a flow, where the check is deferred, the
+    results are NaN and the entry point's check raises."""
+    assert_finite(bound, f"the certified Lipschitz bound of {name} is NaN or Inf: its weights "
+                  f"are too large for {bound.dtype} (scale them down or use float64)")
+    return bound
 
 
 def _divisor(bound: Tensor) -> Tensor:
@@ -283,19 +294,18 @@ class ContractiveAttention(nn.Module):
         if shared is not None and key in shared:
             bound = shared[key]
         elif kept is None or torch.is_grad_enabled():
-            with _weights_precision(self):
-                bound = self._certificate(counts, causal)
+            bound = self._checked_certificate(counts, causal)
         else:
             if key not in kept:
-                with _weights_precision(self):
-                    kept[key] = self._certificate(counts, causal)
+                kept[key] = self._checked_certificate(counts, causal)
             bound = kept[key]
-        # a NaN bound stays NaN (_divisor), so that inside a flow its results are NaN too and
-        # the deferred check at its entry point raises
-        assert_finite(bound, f"the certified Lipschitz bound of {type(self).__name__} is NaN or "
-                      f"Inf: its weights are too large for {bound.dtype} (scale them down or "
-                      "use float64)")
         return _divisor(bound)
+
+    def _checked_certificate(self, counts: int | range, causal: bool) -> Tensor:
+        """:meth:`_certificate` in the weights' precision, refused where it is NaN or Inf
+        (:func:`_check_bound`)."""
+        with _weights_precision(self):
+            return _check_bound(self._certificate(counts, causal), type(self).__name__)
 
     def _certificate(self, counts: int | range, causal: bool) -> Tensor:
         """F's bound for ``counts`` keys in the module's norm (a subclass whose bound can use
