@@ -42,6 +42,7 @@ __all__ = [
     "induced_attention_bound",
     "induced_core_constant",
     "l2_core_column_constant",
+    "l2_core_kernel_constant",
     "logit_margin_constant",
     "layernorm_lipschitz_bound",
     "centernorm_lipschitz_bound",
@@ -398,6 +399,7 @@ def l2_attention_bound(
     margin: Tensor | float | None = None,
     weighted_counts: Tensor | None = None,
     spectral_norms: str = "eigh",
+    causal: bool | None = None,
 ) -> Tensor:
     """Certified Lipschitz bound of tied L2 multi-head attention F for sets of ``n`` elements.
 
@@ -430,7 +432,9 @@ def l2_attention_bound(
 
       with Gamma_hk = ||M_h M_k^T||_2, Gamma^G_hk = ||G_h G_k^T||_2, lambda in {1, beta} and
       kappa_2(N) = min(sqrt(N) (1 + 4c), sqrt((1 + 4c) C_N)), C_N the block-column bound of
-      :func:`l2_core_column_constant`. The inf- and 2-norm values returned are the minimum of
+      :func:`l2_core_column_constant`, and for full attention (``causal=False``, no
+      ``margin``) also N^{1/4} (1 + 2 sqrt(c)) + 2c (:func:`l2_core_kernel_constant`, the
+      smaller from N = 32 on). The inf- and 2-norm values returned are the minimum of
       these and Theorem 3.2 (both are certificates), so never looser than the paper's. The
       derivation is in ``docs/attention.md``.
 
@@ -466,6 +470,11 @@ def l2_attention_bound(
             bound from matrix products alone (:func:`spectral_norm_bound`: at most about
             10^-6 above the exact one for trained weights, no host synchronisation; the faster
             on a GPU).
+        causal: which calls the bound is for: ``None`` (default) holds for causal and full
+            calls alike; ``False`` full calls only, where every element sees every other of
+            its set (padded elements aside), which lets the 2-norm bound use the kernel
+            constant; ``True`` causal calls only (no difference here; the offsets' weighted
+            counts are taken by the caller).
 
     Examples:
         >>> eye = torch.eye(1, dtype=torch.float64)
@@ -511,7 +520,8 @@ def l2_attention_bound(
         else:
             # sums of exponentials, non-negative: no check, so no read back from the device
             c = phi_inverse(weighted_counts, check=False).to(device=w_q.device, dtype=w_q.dtype)
-        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host, spectral)
+        return _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, margin, n_host, spectral,
+                                         causal)
     if w0_of_count is not None:
         w0 = torch.tensor(w0_of_count, dtype=w_q.dtype, device=w_q.device)
     else:
@@ -520,7 +530,7 @@ def l2_attention_bound(
         return _theorem_3_2(n, w0, w_q, w_v, w_o, norm, spectral)
     c = w0.unsqueeze(-1).expand(*w0.shape, heads)
     tight = _tight_l2_attention_bound(n, c, w_q, w_v, w_o, norm, counts=n_host,
-                                      spectral=spectral)
+                                      spectral=spectral, causal=causal)
     if norm == "2,inf":
         return tight
     # both are certificates, so their minimum is one: never looser than the paper's
@@ -742,6 +752,55 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Ten
     return out
 
 
+def l2_core_kernel_constant(n: int | Tensor) -> Tensor:
+    """kappa >= ||J_g||_2 for the L2 core on N points that all see each other (not causal rows),
+    from the positive definiteness of the Gaussian kernel: N^{1/4} (1 + 2 sqrt(c)) + 2c with
+    c = phi^{-1}(N-1).
+
+    The core is g(Z)_i = sum_j P_ij z_j, P = diag(1/Z) K with K_ij = e^{-||z_i - z_j||^2} and
+    row sums Z_i >= 1. Its Jacobian is exactly
+
+        J_g = P (x) I + 2 diag_i(Cov_i) - 2 T,   T_ij = P_ij a_ij b_ij^T (j != i),
+
+    with a_ij = z_j - E_i[z], b_ij = z_j - z_i and Cov_i the covariance of the points under
+    row i. Three bounds, each proved in ``docs/attention.md`` (step 7):
+
+    * ||P||_2 <= sqrt(max_k C_k) <= N^{1/4} (Schur test; the column sums C_k = (K a)_k,
+      a_i = 1/Z_i, obey C_k <= sqrt(a^T K a) <= sqrt(N) by Cauchy-Schwarz in the kernel's
+      feature space);
+    * ||Cov_i||_2 <= c (Lemma F.2 of Kim et al. 2021);
+    * T = L R with R: dZ -> (sqrt(P_ij) b_ij^T dz_j)_ij and L: t -> (sum_j sqrt(P_ij) a_ij t_ij)_i,
+      ||L||^2 = max_i ||Cov_i|| <= c and ||R||^2 = max_j ||sum_i P_ij b_ij b_ij^T|| <= sqrt(N):
+      for a unit v, K_ij (b_ij^T v)^2 = (2 K_ij - H_ij)/4 with H the kernel of the derivatives
+      of the features along v (positive semi-definite, H_jj = 2, H_ij <= 2 K_ij), so the
+      weighted scatter of column j is C_j / 2 - (H a)_j / 4 <= sqrt(N) / 2 + sqrt(2 a^T H a) / 4
+      <= sqrt(N).
+
+    It grows like N^{1/4} sqrt(log N), where the block-column bound of
+    :func:`l2_core_column_constant` grows like sqrt(N log N): the smaller of the two from
+    N = 32 on (12.5 against 13.0 at N = 32, 16.0 against 19.9 at N = 64, 38 against 106 at
+    N = 1000). Causal rows do not share one kernel matrix (row i sees only j <= i), and logit
+    offsets break its symmetry: the bound is for full attention without offsets.
+
+    Evaluated on the host in float64, like :func:`l2_core_column_constant`, with the result of
+    ``n``'s shape.
+
+    Examples:
+        >>> round(float(l2_core_kernel_constant(64)), 2)
+        16.04
+        >>> float(l2_core_kernel_constant(1))  # one element: the core is the identity
+        1.0
+    """
+    n = torch.as_tensor(n)
+    check_counts(n)
+    values = {}
+    for k in torch.unique(n).tolist():
+        c = _phi_inverse_of_count(int(k))
+        values[int(k)] = int(k) ** 0.25 * (1 + 2 * math.sqrt(c)) + 2 * c
+    return torch.tensor([values[int(k)] for k in n.reshape(-1).tolist()],
+                        dtype=torch.float64).reshape(n.shape)
+
+
 @functools.lru_cache(maxsize=4096)
 def _core_column_constant(n: int, margin: float | None = None) -> float:
     if n < 1:
@@ -808,11 +867,12 @@ def _pairwise_spectral(a: Tensor,
 def _tight_l2_attention_bound(
     n: Tensor, c: Tensor, w_q: Tensor, w_v: Tensor, w_o: Tensor, norm: str,
     margin: Tensor | None = None, counts: Tensor | None = None,
-    spectral: Callable[[Tensor], Tensor] = spectral_norm_exact,
+    spectral: Callable[[Tensor], Tensor] = spectral_norm_exact, causal: bool | None = None,
 ) -> Tensor:
     """The tight certificate with c (..., H), Lemma F.2's constant of each head; ``margin``
     (H,) the logit margins (only the 2-norm's column constant reads it, on the host);
-    ``spectral`` the spectral-norm function."""
+    ``spectral`` the spectral-norm function; ``causal`` False: full attention only (the 2-norm
+    may use :func:`l2_core_kernel_constant`)."""
     heads, dim, head_dim = w_q.shape
     m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
     beta = spectral(w_q)  # (H,)
@@ -842,6 +902,9 @@ def _tight_l2_attention_bound(
     column = column.to(device=c.device, dtype=c.dtype)
     sqrt_n = torch.sqrt(n.to(c.dtype))
     kappa = torch.minimum(sqrt_n * row, torch.sqrt(row * column))
+    if margin is None and causal is False:  # one kernel matrix for every row
+        kernel = l2_core_kernel_constant(n if counts is None else counts)
+        kappa = torch.minimum(kappa, kernel.to(device=c.device, dtype=c.dtype))
     return torch.minimum(kappa * weights, sqrt_n * mixed)
 
 

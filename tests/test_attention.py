@@ -20,7 +20,13 @@ from flowattn.attention.dot_product import merge_heads, split_heads
 from flowattn.attention.projections import PROJECTION_LAYOUTS, PROJECTION_ROLES
 from flowattn.errors import InputError, NonFiniteError
 from flowattn.flows import InvertibleResidual, LogDetOptions
-from flowattn.lipschitz import jacobian_norm, lipschitz_lower_bound
+from flowattn.lipschitz import (
+    jacobian_norm,
+    l2_core_column_constant,
+    l2_core_kernel_constant,
+    lipschitz_lower_bound,
+    phi_inverse,
+)
 from flowattn.validation import check_finite
 
 DIM, HEADS = 4, 2
@@ -1394,6 +1400,35 @@ def test_a_causal_length_fixes_the_2_norm_bound_of_every_causal_call():
     g = ContractiveL2MHA(4, 2, coeff=0.9, norm=2).double()
     g.load_state_dict(f.state_dict())
     assert not torch.allclose(g(x[:, :5], causal=True), g(x, causal=True)[:, :5])
+
+
+def test_full_calls_take_the_kernel_constant_in_the_2_norm():
+    # for full (not causal) calls without offsets the 2-norm certificate may use the core
+    # constant from the kernel's positive definiteness, the smaller one from N = 32 on
+    torch.manual_seed(0)
+    module = L2MHA(4, 2).double()
+    for n in (8, 64):
+        both = module.lipschitz_bound(n, 2).item()  # holds for causal and full calls
+        assert module.lipschitz_bound(n, 2, causal=True).item() == both
+        full = module.lipschitz_bound(n, 2, causal=False).item()
+        c = phi_inverse(n - 1).item()
+        old = min(math.sqrt(n) * (1 + 4 * c),
+                  math.sqrt((1 + 4 * c) * l2_core_column_constant(n).item()))
+        new = l2_core_kernel_constant(n).item()
+        assert full == pytest.approx(both * min(1.0, new / old), rel=1e-12), (n, full, both)
+    assert full < both
+    # offsets break the kernel's symmetry: no kernel constant for them
+    offset = L2MHA(4, 2, self_offset=2.0).double()
+    assert offset.lipschitz_bound(64, 2, causal=False).item() == offset.lipschitz_bound(64, 2).item()
+    # a contractive module divides a full call by that bound, a causal one by the other, and
+    # stays contractive (weights scaled so that the 2-norm certificate is the kernel's)
+    f = ContractiveL2MHA(4, 2, coeff=0.9, norm=2).double()
+    with torch.no_grad():
+        f.attention.w_q.mul_(2.0)
+    assert f._bound(32, every_count=False, causal=False) < f._bound(32, every_count=False,
+                                                                   causal=True)
+    best, _ = lipschitz_lower_bound(one_set_map(f), (32, 4), 2, restarts=3, steps=40)
+    assert 0 < best <= 0.9
 
 
 def test_2_norm_certificates_with_offsets_are_shared_by_evaluating_them_alone():

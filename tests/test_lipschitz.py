@@ -16,6 +16,7 @@ from flowattn.lipschitz import (
     jacobian_norm,
     l2_attention_bound,
     l2_core_column_constant,
+    l2_core_kernel_constant,
     lambertw0,
     layernorm_lipschitz_bound,
     lipschitz_lower_bound,
@@ -351,6 +352,109 @@ def test_core_column_constant_bounds_the_column_sums_of_the_core_jacobian():
                     blocks = torch.linalg.matrix_norm(jac.permute(0, 2, 1, 3), 2)  # (i, k)
                     worst = max(worst, blocks.sum(dim=0).max().item())
         assert worst <= bound
+
+
+def _kernel_configurations():
+    """Configurations (N, d) where the steps of l2_core_kernel_constant's proof are nearly met:
+    random ones at several scales, a point seen by N - 1 mutually distant ones (column sums of
+    order sqrt(N)), points on a cone around one point (a large column scatter) and a point
+    between two clusters (the largest core norms an optimiser finds)."""
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for n in (2, 5, 12, 24):
+        for scale in (0.3, 1.0, 2.5):
+            out.append(scale * torch.randn(n, 3, generator=g, dtype=torch.float64))
+        for u in (1.0, 1.6, 2.2):  # mutually orthogonal neighbours at distance u
+            out.append(torch.cat([torch.zeros(1, n - 1), u * torch.eye(n - 1)]).double())
+        z = torch.zeros(n, n, dtype=torch.float64)  # a cone: height 1, radius sqrt(log(n)/2)
+        z[1:, 0] = 1.0
+        z[1:, 1:] = math.sqrt(max(math.log(n), 1.0) / 2) * torch.eye(n - 1)
+        out.append(z)
+        z = torch.zeros(n, 2, dtype=torch.float64)  # a point between two clusters
+        z[1:, 0] = torch.where(torch.arange(n - 1) % 2 == 0, 1.75, -1.75)
+        out.append(z + 0.03 * torch.randn(n, 2, generator=g, dtype=torch.float64))
+    return out
+
+
+def _kernel_terms(z):
+    """The pieces of the proof at z: P, row sums Z, column sums C, Q = sum_i C_i / Z_i, the row
+    covariances Cov_i, the column scatters S_j = sum_i P_ij b_ij b_ij^T and the operator T
+    (blocks T_ij = P_ij a_ij b_ij^T), all float64."""
+    n, d = z.shape
+    k = torch.exp(-(z[:, None] - z[None]).pow(2).sum(-1))
+    row = k.sum(1)
+    p = k / row[:, None]
+    col = p.sum(0)
+    mean = p @ z
+    a = z[None] - mean[:, None]  # a_ij = z_j - E_i[z]
+    b = z[None] - z[:, None]  # b_ij = z_j - z_i
+    cov = torch.einsum("ij,ijx,ijy->ixy", p, a, a)
+    scatter = torch.einsum("ij,ijx,ijy->jxy", p, b, b)
+    t = p[..., None, None] * a[..., :, None] * b[..., None, :]  # (i, j, d, d); zero for j = i
+    return dict(k=k, row=row, p=p, col=col, q=(col / row).sum(), cov=cov, scatter=scatter,
+                t=t.permute(0, 2, 1, 3).reshape(n * d, n * d))
+
+
+def test_core_jacobian_is_p_plus_covariances_minus_the_pair_terms():
+    # J_g = P (x) I + 2 diag(Cov_i) - 2 T, the decomposition l2_core_kernel_constant bounds
+    for z in _kernel_configurations()[::3]:
+        n, d = z.shape
+        terms = _kernel_terms(z)
+        jac = _core_jacobian(z).reshape(n * d, n * d)
+        closed = (torch.kron(terms["p"], torch.eye(d, dtype=z.dtype))
+                  + 2 * torch.block_diag(*terms["cov"]) - 2 * terms["t"])
+        torch.testing.assert_close(jac, closed, rtol=0, atol=1e-12)
+
+
+def test_kernel_constant_steps_hold_and_are_nearly_met():
+    two = lambda m: torch.linalg.matrix_norm(m, 2)  # noqa: E731
+    worst = {}
+    for z in _kernel_configurations():
+        n, d = z.shape
+        terms = _kernel_terms(z)
+        q, col, c = terms["q"], terms["col"], phi_inverse(n - 1).item()
+        ratios = {
+            "Q <= N": q / n,
+            "C_k <= sqrt(Q)": col.max() / q.sqrt(),
+            "||P|| <= sqrt(max C)": two(terms["p"]) / col.max().sqrt(),
+            "||Cov_i|| <= c": two(terms["cov"]).max() / c if n > 1 else torch.tensor(0.0),
+            "||S_j|| <= sqrt(Q)": two(terms["scatter"]).max() / q.sqrt(),
+            "||T|| <= sqrt(c max ||S_j||)": (two(terms["t"]) / (c * two(terms["scatter"]).max())
+                                             .sqrt() if n > 1 else torch.tensor(0.0)),
+            "||J_g|| <= kappa": (two(_core_jacobian(z).reshape(n * d, n * d))
+                                 / l2_core_kernel_constant(n)),
+        }
+        # the derivative kernel: v^T S_j v = C_j / 2 - (H a)_j / 4 exactly, |(H a)_j| <= 2 sqrt(Q)
+        v = torch.nn.functional.normalize(torch.ones(d, dtype=z.dtype), dim=0)
+        proj = ((z[None] - z[:, None]) @ v)  # (b_ij^T v)
+        h = terms["k"] * (2 - 4 * proj**2)
+        h_a = h @ (1 / terms["row"])
+        torch.testing.assert_close(torch.einsum("ij,ij->j", terms["p"], proj**2),
+                                   col / 2 - h_a / 4, rtol=0, atol=1e-12)
+        ratios["|(H a)_j| <= 2 sqrt(Q)"] = h_a.abs().max() / (2 * q.sqrt())
+        for name, r in ratios.items():
+            assert r <= 1 + 1e-12, (name, n, float(r))
+            worst[name] = max(worst.get(name, 0.0), float(r))
+    # the column sums' step is nearly met (a point seen by N - 1 distant ones), and so is the
+    # Schur test of P: a constant too small in either would fail above
+    assert worst["C_k <= sqrt(Q)"] > 0.9 and worst["||P|| <= sqrt(max C)"] > 0.9, worst
+
+
+def test_kernel_constant_values():
+    for n in (1, 2, 8, 32, 64, 1000):
+        c = phi_inverse(n - 1).item()
+        expected = n**0.25 * (1 + 2 * math.sqrt(c)) + 2 * c
+        assert l2_core_kernel_constant(n).item() == pytest.approx(expected, rel=1e-12)
+    assert l2_core_kernel_constant(1).item() == 1.0
+    values = l2_core_kernel_constant(torch.tensor([[8, 32], [64, 1000]]))
+    assert values.shape == (2, 2) and values.dtype == torch.float64
+    # against the block-column form sqrt((1 + 4c) C_N): larger at N = 8, smaller from N = 32
+    for n, smaller in ((8, False), (32, True), (64, True), (256, True)):
+        c = phi_inverse(n - 1).item()
+        column = math.sqrt((1 + 4 * c) * l2_core_column_constant(n).item())
+        assert (l2_core_kernel_constant(n).item() < column) is smaller, n
+    with pytest.raises(InputError):
+        l2_core_kernel_constant(0)
 
 
 def _column_block_pointwise_sup(n: int) -> float:

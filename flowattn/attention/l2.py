@@ -675,7 +675,7 @@ class L2MHA(nn.Module):
 
     def lipschitz_bound(
         self, n: int | range | Tensor, norm: str | int = "inf", method: str | None = None,
-        causal: bool = False,
+        causal: bool | None = None,
     ) -> Tensor:
         """Certified bound on Lip_p(F) for sets of ``n`` elements.
 
@@ -687,7 +687,10 @@ class L2MHA(nn.Module):
         offsets the tight certificate is taken at their weighted count of keys
         (:meth:`LogitOffsets.weighted_counts`): ``causal=True`` certifies causal rows only
         (keys in the past), sharper when the bias of future positions, which such rows never
-        see, is high; the default holds for both. Differentiable in the weights.
+        see, is high. ``causal=False`` certifies full calls only (every element sees the others
+        of its set), sharper in the 2-norm for long sets without offsets
+        (:func:`~flowattn.lipschitz.l2_core_kernel_constant`). The default, None, holds for
+        both. Differentiable in the weights.
         """
         if not self.tied:
             raise InputError(
@@ -704,13 +707,13 @@ class L2MHA(nn.Module):
         if self.offsets is None or method != "tight":
             margin = None if self.offsets is None else self.offsets.margin()  # thm3.2 refuses it
             return l2_attention_bound(n, wq, wv, self.w_o, norm, method, margin,
-                                      spectral_norms=self.spectral_norms)
+                                      spectral_norms=self.spectral_norms, causal=causal)
         counts = None
-        if self.offset_certificate == "weighted":
-            counts = self.offsets.weighted_counts(n, causal)
+        if self.offset_certificate == "weighted":  # both directions unless causal rows only
+            counts = self.offsets.weighted_counts(n, causal is True)
         return l2_attention_bound(
             n, wq, wv, self.w_o, norm, method, self.offsets.margin(), weighted_counts=counts,
-            spectral_norms=self.spectral_norms,
+            spectral_norms=self.spectral_norms, causal=causal,
         )
 
 
