@@ -193,6 +193,9 @@ MUTANTS = [
            ("tests/flows/test_residual.py", "tests/flows/test_logdet.py")),
     Halved("flowattn/flows/continuous/fields.py", "AttentionField.raw_lipschitz_bound", FIELDS),
     Halved("flowattn/flows/continuous/fields.py", "AttentionField.lipschitz_bound", FIELDS),
+    Edited("flowattn/flows/continuous/fields.py", "a causal field with the full calls' bound",
+           "attend.lipschitz_bound(n, self.norm, causal=self.causal)",
+           "attend.lipschitz_bound(n, self.norm, causal=False)", FIELDS),
     Halved("flowattn/lm/model.py", "Block.lipschitz_bounds", ("tests/test_lm_model.py",)),
     Halved("flowattn/lm/model.py", "TransformerLM.lipschitz_bounds", ("tests/test_lm_model.py",)),
     # estimators, centring, zero centre of mass, inverses

@@ -166,7 +166,8 @@ class AttentionField(_StackedAttentionField):
         bound = self._matrix_norm(self.lift.weight) * self._matrix_norm(self.project.weight)
         gains = None if t is None else self.gains_and_shifts(t, self.lift.weight)[0]
         for i, attend in enumerate(self.attention):
-            bound = bound * attend.lipschitz_bound(n, self.norm)
+            # the field's own calls: causal or full (full calls may take the sharper bound)
+            bound = bound * attend.lipschitz_bound(n, self.norm, causal=self.causal)
             if gains is not None:
                 bound = bound * gains[i].abs().max()
         if self.zero_com and self.norm == "inf":
