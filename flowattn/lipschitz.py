@@ -742,14 +742,8 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Ten
         >>> float(l2_core_column_constant(1))  # one element: the core is the identity
         1.0
     """
-    n = torch.as_tensor(n)
     margin = None if margin is None else math.ceil(float(margin) * 64) / 64
-    values = {int(k): _core_column_constant(int(k), margin) for k in torch.unique(n).tolist()}
-    out = torch.empty(n.shape, dtype=torch.float64)
-    flat = out.view(-1)
-    for i, k in enumerate(n.reshape(-1).tolist()):
-        flat[i] = values[int(k)]
-    return out
+    return _per_count(n, lambda k: _core_column_constant(k, margin))
 
 
 def l2_core_kernel_constant(n: int | Tensor) -> Tensor:
@@ -791,12 +785,20 @@ def l2_core_kernel_constant(n: int | Tensor) -> Tensor:
         >>> float(l2_core_kernel_constant(1))  # one element: the core is the identity
         1.0
     """
+    check_counts(torch.as_tensor(n))
+    return _per_count(n, _core_kernel_constant)
+
+
+def _core_kernel_constant(n: int) -> float:
+    c = _phi_inverse_of_count(n)
+    return n**0.25 * (1 + 2 * math.sqrt(c)) + 2 * c
+
+
+def _per_count(n: int | Tensor, constant: Callable[[int], float]) -> Tensor:
+    """``constant(k)`` for every count k of ``n``, a float64 host tensor of ``n``'s shape, each
+    distinct count evaluated once."""
     n = torch.as_tensor(n)
-    check_counts(n)
-    values = {}
-    for k in torch.unique(n).tolist():
-        c = _phi_inverse_of_count(int(k))
-        values[int(k)] = int(k) ** 0.25 * (1 + 2 * math.sqrt(c)) + 2 * c
+    values = {int(k): constant(int(k)) for k in torch.unique(n).tolist()}
     return torch.tensor([values[int(k)] for k in n.reshape(-1).tolist()],
                         dtype=torch.float64).reshape(n.shape)
 
