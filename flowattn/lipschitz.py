@@ -710,8 +710,16 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Ten
     """C_N >= max_k sum_i ||J_ik||_2, the block-column sums of the Jacobian of the L2 core.
 
     The core is g(Z)_i = sum_j P_ij z_j with P_ij = softmax_j(-||z_i - z_j||^2) on N points of
-    R^d. Block (k, k) is P_kk I + 2 Cov_k, of norm <= 1 + 2c (c = phi^{-1}(N-1), Lemma F.2 of
-    Kim et al. 2021); a block (i, k), i != k, is P_ik (I - 2 a b^T) with b = z_k - z_i and
+    R^d. Block (k, k) is P_kk I + 2 Cov_k. Its norm is at most P_kk + 2 sum_i P_ki t_i
+    (t_i = ||z_i - z_k||^2: a covariance is at most the second moment about z_k, whose largest
+    eigenvalue is at most its trace), a ratio (1 + sum_i rho_i e^{-t_i} 2 t_i) /
+    (1 + sum_i rho_i e^{-t_i}) (rho_i = 1 without offsets) that is at most R exactly when
+    1 - R + sum_i rho_i e^{-t_i} (2 t_i - R) <= 0; e^{-t} (2 t - R) is largest at t = 1 + R / 2,
+    where it is 2 e^{-1 - R/2}, so with S = sum_i rho_i <= N - 1 the norm is at most
+    c_2 = 1 + 2 W_0(S e^{-3/2}), attained by k midway between two equal clusters at distance
+    sqrt(1 + c_2 / 2) (below 1 + 2c, c = phi^{-1}(N-1), Lemma F.2 of Kim et al. 2021, which
+    bounds P_kk and the covariance apart). A block (i, k), i != k, is P_ik (I - 2 a b^T) with
+    b = z_k - z_i and
     a = z_k - E_i[z]. Row i gives weight 1 to itself, s = e^{-u^2} to k (u = ||b||) and
     W = sum_j e^{-||z_i - z_j||^2} to the m = N - 2 others, so P_ik = s / (1 + s + W) and
     a = (1 - P_ik) b + e with e = -sum_{j other} P_ij (z_j - z_i). Then
@@ -722,7 +730,7 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Ten
     (the first because I - 2 lambda b b^T has the eigenvalues 1 and 1 - 2 lambda u^2; for
     the second, sqrt(c) by Lemma F.2 and Cauchy-Schwarz, and the other bound because
     x sqrt(log(1/x)) is concave on (0, 1], so the m terms e^{-v^2} v with sum W are at most
-    W sqrt(log(m / W))). Hence C_N = 1 + 2c + (N - 1) kappa_N with kappa_N the supremum over
+    W sqrt(log(m / W))). Hence C_N = c_2 + (N - 1) kappa_N with kappa_N the supremum over
     u >= 0 and 0 <= W <= m of P_ik times that bracket, bounded from above cell by cell on a
     grid (step 4e-3 in u over [0, 6]; in W a first cell [0, 1e-6 m], then 191 cells growing
     geometrically up to m; every factor is monotone in u and W or, for W sqrt(log(m / W)),
@@ -733,7 +741,8 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Ten
     b(i, j) - b(i, i) <= B, see :func:`logit_margin_constant`) gives c = W_0((N - 1) e^B / e),
     a weight of k of at most e^{B - u^2} but possibly much less (so 1 - P_ik is only bounded
     by 1 and the denominator of the pull by 1 + W), W up to m e^B (the concavity bound holds
-    with m e^B in place of m), and a grid that extends to sqrt(B) + 6. B is first rounded up
+    with m e^B in place of m), S up to (N - 1) e^B in c_2, and a grid that extends to
+    sqrt(B) + 6. B is first rounded up
     to a multiple of 1/64 (offsets allowed up to B are allowed up to any larger value, so the
     bound holds): a learnt margin that drifts between training steps then reuses the cached
     constant instead of evaluating the grid again (about 25 ms) at every step.
@@ -772,7 +781,7 @@ def l2_core_kernel_constant(n: int | Tensor) -> Tensor:
 
     It grows like N^{1/4} sqrt(log N), where the block-column bound of
     :func:`l2_core_column_constant` grows like sqrt(N log N): the smaller of the two from
-    N = 32 on (12.5 against 13.0 at N = 32, 16.0 against 19.9 at N = 64, 38 against 106 at
+    N = 32 on (12.5 against 12.8 at N = 32, 16.0 against 19.7 at N = 64, 38 against 106 at
     N = 1000). Causal rows do not share one kernel matrix (row i sees only j <= i), and logit
     offsets break its symmetry: the bound is for full attention without offsets.
 
@@ -810,7 +819,15 @@ def _core_column_constant(n: int, margin: float | None = None) -> float:
     if n == 1:
         return 1.0
     c = float(logit_margin_constant(n, 0.0 if margin is None else margin))
-    return 1 + 2 * c + (n - 1) * _column_block_supremum(n - 2, c, margin)
+    return _diagonal_block_constant(n, margin) + (n - 1) * _column_block_supremum(n - 2, c, margin)
+
+
+def _diagonal_block_constant(n: int, margin: float | None = None) -> float:
+    """c_2 = 1 + 2 W_0(S e^{-3/2}) >= ||P_kk I + 2 Cov_k||_2, S = (N - 1) e^B (B = ``margin``,
+    0 without offsets): the diagonal block of the core's Jacobian, P_kk and the covariance
+    bounded together (see :func:`l2_core_column_constant`)."""
+    others = (n - 1) * math.exp(0.0 if margin is None else margin)
+    return 1 + 2 * float(lambertw0(torch.tensor(others * math.exp(-1.5), dtype=torch.float64)))
 
 
 def _column_block_supremum(others: int, c: float, margin: float | None) -> float:

@@ -478,15 +478,64 @@ def test_core_column_constant_values():
     assert l2_core_column_constant(1).item() == 1.0
     values = l2_core_column_constant(torch.tensor([1, 2, 8, 64]))
     assert (values[1:] > values[:-1]).all()
-    # C_N = 1 + 2c + (N - 1) kappa_N: the cells' brackets are at least the pointwise supremum
+    # C_N = c_2 + (N - 1) kappa_N: the cells' brackets are at least the pointwise supremum
     # and at most 5 % above it
     for n, value in zip((2, 8, 64), values[1:].tolist(), strict=True):
-        c = phi_inverse(n - 1).item()
-        kappa = (value - 1 - 2 * c) / (n - 1)
+        kappa = (value - lipschitz._diagonal_block_constant(n)) / (n - 1)
         pointwise = _column_block_pointwise_sup(n)
         assert pointwise <= kappa <= 1.05 * pointwise, (n, kappa, pointwise)
     # the block with u = 0 (k on top of i) alone: P = 1/2 at N = 2, so kappa_N >= 1/2
     assert _column_block_pointwise_sup(2) >= 0.5
+
+
+def test_diagonal_block_constant_is_attained_and_never_exceeded():
+    # ||P_kk I + 2 Cov_k|| <= c_2 = 1 + 2 W_0((N - 1) e^B e^{-3/2}), with equality when k lies
+    # midway between two equal clusters at squared distance 1 + c_2 / 2 (N - 1 even); c_2 is
+    # below 1 + 2c, which bounds P_kk and the covariance apart
+    for n in (3, 9, 33):
+        c2 = lipschitz._diagonal_block_constant(n)
+        assert c2 < 1 + 2 * phi_inverse(n - 1).item()
+        u = math.sqrt(1 + c2 / 2)
+        z = torch.zeros(n, 2, dtype=torch.float64)
+        z[1:, 0] = u * torch.tensor([(-1.0) ** i for i in range(n - 1)], dtype=torch.float64)
+        block = _core_jacobian(z)[0, :, 0, :]
+        assert math.isclose(torch.linalg.matrix_norm(block, 2).item(), c2, rel_tol=1e-12)
+        # a little further in or out, or off the line, the block is smaller
+        for scale, lift in ((0.97, 0.0), (1.03, 0.0), (1.0, 0.2)):
+            moved = z * scale
+            moved[1:, 1] = lift * torch.tensor([1.0, -1.0]).repeat(n)[:n - 1]
+            block = _core_jacobian(moved)[0, :, 0, :]
+            assert torch.linalg.matrix_norm(block, 2).item() < c2
+    # random and clustered configurations, with and without a self-offset margin B
+    g = torch.Generator().manual_seed(11)
+    for n in (2, 5, 12):
+        for margin in (None, 1.5):
+            c2 = lipschitz._diagonal_block_constant(n, margin)
+            for d in (1, 3):
+                for scale in (0.3, 1.0, 2.0):
+                    z = scale * torch.randn(n, d, generator=g, dtype=torch.float64)
+                    jac = _core_jacobian(z) if margin is None else _offset_core_jacobian(z, margin)
+                    for k in range(n):
+                        assert torch.linalg.matrix_norm(jac[k, :, k, :], 2).item() <= c2
+    # the self-offset: k weighted e^{-B} against the others attains c_2 with S = (N - 1) e^B
+    n, margin = 5, 1.5
+    c2 = lipschitz._diagonal_block_constant(n, margin)
+    u = math.sqrt(1 + c2 / 2)
+    z = torch.zeros(n, 1, dtype=torch.float64)
+    z[1:, 0] = u * torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
+    block = _offset_core_jacobian(z, margin)[0, :, 0, :]
+    assert math.isclose(torch.linalg.matrix_norm(block, 2).item(), c2, rel_tol=1e-12)
+
+
+def _offset_core_jacobian(z: torch.Tensor, margin: float) -> torch.Tensor:
+    """The core's Jacobian with every self-logit lowered by ``margin`` (a self-offset)."""
+    n = z.shape[0]
+
+    def core(z):
+        logits = -(z[:, None] - z[None]).pow(2).sum(-1) - margin * torch.eye(n, dtype=z.dtype)
+        return torch.softmax(logits, -1) @ z
+
+    return torch.autograd.functional.jacobian(core, z)
 
 
 def test_core_column_constant_rounds_a_drifting_margin_up_to_a_cached_one():
