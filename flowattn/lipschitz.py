@@ -430,7 +430,8 @@ def l2_attention_bound(
         Lip_2     <= min( kappa_2(N) min_lambda ||[lambda_h M_h]_h||_2 ||[W^{Q,h}/lambda_h]_h||_2,
                           sqrt(N) Lip_2,inf bound )
 
-      with Gamma_hk = ||M_h M_k^T||_2, Gamma^G_hk = ||G_h G_k^T||_2, lambda in {1, beta} and
+      with Gamma_hk = ||M_h M_k^T||_2, Gamma^G_hk = ||G_h G_k^T||_2,
+      lambda in {1, beta, sqrt(beta / mu)} (mu_h = ||M_h||_2: both factors of a head balanced) and
       kappa_2(N) = min(sqrt(N) (1 + 4c), sqrt((1 + 4c) C_N)), C_N the block-column bound of
       :func:`l2_core_column_constant`, and for full attention (``causal=False``, no
       ``margin``) also N^{1/4} (1 + 2 sqrt(c)) + 2c (:func:`l2_core_kernel_constant`, the
@@ -906,13 +907,20 @@ def _tight_l2_attention_bound(
         return mixed
     m_cat = m.reshape(dim, dim)  # [M_1; ...; M_H]
     w_cat = w_q.permute(1, 0, 2).reshape(dim, dim)  # W^Q = [W^{Q,1}, ..., W^{Q,H}]
-    # any lambda_h > 0 may be moved across the heads: beta_h, kept away from 0 (a zero W^{Q,h}
-    # would give 0 / 0; its head then contributes 0 either way)
-    lam = beta.clamp_min(torch.finfo(beta.dtype).tiny)[:, None, None]
+    # any lambda_h > 0 may be moved across the heads: 1, beta_h, and sqrt(beta_h / ||M_h||),
+    # which gives both factors of head h the same norm; kept away from 0 and inf (a zero
+    # W^{Q,h} or M_h would give 0 / 0; its head then contributes 0 either way)
+    tiny = torch.finfo(beta.dtype).tiny
+
+    def scaled(lam: Tensor) -> Tensor:
+        lam = lam[:, None, None]
+        return (spectral((lam * m).reshape(dim, dim))
+                * spectral((w_q / lam).permute(1, 0, 2).reshape(dim, dim)))
+
+    balanced = torch.sqrt(beta.clamp_min(tiny)) / torch.sqrt(spectral(m).clamp_min(tiny))
     weights = torch.minimum(
-        spectral(m_cat) * spectral(w_cat),
-        spectral((lam * m).reshape(dim, dim))
-        * spectral((w_q / lam).permute(1, 0, 2).reshape(dim, dim)),
+        torch.minimum(spectral(m_cat) * spectral(w_cat), scaled(beta.clamp_min(tiny))),
+        scaled(balanced),
     )
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c

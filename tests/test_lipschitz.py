@@ -603,6 +603,51 @@ def test_tight_certificate_equals_theorem_3_2_at_identity_weights():
         assert l2_attention_bound(1, eye[None], eye[None], eye, norm).item() == 1.0
 
 
+def test_2_norm_weights_take_the_best_of_three_head_scalings():
+    # Lip_2 <= kappa_2 min_lambda ||[lambda_h M_h]|| ||[W_h / lambda_h]|| for any lambda_h > 0:
+    # the certificate takes lambda = 1, beta and sqrt(beta / ||M_h||) (each head's two factors
+    # balanced), and the balanced one is the smallest on these weights
+    g = torch.Generator().manual_seed(3)
+    dim, heads, n = 16, 4, 8
+    d = dim // heads
+    w_q = torch.randn(heads, dim, d, generator=g, dtype=torch.float64) / dim**0.5
+    w_v = torch.randn(heads, dim, d, generator=g, dtype=torch.float64) / dim**0.5
+    w_o = torch.randn(dim, dim, generator=g, dtype=torch.float64) / dim**0.5
+    # heads whose outputs differ in scale (the rows of W^O each head feeds): M_h = t_h M_h^0
+    scales = torch.tensor([0.1, 1.0, 1.0, 10.0], dtype=torch.float64).repeat_interleave(d)
+    w_o = w_o * scales[:, None]
+    m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, d, dim) / math.sqrt(d)
+
+    def weights(lam):
+        lam = lam[:, None, None]
+        return (torch.linalg.matrix_norm((lam * m).reshape(dim, dim), 2)
+                * torch.linalg.matrix_norm((w_q / lam).permute(1, 0, 2).reshape(dim, dim), 2))
+
+    beta = torch.linalg.matrix_norm(w_q, 2)
+    balanced = (beta / torch.linalg.matrix_norm(m, 2)).sqrt()
+    candidates = [weights(torch.ones(heads, dtype=torch.float64)), weights(beta),
+                  weights(balanced)]
+    assert candidates[2] < 0.95 * min(candidates[:2])
+    c = phi_inverse(n - 1).item()
+    kappa = min(math.sqrt(n) * (1 + 4 * c),
+                math.sqrt((1 + 4 * c) * l2_core_column_constant(n).item()),
+                l2_core_kernel_constant(n).item())
+    bound = l2_attention_bound(n, w_q, w_v, w_o, 2, causal=False).item()
+    assert bound == pytest.approx(kappa * candidates[2].item(), rel=1e-10)
+    # and it still holds: the largest Jacobian norm an optimiser finds stays below it
+    from flowattn.attention import L2MHA
+
+    module = L2MHA(dim, heads).double()
+    with torch.no_grad():
+        module.w_q.copy_(w_q.permute(1, 0, 2).reshape(dim, dim))
+        module.w_v.copy_(w_v.permute(1, 0, 2).reshape(dim, dim))
+        module.w_o.copy_(w_o)
+    assert module.lipschitz_bound(n, 2, causal=False).item() == pytest.approx(bound, rel=1e-12)
+    best, _ = lipschitz_lower_bound(lambda x: module(x[None])[0], (n, dim), 2, restarts=3,
+                                    steps=60)
+    assert 0 < best <= bound
+
+
 def test_tight_certificate_is_invariant_to_head_internal_rotations():
     # W^{Q,h} -> W^{Q,h} R_h (R_h orthogonal) leaves A_h = W^{Q,h} W^{Q,h T} / sqrt(d), the
     # distances and so the module unchanged: its certificate must not move either
