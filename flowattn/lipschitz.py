@@ -905,23 +905,16 @@ def _tight_l2_attention_bound(
     mixed = _mixed_norm_bound(c, w_q, m, beta, spectral)
     if norm == "2,inf":
         return mixed
-    m_cat = m.reshape(dim, dim)  # [M_1; ...; M_H]
-    w_cat = w_q.permute(1, 0, 2).reshape(dim, dim)  # W^Q = [W^{Q,1}, ..., W^{Q,H}]
-    # any lambda_h > 0 may be moved across the heads: 1, beta_h, and sqrt(beta_h / ||M_h||),
-    # which gives both factors of head h the same norm; kept away from 0 and inf (a zero
+    # any lambda_h > 0 may be moved across the heads (the stacks [lambda_h M_h]_h and
+    # [W^{Q,h} / lambda_h]_h): 1, beta_h, and sqrt(beta_h / ||M_h||), which gives both factors
+    # of head h the same norm; the three in one batch, kept away from 0 and inf (a zero
     # W^{Q,h} or M_h would give 0 / 0; its head then contributes 0 either way)
     tiny = torch.finfo(beta.dtype).tiny
-
-    def scaled(lam: Tensor) -> Tensor:
-        lam = lam[:, None, None]
-        return (spectral((lam * m).reshape(dim, dim))
-                * spectral((w_q / lam).permute(1, 0, 2).reshape(dim, dim)))
-
-    balanced = torch.sqrt(beta.clamp_min(tiny)) / torch.sqrt(spectral(m).clamp_min(tiny))
-    weights = torch.minimum(
-        torch.minimum(spectral(m_cat) * spectral(w_cat), scaled(beta.clamp_min(tiny))),
-        scaled(balanced),
-    )
+    beta_ = beta.clamp_min(tiny)
+    lam = torch.stack([torch.ones_like(beta), beta_,
+                       beta_.sqrt() / spectral(m).clamp_min(tiny).sqrt()])[:, :, None, None]
+    weights = (spectral((lam * m).reshape(3, dim, dim))
+               * spectral((w_q / lam).permute(0, 2, 1, 3).reshape(3, dim, dim))).amin(dim=0)
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
     row = 1 + 4 * c
     top = None if margin is None else float(margin.detach().max())
