@@ -41,6 +41,7 @@ __all__ = [
     "l2_attention_bound",
     "induced_attention_bound",
     "induced_core_constant",
+    "l2_core_row_constant",
     "l2_core_column_constant",
     "l2_core_kernel_constant",
     "logit_margin_constant",
@@ -425,19 +426,21 @@ def l2_attention_bound(
       c = phi^{-1}(N-1), beta_h = ||W^{Q,h}||_2, omega_h >= ||W^{Q,h}||_{2->1}::
 
         Lip_inf   <= max_r sum_h ( ||G_h e_r||_1 + 4 c omega_h ||M_h e_r||_2 )
-        Lip_2,inf <= min(sqrt(1^T Gamma^G 1), sqrt(H) ||[G_h]_h||_2)
-                     + 4 c min(sqrt(beta^T Gamma beta), ||[M_h]_h||_2 ||beta||_2)
+        Lip_2,inf <= min( min(sqrt(1^T Gamma^G 1), sqrt(H) ||[G_h]_h||_2)
+                          + 4 c min(sqrt(beta^T Gamma beta), ||[M_h]_h||_2 ||beta||_2),
+                          R_N sum_h beta_h ||M_h||_2 )   (the last for H <= 2)
         Lip_2     <= min( kappa_2(N) min_lambda ||[lambda_h M_h]_h||_2 ||[W^{Q,h}/lambda_h]_h||_2,
                           sqrt(N) Lip_2,inf bound )
 
       with Gamma_hk = ||M_h M_k^T||_2, Gamma^G_hk = ||G_h G_k^T||_2,
       lambda in {1, beta, sqrt(beta / mu)} (mu_h = ||M_h||_2: both factors of a head balanced) and
-      kappa_2(N) = min(sqrt(N) (1 + 4c), sqrt((1 + 4c) C_N)), C_N the block-column bound of
-      :func:`l2_core_column_constant`, and for full attention (``causal=False``, no
-      ``margin``) also N^{1/4} (1 + 2 sqrt(c)) + 2c (:func:`l2_core_kernel_constant`, the
-      smaller from N = 32 on). The inf- and 2-norm values returned are the minimum of
-      these and Theorem 3.2 (both are certificates), so never looser than the paper's. The
-      derivation is in ``docs/attention.md``.
+      kappa_2(N) = min(sqrt(N) R_N, sqrt(R_N C_N)), R_N the block-row bound of
+      :func:`l2_core_row_constant` (1 + 4c, or 2 c_2 - 1 from N = 7 on), C_N the block-column
+      bound of :func:`l2_core_column_constant`, and for full attention (``causal=False``, no
+      ``margin``) the crowded C_N (``full=True``) and also N^{1/4} (1 + 2 sqrt(c)) + 2c
+      (:func:`l2_core_kernel_constant`, the smaller from N = 44 on). The inf- and 2-norm
+      values returned are the minimum of these and Theorem 3.2 (both are certificates), so
+      never looser than the paper's. The derivation is in ``docs/attention.md``.
 
     ``norm="2,inf"`` is the mixed norm max_i ||x_i||_2 over the elements of a set (tight method
     only). With masking (App. G) the bound holds with N the number of keys a row sees, so ``n``
@@ -707,7 +710,8 @@ def logit_margin_constant(n: int | Tensor, margin: Tensor | float = 0.0) -> Tens
     return phi_inverse(scaled).to(dtype)
 
 
-def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Tensor:
+def l2_core_column_constant(n: int | Tensor, margin: float | None = None,
+                            full: bool = False) -> Tensor:
     """C_N >= max_k sum_i ||J_ik||_2, the block-column sums of the Jacobian of the L2 core.
 
     The core is g(Z)_i = sum_j P_ij z_j with P_ij = softmax_j(-||z_i - z_j||^2) on N points of
@@ -748,12 +752,66 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None) -> Ten
     bound holds): a learnt margin that drifts between training steps then reuses the cached
     constant instead of evaluating the grid again (about 25 ms) at every step.
 
+    ``full`` (only without a ``margin``): every row sees every element, as in full attention on
+    a set. The rows of a column then crowd each other: order the other points by their distance
+    u_r to z_k; the r - 1 closer ones lie within u_r + u_j <= 2 u_r of the r-th, which is
+    another point of its row, so that row's W is at least (r - 1) e^{-4 u_r^2}. The r-th block
+    is bounded over the cells that allow that (with W's smallest value in a cell raised to the
+    floor), and C_N = c_2 + sum_r kappa_{N, r}, the floor held at r - 1 = 15 beyond the 16th
+    point (a smaller floor is still a bound): 5 % lower at N = 8, 4 % at N = 32 and 64. Causal
+    rows may not see the closer points, and offsets may lower their weights without bound, so
+    neither allows it.
+
     Examples:
         >>> float(l2_core_column_constant(1))  # one element: the core is the identity
         1.0
+        >>> bool(l2_core_column_constant(8, full=True) < l2_core_column_constant(8))
+        True
     """
+    if full and margin is not None:
+        raise InputError("the crowded column constant (full=True) holds without offsets only")
     margin = None if margin is None else math.ceil(float(margin) * 64) / 64
-    return _per_count(n, lambda k: _core_column_constant(k, margin))
+    return _per_count(n, lambda k: _core_column_constant(k, margin, full))
+
+
+# S_1: from this weighted count of a row's other keys on (S = N - 1 without offsets), the
+# block-row sums of the core are at most 2 c_2 - 1 (see l2_core_row_constant); the derivation's
+# threshold is 5.7320..., rounded up
+_ROW_THRESHOLD = 5.74
+
+
+def l2_core_row_constant(c: Tensor) -> Tensor:
+    """R >= max_i sum_k ||J_ik||_2, the block-row sums of the Jacobian of the L2 core, from
+    Lemma F.2's constant c = W_0(S / e) of the rows (S = N - 1 without offsets): 1 + 4c, and
+    2 c_2 - 1 = 1 + 4 W_0(S e^{-3/2}) (c_2 of :func:`l2_core_column_constant`, the diagonal
+    block's supremum) once S >= 5.74.
+
+    Row i of the core has the blocks P_ii I + 2 Cov_i and P_ik (I - 2 a_k b_k^T), k != i, with
+    b_k = z_k - z_i, t_k = ||b_k||^2, m = E_i[z] - z_i and a_k = b_k - m. The covariance's
+    largest eigenvalue is at most its trace, sum_k P_ik t_k - ||m||^2. Each other block obeys
+
+        ||I - 2 (b - m) b^T|| <= phi(t) - 2 <m, b> + 4 ||m||^2,
+
+    phi(t) = 2t - 1 for t >= 5/3 and max(2t - 1, 1 + t/4) + t/4 below (the operator is the
+    identity off the plane of b and m, where it is [[A, 0], [B, 1]] with A = 1 - 2t + 2 alpha
+    sqrt(t), B = 2 sqrt(t) mu, alpha and mu the parts of m along and across b; the proof is in
+    ``docs/attention.md``). Since sum_k P_ik <m, b_k> = ||m||^2 and sum_{k != i} P_ik <= 1,
+    the terms in m cancel to at most 0, and the row sum is at most 1 + sum_{k != i} P_ik h(t_k)
+    with h(t) = 2t + phi(t) - 1: 2.5 t below 8/7, 4.25 t - 2 up to 5/3, 4t - 2 above. That is a
+    ratio of sums, at most R when S sup_t e^{-t} (h(t) - R) <= R. On t >= 5/3 the supremum is
+    4 e^{-3/2 - R/4}, which gives R = 4 W_0(S e^{-3/2}); the lower pieces stay below it exactly
+    when S >= 5.7320... For an even number of other points the value is attained (two equal
+    clusters on either side of z_i at squared distance 3/2 + R/4), so it is then the supremum
+    of the row sums. Below the threshold the function returns Lemma F.2's 1 + 4c.
+    Differentiable in c (through W_0), on c's device and dtype, with no value read back.
+
+    Examples:
+        >>> c = phi_inverse(7.0)  # N = 8 without offsets
+        >>> round(float(1 + 4 * c), 3), round(float(l2_core_row_constant(c)), 3)
+        (4.893, 3.972)
+    """
+    count = c * torch.exp(c + 1)  # S, from c = W_0(S / e)
+    return torch.where(count >= _ROW_THRESHOLD, 1 + 4 * _diagonal_excess(count), 1 + 4 * c)
 
 
 def l2_core_kernel_constant(n: int | Tensor) -> Tensor:
@@ -781,10 +839,11 @@ def l2_core_kernel_constant(n: int | Tensor) -> Tensor:
       <= sqrt(N).
 
     It grows like N^{1/4} sqrt(log N), where the block-column bound of
-    :func:`l2_core_column_constant` grows like sqrt(N log N): the smaller of the two from
-    N = 32 on (12.5 against 12.8 at N = 32, 16.0 against 19.7 at N = 64, 38 against 106 at
-    N = 1000). Causal rows do not share one kernel matrix (row i sees only j <= i), and logit
-    offsets break its symmetry: the bound is for full attention without offsets.
+    :func:`l2_core_column_constant` grows like sqrt(N log N) (both for full attention, with the
+    row constant of :func:`l2_core_row_constant` and the crowded columns): the smaller of the
+    two from N = 44 on (14.03 against 14.16 at N = 44, 16.0 against 18.0 at N = 64, 38 against
+    100 at N = 1000). Causal rows do not share one kernel matrix (row i sees only j <= i), and
+    logit offsets break its symmetry: the bound is for full attention without offsets.
 
     Evaluated on the host in float64, like :func:`l2_core_column_constant`, with the result of
     ``n``'s shape.
@@ -813,14 +872,23 @@ def _per_count(n: int | Tensor, constant: Callable[[int], float]) -> Tensor:
                         dtype=torch.float64).reshape(n.shape)
 
 
+# the crowding floor (r - 1) e^{-4 u^2} of the full column constant is held at this r - 1
+_CROWDING_CAP = 15
+
+
 @functools.lru_cache(maxsize=4096)
-def _core_column_constant(n: int, margin: float | None = None) -> float:
+def _core_column_constant(n: int, margin: float | None = None, full: bool = False) -> float:
     if n < 1:
         raise InputError(f"sequence length must be >= 1, got {n}")
     if n == 1:
         return 1.0
     c = float(logit_margin_constant(n, 0.0 if margin is None else margin))
-    return _diagonal_block_constant(n, margin) + (n - 1) * _column_block_supremum(n - 2, c, margin)
+    if not full:
+        return (_diagonal_block_constant(n, margin)
+                + (n - 1) * _column_block_supremum(n - 2, c, margin)[0])
+    capped = min(n - 1, _CROWDING_CAP + 1)  # ranks r - 1 = 0 .. capped - 1 get their own floor
+    blocks = _column_block_supremum(n - 2, c, None, tuple(range(capped)))
+    return _diagonal_block_constant(n) + sum(blocks) + (n - 1 - capped) * blocks[-1]
 
 
 def _diagonal_block_constant(n: int, margin: float | None = None) -> float:
@@ -828,14 +896,22 @@ def _diagonal_block_constant(n: int, margin: float | None = None) -> float:
     0 without offsets): the diagonal block of the core's Jacobian, P_kk and the covariance
     bounded together (see :func:`l2_core_column_constant`)."""
     others = (n - 1) * math.exp(0.0 if margin is None else margin)
-    return 1 + 2 * float(lambertw0(torch.tensor(others * math.exp(-1.5), dtype=torch.float64)))
+    return 1 + 2 * float(_diagonal_excess(torch.tensor(others, dtype=torch.float64)))
 
 
-def _column_block_supremum(others: int, c: float, margin: float | None) -> float:
-    """An upper bound on sup_{u, W} P_ik (max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||), the
-    largest norm of an off-diagonal block of a column of the core's Jacobian (see
+def _diagonal_excess(count: Tensor) -> Tensor:
+    """W_0(S e^{-3/2}) for the weighted count S of a row's other keys: c_2 = 1 + 2 W_0 and the
+    block-row constant 2 c_2 - 1 = 1 + 4 W_0 (differentiable, on S's device)."""
+    return lambertw0(count * math.exp(-1.5), check=False)
+
+
+def _column_block_supremum(others: int, c: float, margin: float | None,
+                           crowds: tuple[int, ...] = (0,)) -> list[float]:
+    """Upper bounds on sup_{u, W} P_ik (max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||), the largest
+    norm of an off-diagonal block of a column of the core's Jacobian (see
     :func:`l2_core_column_constant`; ``margin`` None: no logit offsets), by monotone brackets
-    over the cells of a grid."""
+    over the cells of a grid; one value per entry q of ``crowds`` (without offsets), with W
+    restricted to at least q e^{-4 u^2}."""
     plain = margin is None
     margin = 0.0 if plain else margin
     top = 6.0 + math.sqrt(max(margin, 0.0))
@@ -848,15 +924,18 @@ def _column_block_supremum(others: int, c: float, margin: float | None) -> float
         edges = largest * torch.logspace(-6, 0, 192, dtype=torch.float64)
         edges = torch.cat([edges.new_zeros(1), edges])
         w0, w1 = edges[None, :-1], edges[None, 1:]  # cells in W (columns)
-    weight_hi = torch.exp(margin - u0**2)  # the weight of k, largest at u0
-    p_hi = weight_hi / (1 + weight_hi + w0)  # P_ik is increasing in that weight, falling in W
-    # the weight of k is at least e^{-u1^2} without offsets, which may make it arbitrarily small
-    weight_lo = torch.exp(-(u1**2)) if plain else torch.zeros_like(u1)
-    keep = 1 - weight_lo / (1 + weight_lo + w1)  # 1 - P_ik, largest at u1 and w1
-    bracket = torch.clamp(2 * keep * u1**2 - 1, min=1.0)
-    if others == 0:
-        pull = torch.zeros_like(p_hi)
-    else:
+
+    def cells(u0, u1, w0):
+        weight_hi = torch.exp(margin - u0**2)  # the weight of k, largest at u0
+        p_hi = weight_hi / (1 + weight_hi + w0)  # P_ik is increasing in that weight, falling in W
+        # the weight of k is at least e^{-u1^2} without offsets, which may make it arbitrarily
+        # small with them
+        weight_lo = torch.exp(-(u1**2)) if plain else torch.zeros_like(u1)
+        keep = 1 - weight_lo / (1 + weight_lo + w1)  # 1 - P_ik, largest at u1 and w1
+        bracket = torch.clamp(2 * keep * u1**2 - 1, min=1.0)
+        if others == 0:
+            return p_hi * bracket
+
         # W sqrt(log(M / W)) is concave in W, largest at M e^{-1/2}
         def h(w):
             return w * torch.sqrt(torch.log(largest / w.clamp_min(1e-300)).clamp_min(0))
@@ -865,8 +944,22 @@ def _column_block_supremum(others: int, c: float, margin: float | None) -> float
         inner = torch.where(w0 >= peak, h(w0), h(w0.new_tensor(peak)))
         spread = torch.where(w1 <= peak, h(w1), inner)
         pull = torch.clamp(spread / (1 + weight_lo + w0), max=math.sqrt(c))
-    cell = p_hi * (bracket + 2 * u1 * pull)
-    return float(cell.max()) + 1e-9
+        return p_hi * (bracket + 2 * u1 * pull)
+
+    rows = cells(u0, u1, w0).amax(dim=1)  # (U,): the largest cell of each row in u
+    values = []
+    for q in crowds:
+        if q == 0:
+            values.append(float(rows.max()) + 1e-9)
+            continue
+        # W >= q e^{-4 u^2} >= q e^{-4 u1^2} in a cell, and cells below that are empty; rows
+        # whose floor is below the first positive edge keep their plain value (a bound)
+        floor = q * torch.exp(-4 * u1**2)
+        near = (floor >= w1[0, 1]).squeeze(1)
+        crowded = cells(u0[near], u1[near], torch.maximum(w0, floor[near]))
+        crowded = crowded.masked_fill(w1 < floor[near], 0.0).amax(dim=1)
+        values.append(float(torch.cat([crowded, rows[~near]]).max()) + 1e-9)
+    return values
 
 
 def _pairwise_spectral(a: Tensor,
@@ -902,7 +995,10 @@ def _tight_l2_attention_bound(
         linear = g.abs().sum(dim=1).sum(dim=0)  # (D,): sum_h ||G_h e_r||_1
         rank_one = omega.unsqueeze(-1) * m.norm(dim=1)  # (H, D): omega_h ||M_h e_r||
         return (linear + 4 * c @ rank_one).amax(dim=-1)
-    mixed = _mixed_norm_bound(c, w_q, m, beta, spectral)
+    # the head-by-head form adds up the heads: it can win for one or two heads only (four
+    # heads' cross terms are smaller), so larger models skip its W_0 (3-4 % of a training step)
+    rows = l2_core_row_constant(c) if heads <= 2 else None
+    mixed = _mixed_norm_bound(c, w_q, m, beta, spectral, rows)
     if norm == "2,inf":
         return mixed
     # any lambda_h > 0 may be moved across the heads (the stacks [lambda_h M_h]_h and
@@ -916,9 +1012,10 @@ def _tight_l2_attention_bound(
     weights = (spectral((lam * m).reshape(3, dim, dim))
                * spectral((w_q / lam).permute(0, 2, 1, 3).reshape(3, dim, dim))).amin(dim=0)
     c = c.amax(dim=-1)  # the cores of all heads side by side: the largest constant
-    row = 1 + 4 * c
+    row = l2_core_row_constant(c)
     top = None if margin is None else float(margin.detach().max())
-    column = l2_core_column_constant(n if counts is None else counts, top)
+    full = margin is None and causal is False  # rows crowd each other (no mask, no offsets)
+    column = l2_core_column_constant(n if counts is None else counts, top, full)
     column = column.to(device=c.device, dtype=c.dtype)
     sqrt_n = torch.sqrt(n.to(c.dtype))
     kappa = torch.minimum(sqrt_n * row, torch.sqrt(row * column))
@@ -929,9 +1026,13 @@ def _tight_l2_attention_bound(
 
 
 def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor,
-                      spectral: Callable[[Tensor], Tensor] = spectral_norm_exact) -> Tensor:
+                      spectral: Callable[[Tensor], Tensor] = spectral_norm_exact,
+                      rows: Tensor | None = None) -> Tensor:
     """The "2,inf" bound: linear part from G_h = W^{Q,h} M_h, rank-one part from M_h; c (..., H)
-    (head h's rank-one term has norm at most 4 c_h beta_h); ``spectral`` the norm function."""
+    (head h's rank-one term has norm at most 4 c_h beta_h); ``spectral`` the norm function.
+    ``rows`` (..., H), the block-row constants R_h of the heads' cores (the L2 core's
+    :func:`l2_core_row_constant`, which keeps the identity and the rank-one part of a block
+    together), adds sum_h R_h beta_h ||M_h||: the smaller of the two is returned."""
     heads, dim, _ = w_q.shape
     # G_h G_k^T = Q_h (R_h M_h M_k^T R_k^T) Q_k^T with W^{Q,h} = Q_h R_h (orthonormal Q_h): the
     # d x d middle factor has the same spectral norm, at a fraction of the cost. Q is held
@@ -955,7 +1056,12 @@ def _mixed_norm_bound(c: Tensor, w_q: Tensor, m: Tensor, beta: Tensor,
         ((cb @ gamma) * cb).sum(dim=-1).clamp_min(tiny).sqrt(),
         spectral(m.reshape(dim, dim)) * cb.norm(dim=-1),
     )
-    return linear + 4 * rank_one
+    if rows is None:
+        return linear + 4 * rank_one
+    # block (i, k) is sum_h W^{Q,h} C^h_ik M_h with C^h the core's blocks, whose rows sum to at
+    # most R_h; ||M_h|| from gamma's diagonal ||M_h M_h^T||
+    per_head = (rows * beta * gamma.diagonal().clamp_min(tiny).sqrt()).sum(dim=-1)
+    return torch.minimum(linear + 4 * rank_one, per_head)
 
 
 def layernorm_lipschitz_bound(

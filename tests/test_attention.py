@@ -24,6 +24,7 @@ from flowattn.lipschitz import (
     jacobian_norm,
     l2_core_column_constant,
     l2_core_kernel_constant,
+    l2_core_row_constant,
     lipschitz_lower_bound,
     phi_inverse,
 )
@@ -468,15 +469,16 @@ def test_masked_rows_are_normalised_by_their_own_key_count():
 @pytest.mark.parametrize("p", ["inf", 2, "2,inf"])
 @pytest.mark.parametrize("fused,offsets", [(True, False), (False, False), (True, True)])
 def test_one_bound_per_call_goes_into_the_output_weights(p, fused, offsets):
-    # without a mask (and not causal) one bound holds for the whole call: f takes c / bound
-    # into F's W^O; values and every gradient are those of F's output divided by the bound
+    # without a mask (and not causal) one bound, that of full calls, holds for the whole call:
+    # f takes c / bound into F's W^O; values and every gradient are those of F's output
+    # divided by the bound
     extra = {"self_offset": 2.0, "position_bias": 2.0} if offsets else {}
     module = make(ContractiveL2MHA, seed=12, coeff=0.7, norm=p, fused=fused, **extra)
     x = randn(3, 6, DIM, seed=12).requires_grad_()
     cotangent = randn(3, 6, DIM, seed=13)
     weights = [x, *module.parameters()]
     folded = module(x)
-    divided = 0.7 * module.attention(x) / module.attention.lipschitz_bound(6, p)
+    divided = 0.7 * module.attention(x) / module.attention.lipschitz_bound(6, p, causal=False)
     torch.testing.assert_close(folded, divided, rtol=1e-12, atol=1e-14)
     for a, b in zip(torch.autograd.grad(folded, weights, cotangent),
                     torch.autograd.grad(divided, weights, cotangent), strict=True):
@@ -1403,20 +1405,22 @@ def test_a_causal_length_fixes_the_2_norm_bound_of_every_causal_call():
 
 
 def test_full_calls_take_the_kernel_constant_in_the_2_norm():
-    # for full (not causal) calls without offsets the 2-norm certificate may use the core
-    # constant from the kernel's positive definiteness, the smaller one from N = 32 on
+    # for full (not causal) calls without offsets the 2-norm certificate may use the crowded
+    # block columns (every row sees the points closer to z_k) and the core constant from the
+    # kernel's positive definiteness, the smaller one from N = 44 on
     torch.manual_seed(0)
     module = L2MHA(4, 2).double()
     for n in (8, 64):
         both = module.lipschitz_bound(n, 2).item()  # holds for causal and full calls
         assert module.lipschitz_bound(n, 2, causal=True).item() == both
         full = module.lipschitz_bound(n, 2, causal=False).item()
-        c = phi_inverse(n - 1).item()
-        old = min(math.sqrt(n) * (1 + 4 * c),
-                  math.sqrt((1 + 4 * c) * l2_core_column_constant(n).item()))
-        new = l2_core_kernel_constant(n).item()
-        assert full == pytest.approx(both * min(1.0, new / old), rel=1e-12), (n, full, both)
-    assert full < both
+        row = l2_core_row_constant(phi_inverse(n - 1)).item()
+        plain = min(math.sqrt(n) * row, math.sqrt(row * l2_core_column_constant(n).item()))
+        crowded = min(math.sqrt(n) * row,
+                      math.sqrt(row * l2_core_column_constant(n, full=True).item()),
+                      l2_core_kernel_constant(n).item())
+        assert full == pytest.approx(both * crowded / plain, rel=1e-12), (n, full, both)
+        assert full < both
     # offsets break the kernel's symmetry: no kernel constant for them
     offset = L2MHA(4, 2, self_offset=2.0).double()
     with_kernel = offset.lipschitz_bound(64, 2, causal=False).item()
@@ -1426,9 +1430,9 @@ def test_full_calls_take_the_kernel_constant_in_the_2_norm():
     f = ContractiveL2MHA(4, 2, coeff=0.9, norm=2).double()
     with torch.no_grad():
         f.attention.w_q.mul_(2.0)
-    assert f._bound(32, every_count=False, causal=False) < f._bound(32, every_count=False,
+    assert f._bound(44, every_count=False, causal=False) < f._bound(44, every_count=False,
                                                                    causal=True)
-    best, _ = lipschitz_lower_bound(one_set_map(f), (32, 4), 2, restarts=3, steps=40)
+    best, _ = lipschitz_lower_bound(one_set_map(f), (44, 4), 2, restarts=3, steps=40)
     assert 0 < best <= 0.9
 
 

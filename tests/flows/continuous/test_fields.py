@@ -102,12 +102,13 @@ def test_bound_accepts_a_tensor_of_set_sizes_and_grows_with_n():
 
 
 def test_a_full_field_takes_the_full_calls_bound_and_a_causal_one_the_other():
-    # in the 2-norm, attention that sees the whole set may use the kernel constant (smaller
-    # from 32 elements on); a causal field must not
+    # in the 2-norm, attention that sees the whole set may use the crowded block columns and
+    # the kernel constant (the smaller from 44 elements on); a causal field must not
     full, causal = make_field(seed=5, norm=2), make_field(seed=5, norm=2, causal=True)
     causal.load_state_dict(full.state_dict())
-    assert full.lipschitz_bound(8).item() == causal.lipschitz_bound(8).item()
-    assert full.lipschitz_bound(64).item() < causal.lipschitz_bound(64).item()
+    assert full.lipschitz_bound(2).item() == causal.lipschitz_bound(2).item()  # nothing to crowd
+    for n in (8, 64):
+        assert full.lipschitz_bound(n).item() < causal.lipschitz_bound(n).item()
 
 
 def test_max_lipschitz_caps_the_certified_and_the_measured_constant():
