@@ -438,7 +438,7 @@ def l2_attention_bound(
       :func:`l2_core_row_constant` (1 + 4c, or 2 c_2 - 1 from N = 7 on), C_N the block-column
       bound of :func:`l2_core_column_constant`, and for full attention (``causal=False``, no
       ``margin``) the crowded C_N (``full=True``) and also N^{1/4} (1 + 2 sqrt(c)) + 2c
-      (:func:`l2_core_kernel_constant`, the smaller from N = 44 on). The inf- and 2-norm
+      (:func:`l2_core_kernel_constant`, the smaller from N = 53 on). The inf- and 2-norm
       values returned are the minimum of these and Theorem 3.2 (both are certificates), so
       never looser than the paper's. The derivation is in ``docs/attention.md``.
 
@@ -729,17 +729,23 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None,
     W = sum_j e^{-||z_i - z_j||^2} to the m = N - 2 others, so P_ik = s / (1 + s + W) and
     a = (1 - P_ik) b + e with e = -sum_{j other} P_ij (z_j - z_i). Then
 
-        ||I - 2 a b^T|| <= max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||,
+        ||I - 2 a b^T|| <= F(2 (1 - P_ik) u^2, 2 u ||e||)
+                        <= max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||,
         ||e|| <= min(sqrt(c), W sqrt(log(m / W)) / (1 + s + W))
 
-    (the first because I - 2 lambda b b^T has the eigenvalues 1 and 1 - 2 lambda u^2; for
-    the second, sqrt(c) by Lemma F.2 and Cauchy-Schwarz, and the other bound because
-    x sqrt(log(1/x)) is concave on (0, 1], so the m terms e^{-v^2} v with sum W are at most
-    W sqrt(log(m / W))). Hence C_N = c_2 + (N - 1) kappa_N with kappa_N the supremum over
+    with F(g, h) the largest norm of the operator over pulls of length 2 u ||e|| <= h in every
+    direction, in closed form sqrt(1 + h^2 / (1 - a^2)) (a = 1 - g) where |a| < 1 and
+    h |a| <= 1 - a^2, else |a| + h (the proof is in ``docs/attention.md``; the triangle
+    inequality's bound, on the second line, is what it replaced: I - 2 lambda b b^T has the
+    eigenvalues 1 and 1 - 2 lambda u^2). For the pull, sqrt(c) by Lemma F.2 and
+    Cauchy-Schwarz, and the other bound because x sqrt(log(1/x)) is concave on (0, 1], so the
+    m terms e^{-v^2} v with sum W are at most W sqrt(log(m / W)). Hence C_N = c_2 +
+    (N - 1) kappa_N with kappa_N the supremum over
     u >= 0 and 0 <= W <= m of P_ik times that bracket, bounded from above cell by cell on a
     grid (step 4e-3 in u over [0, 6]; in W a first cell [0, 1e-6 m], then 191 cells growing
     geometrically up to m; every factor is monotone in u and W or, for W sqrt(log(m / W)),
-    concave with a known peak, so each cell is bounded by its corners) plus 1e-9 for the tail
+    concave with a known peak, and F is nondecreasing in h and convex in g, so each cell is
+    bounded by its corners and the ends of its range of g) plus 1e-9 for the tail
     u > 6: an upper bound, not an estimate.
 
     ``margin`` None is plain L2 attention. A logit ``margin`` B (logits may carry offsets with
@@ -841,8 +847,8 @@ def l2_core_kernel_constant(n: int | Tensor) -> Tensor:
     It grows like N^{1/4} sqrt(log N), where the block-column bound of
     :func:`l2_core_column_constant` grows like sqrt(N log N) (both for full attention, with the
     row constant of :func:`l2_core_row_constant` and the crowded columns): the smaller of the
-    two from N = 44 on (14.03 against 14.16 at N = 44, 16.0 against 18.0 at N = 64, 38 against
-    100 at N = 1000). Causal rows do not share one kernel matrix (row i sees only j <= i), and
+    two from N = 53 on (15.00 against 15.01 at N = 53, 16.0 against 16.9 at N = 64, 38 against
+    93 at N = 1000). Causal rows do not share one kernel matrix (row i sees only j <= i), and
     logit offsets break its symmetry: the bound is for full attention without offsets.
 
     Evaluated on the host in float64, like :func:`l2_core_column_constant`, with the result of
@@ -932,9 +938,10 @@ def _column_block_supremum(others: int, c: float, margin: float | None,
         # small with them
         weight_lo = torch.exp(-(u1**2)) if plain else torch.zeros_like(u1)
         keep = 1 - weight_lo / (1 + weight_lo + w1)  # 1 - P_ik, largest at u1 and w1
-        bracket = torch.clamp(2 * keep * u1**2 - 1, min=1.0)
+        # 2 (1 - P_ik) u^2 over the cell lies in [lows, highs]
+        lows, highs = 2 * (1 - p_hi) * u0**2, 2 * keep * u1**2
         if others == 0:
-            return p_hi * bracket
+            return p_hi * _rank_one_bracket(lows, highs, torch.zeros_like(highs))
 
         # W sqrt(log(M / W)) is concave in W, largest at M e^{-1/2}
         def h(w):
@@ -944,7 +951,7 @@ def _column_block_supremum(others: int, c: float, margin: float | None,
         inner = torch.where(w0 >= peak, h(w0), h(w0.new_tensor(peak)))
         spread = torch.where(w1 <= peak, h(w1), inner)
         pull = torch.clamp(spread / (1 + weight_lo + w0), max=math.sqrt(c))
-        return p_hi * (bracket + 2 * u1 * pull)
+        return p_hi * _rank_one_bracket(lows, highs, 2 * u1 * pull)
 
     rows = cells(u0, u1, w0).amax(dim=1)  # (U,): the largest cell of each row in u
     values = []
@@ -960,6 +967,34 @@ def _column_block_supremum(others: int, c: float, margin: float | None,
         crowded = crowded.masked_fill(w1 < floor[near], 0.0).amax(dim=1)
         values.append(float(torch.cat([crowded, rows[~near]]).max()) + 1e-9)
     return values
+
+
+def _rank_one_bracket(lows: Tensor, highs: Tensor, reach: Tensor) -> Tensor:
+    """An upper bound on ||I - 2 a b^T||_2 over a = (1 - P) b + e with g = 2 (1 - P) ||b||^2
+    anywhere in [lows, highs] and 2 ||b|| ||e|| <= ``reach`` (h), e in any direction.
+
+    In the plane of b and e the operator is X = [[1 - g - x, 0], [y, 1]] with x^2 + y^2 <= h^2
+    (x, y = 2 ||b|| times e's parts along and across b). For a unit v = (cos f, sin f),
+    X v = (a cos f, sin f) + cos f (-x, y) with a = 1 - g, whose largest norm over the disk is
+    ||(a cos f, sin f)|| + h |cos f|; with t = |cos f|, the supremum over the disk is therefore
+
+        F(g, h) = max_{t in [0, 1]} sqrt(1 - (1 - a^2) t^2) + h t
+                = sqrt(1 + h^2 / (1 - a^2))   if |a| < 1 and h |a| <= 1 - a^2,
+                = |a| + h                     otherwise
+
+    (the first at the stationary point t^2 = h^2 / (q (q + h^2)), q = 1 - a^2, when it lies
+    in [0, 1]). It is at most max(1, |a|) + h, the triangle inequality's bound, and below it
+    when the pull is small and g is away from 0 (1 - a^2 large). F is the supremum of the
+    convex X -> ||X|| over a disk that moves linearly with g, so it is convex in g: its
+    largest value over [lows, highs] is at an end."""
+
+    def bound(g: Tensor) -> Tensor:
+        a = (1 - g).abs()
+        room = 1 - a**2
+        inside = (a < 1) & (reach * a <= room)
+        return torch.where(inside, torch.sqrt(1 + reach**2 / room.clamp_min(1e-300)), a + reach)
+
+    return torch.maximum(bound(lows), bound(highs))
 
 
 def _pairwise_spectral(a: Tensor,

@@ -1407,7 +1407,7 @@ def test_a_causal_length_fixes_the_2_norm_bound_of_every_causal_call():
 def test_full_calls_take_the_kernel_constant_in_the_2_norm():
     # for full (not causal) calls without offsets the 2-norm certificate may use the crowded
     # block columns (every row sees the points closer to z_k) and the core constant from the
-    # kernel's positive definiteness, the smaller one from N = 44 on
+    # kernel's positive definiteness, the smaller one from N = 53 on
     torch.manual_seed(0)
     module = L2MHA(4, 2).double()
     for n in (8, 64):
