@@ -468,30 +468,34 @@ def _column_block_pointwise_sup(n: int, crowd: int = 0) -> float:
     with P = s / (1 + s + W), s = e^{-u^2}, ||e|| <= min(sqrt(c), W sqrt(log(m / W)) /
     (1 + s + W)) and F the rank-one bracket (checked on its own against a brute-force
     supremum): the expression the column constant bounds cell by cell, evaluated at points."""
+    u, w, value = _column_block_pointwise_grid(n)
+    if not crowd:
+        return value.max().item()
+    floor = crowd * torch.exp(-4 * u**2)
+    value = value.masked_fill(w < floor, 0.0)
+    # the floor itself, between the grid's points in W
+    return max(value.max().item(), _column_block_values(n, u, floor).max().item())
 
-    def bracket(p, u, pull):
-        g = 2 * (1 - p) * u**2
-        return lipschitz._rank_one_bracket(g, g, 2 * u * pull)
 
-    c, m = phi_inverse(n - 1).item(), n - 2
+@functools.lru_cache(maxsize=1)  # one count's grid, reused for each of its crowding floors
+def _column_block_pointwise_grid(n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    m = n - 2
     u = torch.linspace(0, 6, 6001, dtype=torch.float64)[:, None]
     if m == 0:
         w = torch.zeros(1, 1, dtype=torch.float64)
     else:
         w = torch.cat([torch.zeros(1), m * torch.logspace(-10, 0, 4001)]).double()[None]
+    return u, w, _column_block_values(n, u, w)
+
+
+def _column_block_values(n: int, u: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    c, m = phi_inverse(n - 1).item(), n - 2
     s = torch.exp(-(u**2))
     p = s / (1 + s + w)
     spread = w * torch.sqrt(torch.log(max(m, 1) / w.clamp_min(1e-300)).clamp_min(0))
     pull = torch.clamp(spread / (1 + s + w), max=math.sqrt(c))
-    value = p * bracket(p, u, pull)
-    value = value.masked_fill(w < crowd * torch.exp(-4 * u**2), 0.0)
-    if crowd:  # the floor itself, between the grid's points in W
-        w = crowd * torch.exp(-4 * u**2)
-        p = s / (1 + s + w)
-        spread = w * torch.sqrt(torch.log(m / w).clamp_min(0))
-        pull = torch.clamp(spread / (1 + s + w), max=math.sqrt(c))
-        value = torch.cat([value, p * bracket(p, u, pull)], dim=1)
-    return value.max().item()
+    g = 2 * (1 - p) * u**2
+    return p * lipschitz._rank_one_bracket(g, g, 2 * u * pull)
 
 
 def test_rank_one_bracket_is_the_supremum_of_a_column_block_over_the_pull():
@@ -499,22 +503,21 @@ def test_rank_one_bracket_is_the_supremum_of_a_column_block_over_the_pull():
     # operator is [[1 - g - x, 0], [y, 1]] with x^2 + y^2 <= h^2; its largest norm over that
     # disk, by brute force over the circle (the norm is convex, so the disk's maximum lies on
     # it), against the closed form: never below it and attained
-    theta = torch.linspace(0, 2 * math.pi, 20001, dtype=torch.float64)
-    g = torch.linspace(0, 4, 81, dtype=torch.float64)[:, None, None]
-    h = torch.linspace(0, 3, 61, dtype=torch.float64)[None, :, None]
-    ops = torch.zeros(81, 61, theta.numel(), 2, 2, dtype=torch.float64)
+    theta = torch.linspace(0, 2 * math.pi, 4001, dtype=torch.float64)
+    g = torch.linspace(0, 4, 41, dtype=torch.float64)[:, None, None]
+    h = torch.linspace(0, 3, 31, dtype=torch.float64)[None, :, None]
+    ops = torch.zeros(41, 31, theta.numel(), 2, 2, dtype=torch.float64)
     ops[..., 0, 0] = 1 - g - h * torch.cos(theta)
     ops[..., 1, 0] = h * torch.sin(theta)
     ops[..., 1, 1] = 1
     brute = torch.linalg.matrix_norm(ops, 2).amax(-1)
     closed = lipschitz._rank_one_bracket(g[..., 0], g[..., 0], h[..., 0])
-    step = h[..., 0] * 2 * math.pi / 20000  # the circle between the angles
+    step = h[..., 0] * 2 * math.pi / 4000  # the circle between the angles
     assert (closed >= brute - 1e-12).all()
     assert (closed <= brute + step + 1e-12).all()
     # below the triangle inequality's max(1, |1 - g|) + h where the pull is small and g is
     # away from 0 (at g = 1, h = 1: sqrt(2) against 2)
-    assert lipschitz._rank_one_bracket(g[..., 0], g[..., 0], h[..., 0]).le(
-        torch.clamp((1 - g[..., 0]).abs(), min=1) + h[..., 0] + 1e-12).all()
+    assert closed.le(torch.clamp((1 - g[..., 0]).abs(), min=1) + h[..., 0] + 1e-12).all()
     one = torch.ones((), dtype=torch.float64)
     assert lipschitz._rank_one_bracket(one, one, one).item() == pytest.approx(math.sqrt(2))
     # an interval of g: at least the value at every g inside it (convex in g: an end)
@@ -526,15 +529,17 @@ def test_rank_one_bracket_is_the_supremum_of_a_column_block_over_the_pull():
         assert (both[:, None] >= each - 1e-12).all()
     # and the real blocks: random b, e in R^5 and weights P, never above the bracket
     gen = torch.Generator().manual_seed(11)
-    for _ in range(2000):
-        b = torch.randn(5, generator=gen, dtype=torch.float64) * 2 * torch.rand(1, generator=gen)
-        e = torch.randn(5, generator=gen, dtype=torch.float64) * torch.rand(1, generator=gen)
-        p = torch.rand((), generator=gen, dtype=torch.float64)
-        a = (1 - p) * b + e
-        block = torch.eye(5, dtype=torch.float64) - 2 * torch.outer(a, b)
-        norm = torch.linalg.matrix_norm(block, 2)
-        g_ = 2 * (1 - p) * b.norm() ** 2
-        assert norm <= lipschitz._rank_one_bracket(g_, g_, 2 * b.norm() * e.norm()) + 1e-10
+    b = torch.randn(2000, 5, generator=gen, dtype=torch.float64)
+    b = b * 2 * torch.rand(2000, 1, generator=gen, dtype=torch.float64)
+    e = torch.randn(2000, 5, generator=gen, dtype=torch.float64)
+    e = e * torch.rand(2000, 1, generator=gen, dtype=torch.float64)
+    p = torch.rand(2000, 1, generator=gen, dtype=torch.float64)
+    a = (1 - p) * b + e
+    blocks = torch.eye(5, dtype=torch.float64) - 2 * a[:, :, None] * b[:, None, :]
+    norms = torch.linalg.matrix_norm(blocks, 2)
+    g_ = 2 * (1 - p[:, 0]) * b.norm(dim=1) ** 2
+    assert (norms <= lipschitz._rank_one_bracket(g_, g_, 2 * b.norm(dim=1) * e.norm(dim=1))
+            + 1e-10).all()
 
 
 def test_core_column_constant_values():
