@@ -734,10 +734,10 @@ def l2_core_column_constant(n: int | Tensor, margin: float | None = None,
         ||e|| <= min(sqrt(c), W sqrt(log(m / W)) / (1 + s + W))
 
     with F(g, h) the largest norm of the operator over pulls of length 2 u ||e|| <= h in every
-    direction, in closed form sqrt(1 + h^2 / (1 - a^2)) (a = 1 - g) where |a| < 1 and
-    h |a| <= 1 - a^2, else |a| + h (the proof is in ``docs/attention.md``; the triangle
-    inequality's bound, on the second line, is what it replaced: I - 2 lambda b b^T has the
-    eigenvalues 1 and 1 - 2 lambda u^2). For the pull, sqrt(c) by Lemma F.2 and
+    direction, in closed form sqrt(1 + h^2 / (1 - alpha^2)) (alpha = 1 - g) where |alpha| < 1
+    and h |alpha| <= 1 - alpha^2, else |alpha| + h (the proof is in ``docs/attention.md``; the
+    triangle inequality's bound, on the second line, is what it replaced: I - 2 lambda b b^T
+    has the eigenvalues 1 and 1 - 2 lambda u^2). For the pull, sqrt(c) by Lemma F.2 and
     Cauchy-Schwarz, and the other bound because x sqrt(log(1/x)) is concave on (0, 1], so the
     m terms e^{-v^2} v with sum W are at most W sqrt(log(m / W)). Hence C_N = c_2 +
     (N - 1) kappa_N with kappa_N the supremum over
