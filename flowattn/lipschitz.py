@@ -913,7 +913,8 @@ def _diagonal_excess(count: Tensor) -> Tensor:
 
 def _column_block_supremum(others: int, c: float, margin: float | None,
                            crowds: tuple[int, ...] = (0,)) -> list[float]:
-    """Upper bounds on sup_{u, W} P_ik (max(1, 2 (1 - P_ik) u^2 - 1) + 2 u ||e||), the largest
+    """Upper bounds on sup_{u, W} P_ik F(2 (1 - P_ik) u^2, 2 u ||e||) (F of
+    :func:`_rank_one_bracket`), the largest
     norm of an off-diagonal block of a column of the core's Jacobian (see
     :func:`l2_core_column_constant`; ``margin`` None: no logit offsets), by monotone brackets
     over the cells of a grid; one value per entry q of ``crowds`` (without offsets), with W
