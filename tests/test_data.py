@@ -163,6 +163,22 @@ def test_values_finite_in_the_file_but_not_in_float32_are_named_as_such(tmp_path
     assert torch.isfinite(load_npz(_write(tmp_path / "ok.npz", x=x / 1e10)).x).all()
 
 
+def test_big_endian_and_extended_precision_arrays_are_read_as_their_values(tmp_path):
+    # torch reads neither a byte order other than the machine's nor numpy's long double: both
+    # are converted, and a long double beyond float64's range is refused by its own value
+    x = np.random.default_rng(0).normal(size=(4, 3, 2))
+    expected = torch.from_numpy(x).float()
+    for dtype in (">f4", ">f8", np.longdouble):
+        data = load_npz(_write(tmp_path / "x.npz", x=x.astype(dtype)))
+        assert data.x.dtype == torch.float32
+        assert torch.allclose(data.x, expected, rtol=1e-6, atol=0), dtype
+    if np.finfo(np.longdouble).max > np.finfo(np.float64).max:  # not where it is float64
+        huge = x.astype(np.longdouble)
+        huge[0, 0, 0] = np.longdouble("1e400")
+        with pytest.raises(DataError, match=r"\(\|x\| up to 1.00e\+400\)"):
+            load_npz(_write(tmp_path / "huge.npz", x=huge))
+
+
 def test_missing_or_corrupt_file_raises_data_error(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         load_npz(tmp_path / "absent.npz")

@@ -187,12 +187,20 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
         raise DataError(f"{path}: not a readable .npz file ({err})") from None
     if not np.issubdtype(x_np.dtype, np.floating):
         raise DataError(f"{path}: x must be floating point, got dtype {x_np.dtype}")
+    original, finite = x_np, np.isfinite(x_np)
+    if not x_np.dtype.isnative or x_np.dtype.itemsize > 8:
+        # big-endian arrays and extended precision, which torch does not read: as float64 in
+        # the machine's byte order (values beyond float64 become inf and are refused below)
+        with np.errstate(over="ignore"):
+            x_np = x_np.astype(np.float64)
     x = torch.from_numpy(np.ascontiguousarray(x_np)).to(dtype)
-    overflow = torch.from_numpy(np.isfinite(x_np)) & ~torch.isfinite(x)
+    overflow = torch.from_numpy(finite) & ~torch.isfinite(x)
     if overflow.any():  # finite in the file, out of range once cast
-        largest = float(np.abs(x_np[overflow.numpy()]).max())
+        # in the file's own precision (a long double beyond float64 would print as inf)
+        largest = np.format_float_scientific(np.abs(original[overflow.numpy()]).max(),
+                                             precision=2, unique=False)
         raise DataError(f"{path}: x holds values too large for {dtype} (|x| up to "
-                        f"{largest:.3g}): rescale the data")
+                        f"{largest}): rescale the data")
     mask = None
     if mask_np is not None:
         if mask_np.dtype != np.bool_:
