@@ -95,9 +95,15 @@ def random_signs(count: int, dim: int, generator: torch.Generator | None = None,
     return (2 * bits - 1).to(dtype)
 
 
+MAX_REFLECTION_DIM = 10
+
+
 def reflection_signs(dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
     r"""All 2^dim sign vectors (2^dim, dim), the identity first: the diagonals of the
     reflections through coordinate axes, for averages over every mirror image.
+
+    An average over them evaluates a model once per sign vector, so elements of more than
+    ``MAX_REFLECTION_DIM`` = 10 coordinates (over 1024 mirror images) are refused.
 
     Examples:
         >>> reflection_signs(2).tolist()
@@ -105,6 +111,11 @@ def reflection_signs(dim: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """
     if dim < 1:
         raise InputError(f"need dim >= 1, got dim={dim}")
+    if dim > MAX_REFLECTION_DIM:
+        raise InputError(f"the mirror average over every reflection through the coordinate axes "
+                         f"takes 2^D passes: 2^{dim} = {2**dim:,} for elements of D = {dim} "
+                         f"coordinates; it is offered up to D = {MAX_REFLECTION_DIM} "
+                         f"({2**MAX_REFLECTION_DIM:,} passes): use symmetry 'none'")
     return torch.tensor(list(itertools.product((1.0, -1.0), repeat=dim)), dtype=dtype)
 
 

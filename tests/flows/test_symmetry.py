@@ -132,3 +132,17 @@ def test_a_mirror_averaged_run_trains_as_the_augmented_run(tmp_path):
         assert torch.equal(value, finals[1][key]), key
     assert summaries[0]["train_loss"] == summaries[1]["train_loss"]
     assert summaries[1]["test_nll"] < summaries[0]["test_nll"]  # the average scores better
+
+
+def test_the_mirror_average_is_refused_for_wide_elements_by_its_number_of_passes():
+    # 2^D passes of the flow per evaluation: up to D = 10 (1024), refused above by name (at
+    # D = 24 the sign patterns alone took gigabytes and the average ran for hours)
+    from flowattn.data import reflection_signs
+
+    assert reflection_signs(10).shape == (1024, 10)
+    with pytest.raises(InputError, match=r"2\^11 = 2,048 for elements of D = 11 .* up to D = 10"):
+        reflection_signs(11)
+    flow = coupling_flow(11, layers=1, hidden=8, blocks=1, location=False)
+    assert SetFlow(flow.transform, dim=11).symmetry == "none"
+    with pytest.raises(InputError, match="offered up to D = 10"):
+        SetFlow(flow.transform, dim=11, symmetry="reflections")
