@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import signal
 import sys
 import threading
@@ -62,8 +63,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; return the exit status.
 
     Errors in the input (a bad file, an invalid setting, a run that cannot resume, an inverse
-    that does not converge) are reported as one line on stderr with exit status 2; a training
-    run that diverged exits with status 3. From a shell:
+    that does not converge) are reported as one line on stderr with exit status 2, as are
+    settings too large for the machine's memory; a training run that diverged exits with status
+    3; a file the system would not read or write during a command (its run folder removed,
+    say) is one line with exit status 74 (``EX_IOERR``). From a shell:
     ``flowattn lm train --steps 200 --out runs/demo``.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -102,6 +105,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{prog}: stopped: its standard output was closed by the program reading it"
               f"{_resumable(args, prog)}", file=sys.stderr)
         return 141
+    except (OSError, RuntimeError) as err:
+        reason = _machine_failure(err)
+        if reason is None:  # a defect: its traceback
+            raise
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: error: {reason}{_resumable(args, prog)}", file=sys.stderr)
+        return 2 if isinstance(err, RuntimeError) else 74  # sysexits' EX_IOERR
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
@@ -115,6 +126,25 @@ def _import_torch() -> None:
 
     with signals_deferred():
         import torch  # noqa: F401
+
+
+def _machine_failure(err: BaseException) -> str | None:
+    """One line for a failure of the machine under a command, or None for anything else: a
+    file that could not be read or written (the run folder removed or unwritable during a run),
+    or memory that could not be allocated (settings too large for this machine)."""
+    if isinstance(err, OSError):
+        where = f" ({err.filename})" if err.filename else ""
+        return f"the file system refused: {err.strerror or err}{where}"
+    text = str(err)
+    import torch
+
+    if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text:
+        asked = re.search(r"allocate (\d+) bytes", text)
+        what = (f"one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB could not be allocated"
+                if asked else " ".join(text.split("\n")[0].split()))
+        return (f"out of memory: {what} (the settings ask for more memory than this machine "
+                "has: use smaller sizes)")
+    return None
 
 
 class Terminated(KeyboardInterrupt):

@@ -1209,6 +1209,42 @@ def test_a_closed_standard_output_stops_a_run_with_one_line(tmp_path, capsys, co
 
 
 
+def test_a_failing_file_system_or_memory_is_one_line_and_other_errors_keep_their_traceback(
+        tmp_path, capsys, corpus, monkeypatch):
+    # the run folder removed under a running command (its metrics file gone), a model too
+    # large to allocate: one line each, exit 74 and 2; any other RuntimeError is a defect and
+    # keeps its traceback
+    from flowattn.lm.train import LMTask
+
+    def removed(self, dist):
+        raise FileNotFoundError(2, "No such file or directory", str(tmp_path / "m.jsonl"))
+
+    monkeypatch.setattr(LMTask, "evaluate", removed)
+    code, _, err = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "4",
+                       "--out", tmp_path / "lm")
+    assert code == 74 and "Traceback" not in err and err.count("\n") == 1
+    assert err.startswith("flowattn lm train: error: the file system refused: No such file or "
+                          f"directory ({tmp_path / 'm.jsonl'})")
+
+    def too_large(self, dist):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 3221225472 bytes.")
+
+    monkeypatch.setattr(LMTask, "evaluate", too_large)
+    code, _, err = cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "4",
+                       "--out", tmp_path / "lm2")
+    assert code == 2 and "Traceback" not in err
+    assert "error: out of memory: one tensor of 3.0 GiB could not be allocated" in err
+
+    def defect(self, dist):
+        raise RuntimeError("shape mismatch somewhere")
+
+    monkeypatch.setattr(LMTask, "evaluate", defect)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        cli(capsys, "lm", "train", "--data", corpus, *LM_FLAGS, "--steps", "4",
+            "--out", tmp_path / "lm3")
+
+
 def test_a_run_on_a_relative_data_file_resumes_from_anywhere(tmp_path, capsys, monkeypatch):
     work = tmp_path / "work"
     work.mkdir()
