@@ -170,6 +170,25 @@ def test_sample_refuses_an_output_it_cannot_write_before_sampling(tmp_path, caps
     assert not drawn
 
 
+def test_sample_refuses_to_overwrite_the_data_file_its_run_was_fitted_to(tmp_path, capsys,
+                                                                         monkeypatch):
+    from flowattn.data import save_npz
+
+    data = tmp_path / "sets.npz"
+    save_npz(data, torch.randn(60, 5, 2))
+    before = data.read_bytes()
+    out = tmp_path / "run"
+    assert run_cli("fit", "--data", str(data), "--batch-size", "16", "--no-progress", "--steps",
+                   "2", "--out", str(out), "--config", str(tiny_config(tmp_path))) == 0
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)  # the same file by another name
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "3", "--out", "sets.npz") == 2
+    err = capsys.readouterr().err.strip()
+    assert "is the data file this run was fitted to" in err and len(err.splitlines()) == 1
+    assert data.read_bytes() == before
+    assert run_cli("sample", "--checkpoint", str(out), "--num", "3", "--out", "other.npz") == 0
+
+
 def test_atomic_write_names_the_file_it_cannot_write_and_leaves_nothing(tmp_path):
     from flowattn.errors import InputError
     from flowattn.files import atomic_write_text

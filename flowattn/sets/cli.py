@@ -172,6 +172,11 @@ def _sample(args: argparse.Namespace) -> int:
                          f"{args.num}")
     out = check_output_file(args.out, ".npz")
     flow, record, device = _load(args)
+    fitted = record["config"].data.data  # a built-in name, or the data file's path
+    if out.exists() and out.resolve() == Path(fitted).resolve():
+        raise InputError(f"--out {out} is the data file this run was fitted to: the samples "
+                         "would overwrite it (and the run could no longer resume or be "
+                         "checked against it); write them to another file")
     if args.energy:
         return _sample_weighted(args, flow, record, device, out)
     set_size = args.set_size or record["data"]["set_size"]
