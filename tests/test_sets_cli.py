@@ -1198,3 +1198,24 @@ def test_eval_says_which_density_it_scores_and_when_the_sets_are_the_training_fi
         assert noted == (path == data), lines
         assert json.loads(lines[-1])["density"] == ("mirror average" if mirrored
                                                     else "the flow's own")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--flow", "coupling", "--blocks", "7"], "blocks is a setting of residual flows"),
+    (["--flow", "coupling", "--coeff", "0.5"], "coeff is a setting of residual flows"),
+    (["--preset", "small", "--hidden", "7"], "(flow=coupling): a coupling flow's depth and"),
+    (["--flow", "cnf", "--train-logdet", "exact"], "train_logdet is a setting of residual"),
+    (["--t1", "2"], "t1 is a setting of continuous flows (flow=cnf)"),
+    (["--divergence", "hutchinson"], "divergence is a setting of continuous flows"),
+    (["--interaction", "attention", "--radial-basis", "8"], "radial_basis is a setting of "
+                                                            "radial interactions"),
+    (["--energy-max", "5"], "energy_max is a setting of training by energy"),
+    (["--interaction", "none", "--location"], "location is not built with interaction=none"),
+])
+def test_fit_refuses_typed_settings_its_flow_would_not_read(tmp_path, capsys, flags, message):
+    # each of these was ignored in silence: the run trained the flow it would have without it
+    out = tmp_path / "run"
+    assert run_cli("fit", *TINY, "--steps", "2", "--out", str(out), *flags) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and len(err.splitlines()) == 1, err
+    assert not out.exists()  # refused before the run folder is made

@@ -17,7 +17,7 @@ from pydantic import model_validator
 from ..errors import ConfigError
 from ..training.config import Field, RunConfig, Section, TrainSettings
 
-__all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow",
+__all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow", "check_flags_read",
            "resolved_interaction", "resolved_field", "legacy_settings", "PRESETS",
            "DATA_DEFAULTS", "MIRROR_DATA", "apply_preset", "apply_symmetry"]
 
@@ -490,6 +490,61 @@ def legacy_settings(settings: dict) -> dict:
     if settings.get("grad_clip") == 0:
         settings["grad_clip"] = None
     return SetsRunConfig.nest(settings, "checkpoint settings")
+
+
+# Settings typed on the command line that a flow of another kind would not read: refused by
+# check_flags_read (the validator above refuses the non-default values it can tell apart; these
+# have defaults a stored or preset configuration holds whatever the flow, so only what the user
+# typed is checked).
+_RESIDUAL_ONLY = ("blocks", "hidden", "coeff", "mlp", "train_logdet")
+_CONTINUOUS_ONLY = ("t1", "ode_tol", "divergence", "field_layers", "field_hidden")
+_RADIAL_ONLY = ("radial_basis", "radial_range")
+_ENERGY_ONLY = ("energy_samples", "energy_max")
+
+
+def check_flags_read(flags: Mapping[str, Any], config: SetsRunConfig) -> None:
+    """Refuse settings given on the command line (``flags``, flat) that the flow ``config``
+    builds would not read, so that no typed setting is ignored in silence.
+
+    Raises:
+        ConfigError: naming the first such setting and the kind of flow it belongs to.
+
+    Examples:
+        >>> config = SetsRunConfig.build({"flow": {"flow": "coupling"}})
+        >>> check_flags_read({"coupling_layers": 4}, config)  # read: fine
+        >>> try:
+        ...     check_flags_read({"blocks": 7}, config)
+        ... except ConfigError as err:
+        ...     print(str(err).split(",")[0])
+        blocks is a setting of residual flows (flow=resflow)
+    """
+    flow = config.flow
+    kinds = {"coupling": "a coupling flow's depth and width are coupling_layers and "
+                         "coupling_hidden",
+             "cnf": "a continuous flow's depth and width are field_layers and field_hidden"}
+    unread: dict[str, str] = {}
+    if flow.flow != "resflow":
+        for name in _RESIDUAL_ONLY:
+            unread[name] = (f"a setting of residual flows (flow=resflow), which this run does "
+                            f"not build (flow={flow.flow}): {kinds[flow.flow]}")
+    if flow.flow != "cnf":
+        for name in _CONTINUOUS_ONLY:
+            unread[name] = (f"a setting of continuous flows (flow=cnf), which this run does not "
+                            f"build (flow={flow.flow})")
+    if flow.flow != "resflow" or flow.interaction not in ("auto", "radial"):
+        for name in _RADIAL_ONLY:
+            unread[name] = (f"a setting of radial interactions (flow=resflow, "
+                            f"interaction=radial; here flow={flow.flow}, "
+                            f"interaction={flow.interaction})")
+    if flow.energy_weight == 0:
+        for name in _ENERGY_ONLY:
+            unread[name] = "a setting of training by energy: it needs energy_weight > 0"
+    if flow.interaction == "none" and flags.get("location"):
+        unread["location"] = ("not built with interaction=none (each element transformed "
+                              "alone: no set-level centroid)")
+    for name in flags:
+        if name in unread:
+            raise ConfigError(f"{name} is {unread[name]}")
 
 
 def resolved_interaction(flow: SetsFlow, zero_com: bool) -> str:
