@@ -276,6 +276,21 @@ def test_eval_scores_the_same_nll_as_the_run_and_does_not_depend_on_batching(cap
     assert results[1]["nll"] == pytest.approx(results[0]["nll"], rel=1e-6)
 
 
+def test_eval_takes_a_built_in_name_before_a_folder_of_that_name(tmp_path, capsys, tiny_run,
+                                                                  monkeypatch):
+    # `cd runs && flowattn sets eval --checkpoint gaussian-sets --data gaussian-sets` read the
+    # run folder as the data ("Is a directory"); fit takes the built-in set there, and so does
+    # eval now
+    summary = json.loads((tiny_run / "summary.json").read_text())
+    (tmp_path / "gaussian-sets").mkdir()
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert run_cli("eval", "--checkpoint", str(tiny_run), "--data", "gaussian-sets",
+                   "--json") == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["nll"] == pytest.approx(summary["test_nll"], rel=1e-6)
+
+
 def test_eval_scores_the_mirror_average_of_a_fitted_flow(capsys, tiny_run):
     from flowattn.data import load_dataset
 

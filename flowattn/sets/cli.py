@@ -86,7 +86,7 @@ def _load(args: argparse.Namespace):
 
 
 def _eval(args: argparse.Namespace) -> int:
-    from ..data import load_dataset, load_npz
+    from ..data import DATASETS, load_dataset, load_npz
     from ..training.run import data_fingerprint
     from .train import evaluate
 
@@ -97,9 +97,10 @@ def _eval(args: argparse.Namespace) -> int:
         _set_eval_divergence(flow, args.divergence, record)
     if args.symmetry != "auto":
         flow.symmetry = args.symmetry
-    if args.data.endswith(".npz") or Path(args.data).exists():
+    if args.data not in DATASETS and (args.data.endswith(".npz") or Path(args.data).exists()):
         data = load_npz(args.data)
-    else:  # a built-in name: its test split; the fitted run's own (its seed and set size)
+    else:  # a built-in name (before a file or folder of that name, as for fit): its test
+        # split; the fitted run's own (its seed and set size)
         fitted, own = record["config"], record["config"].data.data == args.data
         data = load_dataset(args.data, seed=fitted.train.seed if own else 0,
                             set_size=fitted.data.set_size if own else None)["test"]
