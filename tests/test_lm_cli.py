@@ -99,6 +99,10 @@ def test_invert_check_reconstructs_embeddings_of_an_invertible_lm_below_1e_4(
     code, stdout, _ = run(capsys, "lm", "invert-check", "--checkpoint", out, "--threshold",
                           "1e-30", "--json")
     assert code == 1 and not last_json(stdout)["passed"]
+    # the line says the verdict and the threshold it was taken against
+    assert stdout.splitlines()[0].endswith(": FAILED (--threshold 1e-30)")
+    code, stdout, _ = run(capsys, "lm", "invert-check", "--checkpoint", out)
+    assert code == 0 and stdout.strip().endswith(": passed (--threshold 0.0001)")
     # an inverse that does not converge fails the check (status 1, its report), naming the flags
     code, stdout, err = run(capsys, "lm", "invert-check", "--checkpoint", out, "--max-iter", "1",
                             "--json")

@@ -319,10 +319,11 @@ def _invert_check(args: argparse.Namespace) -> int:
         return EXIT_CHECK_FAILED
     report.update(dtype=args.dtype, threshold=args.threshold, sequences=n, converged=True,
                   passed=report["max_error"] <= args.threshold)
+    verdict = ("passed" if report["passed"] else "FAILED") + f" (--threshold {args.threshold:g})"
     _emit(report, args.json, [
         f"max reconstruction error {report['max_error']:.3e} over {report['tokens']} tokens "
         f"({args.dtype}); tokens recovered {100 * report['token_accuracy']:.2f}%; largest "
-        f"certified branch constant {report['max_branch_bound']:.4f}",
+        f"certified branch constant {report['max_branch_bound']:.4f}: {verdict}",
     ])
     return 0 if report["passed"] else EXIT_CHECK_FAILED
 
