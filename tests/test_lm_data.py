@@ -128,6 +128,10 @@ def test_ptb_char_file_is_detected_and_separate_validation_file_used(tmp_path):
     valid = write(tmp_path, "ptb.char.valid.txt", " t h e _ b a n k\n")
     corpus = load_corpus(train, val_path=valid)
     assert corpus.format == "ptb-char" and corpus.val_source == str(valid)
+    # a validation file that is not in the format: the error names it, not the training file
+    bad = write(tmp_path, "bad.txt", " t h e\nword\n")
+    with pytest.raises(ValueError, match=r"bad.txt: line 2 is not in the PTB-char format"):
+        load_corpus(train, fmt="ptb-char", val_path=bad)
     assert corpus.vocab.decode(corpus.train) == "aer banknote\nthe end <\n" * 5
     assert corpus.vocab.decode(corpus.val) == "the bank\n"
     as_text = load_corpus(train, fmt="text")

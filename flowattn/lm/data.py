@@ -244,7 +244,10 @@ def _decoded(path: str, fmt: str) -> tuple[str, str]:
     if fmt == "auto":
         fmt = "ptb-char" if looks_like_ptb_char(text) else "text"
     if fmt == "ptb-char":
-        text = parse_ptb_char(text)
+        try:
+            text = parse_ptb_char(text)
+        except InputError as err:  # which file: with a validation file there are two
+            raise InputError(f"{path}: {err}") from None
     return text, fmt
 
 
