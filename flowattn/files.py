@@ -133,9 +133,9 @@ def check_output_file(path: str | os.PathLike, suffix: str) -> Path:
     Raises:
         InputError: naming what is wrong with ``path``.
     """
-    path = Path(path)
-    if path.suffix != suffix:
-        raise InputError(f"--out must name a {suffix} file, got {path}")
+    typed, path = str(path), Path(path)
+    if path.suffix != suffix:  # Path(".npz") has no suffix: it is a hidden file's name
+        raise InputError(f"--out must name a {suffix} file, such as out{suffix}, got {typed!r}")
     if path.is_dir():
         raise InputError(f"cannot write {path}: it is a folder")
     folder = path.parent

@@ -162,7 +162,9 @@ def test_sample_refuses_an_output_it_cannot_write_before_sampling(tmp_path, caps
     for out, message in ((tmp_path / "folder.npz", "it is a folder"),
                          (tmp_path / "file" / "x.npz", "is a file, not a folder"),
                          (tmp_path / "absent" / "x.npz", "does not exist"),
-                         (tmp_path / "x.txt", "must name a .npz file")):
+                         (tmp_path / "x.txt", "must name a .npz file"),
+                         (".npz", "must name a .npz file, such as out.npz, got '.npz'"),
+                         ("", "must name a .npz file, such as out.npz, got ''")):
         assert run_cli("sample", "--checkpoint", str(tiny_run), "--num", "2", "--out",
                        str(out)) == 2
         err = capsys.readouterr().err.strip()

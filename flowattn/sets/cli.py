@@ -43,7 +43,8 @@ def _fit(args: argparse.Namespace) -> int:
         split = summary.get("test_split", "test")
         name = "test NLL" if split == "test" else f"{split} NLL (the data have no test split)"
         line = (f"{name}: {summary['test_nll']:.4f} nats/set, "
-                f"{summary['test_nll_per_dim']:.4f} nats/dim ({summary['test_sets']} sets, "
+                f"{summary['test_nll_per_dim']:.4f} nats/dim "
+                f"({counted(summary['test_sets'], 'set')}, "
                 f"{_logdet_note(summary.get('test_logdet'), summary.get('test_nll_per_dim_se'))}"
                 f"{_sampling_note(summary.get('test_nll_per_dim_sampling_se'))})")
         if "true_nll" in summary:
