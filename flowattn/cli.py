@@ -138,7 +138,8 @@ def _machine_failure(err: BaseException) -> str | None:
     text = str(err)
     import torch
 
-    if isinstance(err, torch.OutOfMemoryError) or "can't allocate memory" in text:
+    out_of_memory = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # < 2.5
+    if isinstance(err, out_of_memory) or "can't allocate memory" in text:
         asked = re.search(r"allocate (\d+) bytes", text)
         what = (f"one tensor of {int(asked.group(1)) / 2**30:,.1f} GiB could not be allocated"
                 if asked else " ".join(text.split("\n")[0].split()))

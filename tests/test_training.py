@@ -1235,6 +1235,11 @@ def test_a_failing_file_system_or_memory_is_one_line_and_other_errors_keep_their
                        "--out", tmp_path / "lm2")
     assert code == 2 and "Traceback" not in err
     assert "error: out of memory: one tensor of 3.0 GiB could not be allocated" in err
+    from flowattn.cli import _machine_failure  # a GPU's own error type, its first line
+
+    gpu = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.\nmore")
+    assert _machine_failure(gpu).startswith("out of memory: CUDA out of memory. Tried to "
+                                            "allocate 2.00 GiB. (the settings ask for more")
 
     def defect(self, dist):
         raise RuntimeError("shape mismatch somewhere")
