@@ -1236,3 +1236,24 @@ def test_fit_refuses_typed_settings_its_flow_would_not_read(tmp_path, capsys, fl
     err = capsys.readouterr().err.strip()
     assert message in err and len(err.splitlines()) == 1, err
     assert not out.exists()  # refused before the run folder is made
+
+
+def test_a_checkpoint_that_does_not_rebuild_its_flow_says_which_entry_and_why(tmp_path, capsys,
+                                                                             tiny_run):
+    # a weight of the wrong shape: torch's whole message (the key and both shapes) on one
+    # line, not only its first line; a record without its model: the entry by name
+    record = torch.load(tiny_run / "checkpoint.pt", weights_only=True)
+    name = next(k for k, v in record["model"].items() if v.dim() == 2)
+    record["model"][name] = torch.zeros(3, 3)
+    torch.save(record, tmp_path / "shape.pt")
+    del record["model"]
+    torch.save(record, tmp_path / "nomodel.pt")
+    capsys.readouterr()
+    for path, message in (("shape.pt", f"size mismatch for {name}: copying a param with shape "
+                                       "torch.Size([3, 3]) from checkpoint"),
+                          ("nomodel.pt", "its record has no entry 'model'")):
+        assert run_cli("sample", "--checkpoint", str(tmp_path / path), "--num", "2", "--out",
+                       str(tmp_path / "s.npz")) == 2
+        err = capsys.readouterr().err.strip()
+        assert "does not hold a set flow this flowattn can rebuild: " in err, err
+        assert message in err and len(err.splitlines()) == 1, err

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..attention import ContractiveL2MHA, frozen_certificates
 from ..errors import CheckpointError, ConfigError, NonFiniteError
-from ..training.checkpoint import read_model
+from ..training.checkpoint import read_model, unbuildable
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
@@ -195,8 +195,7 @@ def load_checkpoint(path: str | Path,
         model = build_model(config).to(device)
         model.load_state_dict(eager_state_dict(record["model"]))
     except (KeyError, TypeError, RuntimeError) as err:
-        raise CheckpointError(f"{record['path']} does not hold a language model this flowattn "
-                              f"can rebuild: {str(err).splitlines()[0][:200]}") from None
+        raise unbuildable(record, "a language model", err) from None
     record = {**record, "corpus": task["corpus"], "model_config": config}
     return model.eval(), record, CharVocab.from_dict(task["vocab"])
 

@@ -27,14 +27,14 @@ from ..data import (
     reflect_sets,
     rotate_sets,
 )
-from ..errors import CheckpointError, ConfigError, DataError, NonFiniteError
+from ..errors import ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
 from ..flows.builders import SetFlow
 from ..flows.coupling import SetCoupling
 from ..flows.geometry import probe_stream
 from ..flows.residual import InvertibleResidual
 from ..progress import progress_batches
-from ..training.checkpoint import read_model
+from ..training.checkpoint import read_model, unbuildable
 from ..training.cli import counted
 from ..training.config import from_sources
 from ..training.device import check_compilable
@@ -550,6 +550,5 @@ def load_flow(checkpoint: str | Path, device: str | torch.device = "cpu") -> tup
         flow = flow.to(device)
         flow.load_state_dict(record["model"])
     except (KeyError, TypeError, RuntimeError, ConfigError) as err:
-        raise CheckpointError(f"{record['path']} does not hold a set flow this flowattn can "
-                              f"rebuild: {str(err).splitlines()[0][:200]}") from None
+        raise unbuildable(record, "a set flow", err) from None
     return flow.eval(), {**record, "config": config, "data": spec}

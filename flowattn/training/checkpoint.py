@@ -27,7 +27,7 @@ from ..errors import CheckpointError, RunError
 from ..files import atomic_write
 
 __all__ = ["CHECKPOINT", "BEST", "VERSION", "save_checkpoint", "read_checkpoint",
-           "read_model", "find_checkpoint", "check_resumable", "checkpoint_step"]
+           "read_model", "unbuildable", "find_checkpoint", "check_resumable", "checkpoint_step"]
 
 CHECKPOINT = "checkpoint.pt"
 BEST = "best.pt"  # the state at the lowest validation loss, in runs with keep_best
@@ -177,6 +177,25 @@ def read_model(location: str | os.PathLike, kind: str,
                               f"({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}); "
                               "the file is damaged or was written by a diverged run")
     return record
+
+
+def unbuildable(record: dict, what: str, err: BaseException) -> CheckpointError:
+    """The error for a checkpoint whose model cannot be rebuilt from its record: ``what`` it
+    should hold, and why not: a missing entry by its name, else the error's whole message on
+    one line (``load_state_dict`` lists every missing key and size mismatch), cut at 400
+    characters.
+
+    Examples:
+        >>> str(unbuildable({"path": "c.pt"}, "a set flow", KeyError("model")))
+        "c.pt does not hold a set flow this flowattn can rebuild: its record has no entry 'model'"
+    """
+    if isinstance(err, KeyError):
+        reason = f"its record has no entry {err.args[0]!r}" if err.args else "an entry is missing"
+    else:
+        reason = " ".join(str(err).split())
+        reason = reason if len(reason) <= 400 else reason[:400] + " ..."
+    return CheckpointError(f"{record['path']} does not hold {what} this flowattn can rebuild: "
+                           f"{reason}")
 
 
 def check_resumable(record: dict) -> None:
