@@ -1257,3 +1257,22 @@ def test_a_checkpoint_that_does_not_rebuild_its_flow_says_which_entry_and_why(tm
         err = capsys.readouterr().err.strip()
         assert "does not hold a set flow this flowattn can rebuild: " in err, err
         assert message in err and len(err.splitlines()) == 1, err
+
+
+def test_sample_refuses_a_draw_that_would_not_fit_in_memory_before_drawing(tmp_path, capsys,
+                                                                          tiny_run,
+                                                                          monkeypatch):
+    # --num 10^12 drew batch after batch until the machine ran out of memory
+    import flowattn.training.memory as memory
+
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10_000)
+    out = tmp_path / "s.npz"
+    capsys.readouterr()
+    assert run_cli("sample", "--checkpoint", str(tiny_run), "--num", "100", "--out",
+                   str(out)) == 2  # 2 x 100 x 8 x 2 x 4 = 12,800 bytes
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flowattn sets sample: error: 100 sets of 8 elements in R^2 take "
+                          "0.0 GiB as they are drawn and written, and 0.0 GiB is available")
+    assert "--num, --set-size" in err and not out.exists()
+    assert run_cli("sample", "--checkpoint", str(tiny_run), "--num", "50", "--out",
+                   str(out)) == 0  # 6,400 bytes

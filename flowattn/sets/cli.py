@@ -179,9 +179,10 @@ def _sample(args: argparse.Namespace) -> int:
         raise InputError(f"--out {out} is the data file this run was fitted to: the samples "
                          "would overwrite it (and the run could no longer resume or be "
                          "checked against it); write them to another file")
+    set_size = args.set_size or record["data"]["set_size"]
+    _check_samples_fit(args.num, set_size, record["data"]["dim"], device)
     if args.energy:
         return _sample_weighted(args, flow, record, device, out)
-    set_size = args.set_size or record["data"]["set_size"]
     counts = record["data"].get("size_counts") if args.set_size is None else None
     generator = torch.Generator(device=device).manual_seed(args.seed)
     masks = None if counts is None else _size_masks(args.num, counts, generator)
@@ -266,6 +267,24 @@ def _particle_system(record: dict):
                         f"({known}); this one was fitted to {source!r}, whose energy is "
                         "unknown")
     return PARTICLE_SYSTEMS[source]
+
+
+def _check_samples_fit(num: int, set_size: int, dim: int, device) -> None:
+    """Refuse a draw whose sets would not fit in memory before drawing any: they are held
+    together (on ``device``, then as the written array on the host), 4 bytes a number each."""
+    import torch
+
+    from ..training.memory import available_memory
+
+    needed = 2 * num * set_size * dim * 4
+    for where in {device, torch.device("cpu")}:
+        free = available_memory(torch.device(where))
+        if free is not None and needed > free:
+            raise InputError(f"{counted(num, 'set')} of {counted(set_size, 'element')} in "
+                             f"R^{dim} take {needed / 2**30:,.1f} GiB as they are drawn and "
+                             f"written, and {free / 2**30:,.1f} GiB is available ({where}): "
+                             "draw fewer or smaller sets per call (--num, --set-size; calls "
+                             "with other --seed values draw other sets)")
 
 
 def _sample_weighted(args: argparse.Namespace, flow, record: dict, device, out: Path) -> int:
