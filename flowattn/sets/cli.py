@@ -21,20 +21,23 @@ from ..training.cli import (
     run_summary_lines,
     seed,
 )
-from ..training.config import add_arguments, given_flags
-from .config import SetsRunConfig
+from ..training.config import add_arguments, from_sources, given_flags
+from .config import SetsRunConfig, check_applicable
 
 __all__ = ["add_sets_subparsers"]
 
 
 def _fit(args: argparse.Namespace) -> int:
-    if args.print_config:
+    flags = given_flags(args, SetsRunConfig)
+    if not args.resume:  # settings typed for a flow that would not read them
+        check_applicable(flags, from_sources(SetsRunConfig, args.config, flags))
+    if args.print_config:  # (what training would refuse, it refuses too)
         return print_run_config(SetsRunConfig, args, "sets")
     from ..training.loop import EXIT_DIVERGED
     from .train import fit
 
     summary = fit(out=args.out, resume=args.resume, file=args.config,
-                  flags=given_flags(args, SetsRunConfig), progress=args.progress,
+                  flags=flags, progress=args.progress,
                   tensorboard=args.tensorboard)
     if not is_main_process():
         return EXIT_DIVERGED if summary["diverged"] else 0
@@ -278,7 +281,7 @@ def _check_samples_fit(num: int, set_size: int, dim: int, device) -> None:
 
     needed = 2 * num * set_size * dim * 4
     for where in {device, torch.device("cpu")}:
-        free = available_memory(torch.device(where))
+        free = available_memory(where)
         if free is not None and needed > free:
             raise InputError(f"{counted(num, 'set')} of {counted(set_size, 'element')} in "
                              f"R^{dim} take {needed / 2**30:,.1f} GiB as they are drawn and "

@@ -17,7 +17,7 @@ from pydantic import model_validator
 from ..errors import ConfigError
 from ..training.config import Field, RunConfig, Section, TrainSettings
 
-__all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow", "check_flags_read",
+__all__ = ["SetsData", "SetsFlow", "SetsTrain", "SetsRunConfig", "build_flow", "check_applicable",
            "resolved_interaction", "resolved_field", "legacy_settings", "PRESETS",
            "DATA_DEFAULTS", "MIRROR_DATA", "apply_preset", "apply_symmetry"]
 
@@ -493,7 +493,7 @@ def legacy_settings(settings: dict) -> dict:
 
 
 # Settings typed on the command line that a flow of another kind would not read: refused by
-# check_flags_read (the validator above refuses the non-default values it can tell apart; these
+# check_applicable (the validator above refuses the non-default values it can tell apart; these
 # have defaults a stored or preset configuration holds whatever the flow, so only what the user
 # typed is checked).
 _RESIDUAL_ONLY = ("blocks", "hidden", "coeff", "mlp", "train_logdet")
@@ -502,7 +502,7 @@ _RADIAL_ONLY = ("radial_basis", "radial_range")
 _ENERGY_ONLY = ("energy_samples", "energy_max")
 
 
-def check_flags_read(flags: Mapping[str, Any], config: SetsRunConfig) -> None:
+def check_applicable(flags: Mapping[str, Any], config: SetsRunConfig) -> None:
     """Refuse settings given on the command line (``flags``, flat) that the flow ``config``
     builds would not read, so that no typed setting is ignored in silence.
 
@@ -511,9 +511,9 @@ def check_flags_read(flags: Mapping[str, Any], config: SetsRunConfig) -> None:
 
     Examples:
         >>> config = SetsRunConfig.build({"flow": {"flow": "coupling"}})
-        >>> check_flags_read({"coupling_layers": 4}, config)  # read: fine
+        >>> check_applicable({"coupling_layers": 4}, config)  # read: fine
         >>> try:
-        ...     check_flags_read({"blocks": 7}, config)
+        ...     check_applicable({"blocks": 7}, config)
         ... except ConfigError as err:
         ...     print(str(err).split(",")[0])
         blocks is a setting of residual flows (flow=resflow)

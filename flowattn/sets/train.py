@@ -36,7 +36,6 @@ from ..flows.residual import InvertibleResidual
 from ..progress import progress_batches
 from ..training.checkpoint import read_model, unbuildable
 from ..training.cli import counted
-from ..training.config import from_sources
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
@@ -47,7 +46,6 @@ from .boltzmann import regularised_energy
 from .config import (
     SetsRunConfig,
     build_flow,
-    check_flags_read,
     legacy_settings,
     resolved_field,
     resolved_interaction,
@@ -506,8 +504,6 @@ def fit(
     """
     if config is not None:
         flags = {**config.flat(), **(flags or {})}
-    if config is None and not resume:  # the command line: no typed setting goes unread
-        check_flags_read(flags or {}, from_sources(SetsRunConfig, file, flags))
     plan = plan_run(out, "sets", SetsRunConfig, resume=resume, file=file, flags=flags,
                     fingerprint=_fingerprint)
     if plan.finished:
