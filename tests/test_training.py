@@ -134,6 +134,28 @@ def test_config_files_are_json_or_yaml_flat_or_nested(tmp_path):
         read_config_file(tmp_path / "run.toml")
     with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: [^(]*$"):
         read_config_file(tmp_path / "bad.yaml")
+    # the place of a YAML error, which its message puts on later lines, is named
+    (tmp_path / "indent.yaml").write_text("steps: 10\n  blocks: 3\n")
+    with pytest.raises(ConfigError, match=r"indent.yaml is not valid YAML: mapping values are "
+                       r"not allowed here at line 2, column 9$"):
+        read_config_file(tmp_path / "indent.yaml")
+    with pytest.raises(ConfigError, match=r"bad.yaml is not valid YAML: while parsing a flow "
+                       r"node: expected the node content, .* at line 2, column 1$"):
+        read_config_file(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
+def test_an_empty_yaml_config_is_refused_like_an_empty_json_one(tmp_path, text):
+    # it was taken as the defaults, while an empty JSON file is a syntax error
+    (tmp_path / "empty.yaml").write_text(text)
+    with pytest.raises(ConfigError, match=r"empty.yaml holds no settings .* write \{\} for the "
+                       r"defaults"):
+        read_config_file(tmp_path / "empty.yaml")
+    (tmp_path / "empty.json").write_text(text)
+    with pytest.raises(ConfigError, match="empty.json is not valid JSON"):
+        read_config_file(tmp_path / "empty.json")
+    (tmp_path / "braces.yaml").write_text("{}\n")
+    assert read_config_file(tmp_path / "braces.yaml") == {}
 
 
 @pytest.mark.parametrize("name, text", [

@@ -243,19 +243,32 @@ def read_config_file(path: str | Path) -> dict:
     except ConfigError as err:
         raise ConfigError(f"config {path}: {err}") from None
     except Exception as err:  # a syntax error of either parser: one line naming the file
-        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        reason = _parse_error(err)
         if path.suffix.lower() not in ("", ".json", ".yaml", ".yml"):  # read as JSON, unknown
             reason += (f" (a config file is JSON, or YAML named .yaml or .yml; {path.suffix} "
                        "is read as JSON)")
         raise ConfigError(f"config {path} is not valid "
                           f"{'YAML' if path.suffix.lower() in ('.yaml', '.yml') else 'JSON'}: "
                           f"{reason}") from None
-    if values is None:
-        values = {}
+    if values is None:  # an empty JSON file is a syntax error; an empty YAML one is null
+        raise ConfigError(f"config {path} holds no settings (empty or only comments); write "
+                          "{} for the defaults")
     if not isinstance(values, dict):
         raise ConfigError(f"config {path} must hold a mapping of settings, got "
                           f"{type(values).__name__}")
     return values
+
+
+def _parse_error(err: Exception) -> str:
+    """One line for a parser's error: its problem and where (1-based line and column) for
+    YAML, whose message puts the place on later lines; JSON's first line names the place."""
+    problem = getattr(err, "problem", None)
+    mark = getattr(err, "problem_mark", None)
+    if problem and mark is not None:  # yaml.MarkedYAMLError
+        context = getattr(err, "context", None)
+        return ((f"{context}: " if context else "")
+                + f"{problem} at line {mark.line + 1}, column {mark.column + 1}")
+    return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
 def _unique_keys(pairs: list[tuple[Any, Any]]) -> dict:
