@@ -140,6 +140,11 @@ def _write(path, **arrays):
         ({"x": np.full((2, 3, 2), np.nan)}, "NaN or Inf"),
         ({"x": np.array([[[np.inf, 0.0]]])}, "NaN or Inf"),
         ({"x": np.zeros((2, 3, 2)), "mask": np.ones((2, 4), bool)}, "mask must have shape"),
+        # 0-d arrays keep their shape in the message (a 0-d mask was reported as (1,), a 0-d
+        # x raised a TypeError)
+        ({"x": np.zeros((2, 3, 2)), "mask": np.array(True)},
+         r"mask must have shape \(M, N\) = \(2, 3\), got \(\)$"),
+        ({"x": np.array(1.5)}, r"x must have shape \(M, N, D\), got shape \(\)$"),
         ({"x": np.zeros((2, 3, 2)), "mask": np.ones((2, 3))}, "boolean"),
         ({"x": np.zeros((0, 3, 2))}, "empty"),
         ({"x": np.zeros((2, 3, 2)), "mask": np.zeros((2, 3), bool)}, "no present element"),

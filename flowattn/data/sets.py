@@ -187,13 +187,15 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
         raise DataError(f"{path}: not a readable .npz file ({err})") from None
     if not np.issubdtype(x_np.dtype, np.floating):
         raise DataError(f"{path}: x must be floating point, got dtype {x_np.dtype}")
+    if x_np.ndim != 3:  # before the arrays below, which a 0-d x would turn into scalars
+        raise DataError(f"{path}: x must have shape (M, N, D), got shape {x_np.shape}")
     original, finite = x_np, np.isfinite(x_np)
     if not x_np.dtype.isnative or x_np.dtype.itemsize > 8:
         # big-endian arrays and extended precision, which torch does not read: as float64 in
         # the machine's byte order (values beyond float64 become inf and are refused below)
         with np.errstate(over="ignore"):
             x_np = x_np.astype(np.float64)
-    x = torch.from_numpy(np.ascontiguousarray(x_np)).to(dtype)
+    x = torch.from_numpy(np.require(x_np, requirements="C")).to(dtype)
     overflow = torch.from_numpy(finite) & ~torch.isfinite(x)
     if overflow.any():  # finite in the file, out of range once cast
         # in the file's own precision (a long double beyond float64 would print as inf)
@@ -205,7 +207,7 @@ def load_npz(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> Set
     if mask_np is not None:
         if mask_np.dtype != np.bool_:
             raise DataError(f"{path}: mask must be boolean (True = present), got {mask_np.dtype}")
-        mask = torch.from_numpy(np.ascontiguousarray(mask_np))
+        mask = torch.from_numpy(np.require(mask_np, requirements="C"))  # keeps 0-d
     data = SetData(x, mask, name=str(path))  # validates; errors name the file
     data.name = path.stem
     if data.mask is not None:  # padding may hold anything in the file; zero it here
