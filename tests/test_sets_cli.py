@@ -1259,6 +1259,22 @@ def test_a_checkpoint_that_does_not_rebuild_its_flow_says_which_entry_and_why(tm
         assert message in err and len(err.splitlines()) == 1, err
 
 
+@pytest.mark.parametrize("step", [-5, 2.5, True, None])
+def test_a_checkpoint_whose_step_is_not_a_count_is_refused_naming_it(tmp_path, capsys, tiny_run,
+                                                                     step):
+    # a hand-edited step = -5 was taken as it was (a resumed run would count from -5)
+    record = torch.load(tiny_run / "checkpoint.pt", weights_only=True)
+    record["step"] = step
+    torch.save(record, tmp_path / "step.pt")
+    capsys.readouterr()
+    assert run_cli("sample", "--checkpoint", str(tmp_path / "step.pt"), "--num", "2", "--out",
+                   str(tmp_path / "s.npz")) == 2
+    err = capsys.readouterr().err.strip()
+    assert not (tmp_path / "s.npz").exists()
+    assert f"step.pt: its step is {step!r}, not a number of steps taken" in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_sample_refuses_a_draw_that_would_not_fit_in_memory_before_drawing(tmp_path, capsys,
                                                                           tiny_run,
                                                                           monkeypatch):

@@ -100,7 +100,7 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
     Raises:
         CheckpointError: naming the file, if it is missing, empty, truncated, corrupted (a
             record failing its checksum) or unreadable, not a flowattn checkpoint, another
-            command's, or of a newer format version.
+            command's, of a newer format version, or with a step that is not an integer >= 0.
     """
     path = find_checkpoint(location)
     if path.stat().st_size == 0:
@@ -141,6 +141,10 @@ def read_checkpoint(location: str | os.PathLike, kind: str,
     if version > VERSION:
         raise CheckpointError(f"{path} was written in checkpoint format version {version}; this "
                               f"flowattn reads versions up to {VERSION}: upgrade flowattn")
+    step = record.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"{path}: its step is {step!r}, not a number of steps taken "
+                              f"(an integer >= 0); {_DAMAGED}")
     return {**record, "kind": found, "version": version, "path": str(path)}
 
 
