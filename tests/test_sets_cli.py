@@ -1217,6 +1217,14 @@ def test_eval_says_which_density_it_scores_and_when_the_sets_are_the_training_fi
                                                     else "the flow's own")
 
 
+def test_radial_settings_are_read_where_auto_resolves_to_radial():
+    from flowattn.sets.config import SetsRunConfig, check_applicable
+
+    for data in ("dw4", "lj13"):  # particle systems: auto is radial
+        config = SetsRunConfig.build({"data": data, "radial_basis": 8})
+        check_applicable({"radial_basis": 8, "radial_range": 3.0}, config)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--flow", "coupling", "--blocks", "7"], "blocks is a setting of residual flows"),
     (["--flow", "coupling", "--coeff", "0.5"], "coeff is a setting of residual flows"),
@@ -1226,6 +1234,10 @@ def test_eval_says_which_density_it_scores_and_when_the_sets_are_the_training_fi
     (["--divergence", "hutchinson"], "divergence is a setting of continuous flows"),
     (["--interaction", "attention", "--radial-basis", "8"], "radial_basis is a setting of "
                                                             "radial interactions"),
+    # auto resolves to attention for every data set but the particle systems
+    (["--radial-basis", "8"], "radial_basis is a setting of radial interactions (flow=resflow, "
+                              "interaction=radial; here flow=resflow, interaction=attention "
+                              "(auto, for data=gaussian-sets))"),
     (["--energy-max", "5"], "energy_max is a setting of training by energy"),
     (["--interaction", "none", "--location"], "location is not built with interaction=none"),
 ])

@@ -531,11 +531,17 @@ def check_applicable(flags: Mapping[str, Any], config: SetsRunConfig) -> None:
         for name in _CONTINUOUS_ONLY:
             unread[name] = (f"a setting of continuous flows (flow=cnf), which this run does not "
                             f"build (flow={flow.flow})")
-    if flow.flow != "resflow" or flow.interaction not in ("auto", "radial"):
+    # auto is radial for the particle systems (a zero centre of mass), the only data that have
+    # one: a built-in name, which wins over a file of that name
+    from ..data import PARTICLE_SYSTEMS
+
+    interaction = resolved_interaction(flow, config.data.data in PARTICLE_SYSTEMS)
+    if flow.flow != "resflow" or interaction != "radial":
+        auto = f" (auto, for data={config.data.data})" if flow.interaction == "auto" else ""
         for name in _RADIAL_ONLY:
             unread[name] = (f"a setting of radial interactions (flow=resflow, "
                             f"interaction=radial; here flow={flow.flow}, "
-                            f"interaction={flow.interaction})")
+                            f"interaction={interaction}{auto})")
     if flow.energy_weight == 0:
         for name in _ENERGY_ONLY:
             unread[name] = "a setting of training by energy: it needs energy_weight > 0"
