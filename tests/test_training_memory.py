@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from flowattn.errors import ConfigError
+from flowattn.sets import train as sets_train
 from flowattn.sets.config import SetsRunConfig, build_flow
 from flowattn.sets.train import SetsTask, fit
 from flowattn.training import memory
@@ -17,6 +18,7 @@ from flowattn.training.memory import (
     check_fits,
     pass_bytes,
     saved_bytes,
+    state_bytes,
 )
 
 GIB = 2**30
@@ -119,7 +121,9 @@ def test_one_sets_saved_bytes_scale_to_the_batch(flow_settings):
 
 def test_a_sets_run_that_would_not_fit_is_refused_before_writing_anything(tmp_path,
                                                                           monkeypatch):
+    # no room for a batch (the flow's gradients and optimiser state left out: see below)
     monkeypatch.setattr(memory, "available_memory", lambda device: 1000)
+    monkeypatch.setattr(sets_train, "state_bytes", lambda model, average=False: 0)
     with pytest.raises(ConfigError, match=r"batch_size .*\(at most|less memory per item"):
         fit_tiny(tmp_path / "run")
     assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
@@ -131,6 +135,90 @@ def test_a_sets_run_that_would_not_fit_is_refused_before_writing_anything(tmp_pa
         fit_tiny(tmp_path / "adjoint", flow="cnf", adjoint=True, divergence="hutchinson")
     assert "--adjoint" not in str(error.value)
     assert "--divergence hutchinson" not in str(error.value)
+
+
+def test_training_state_is_counted_and_alone_refuses_a_model_that_cannot_train(monkeypatch):
+    # gradients and AdamW's two moments per trainable parameter, the average's copy with ema
+    layer = torch.nn.Linear(10, 100)
+    layer.bias.requires_grad_(False)
+    layer.register_buffer("count", torch.zeros(5, dtype=torch.float64))
+    assert state_bytes(layer) == 3 * 1000 * 4
+    assert state_bytes(layer, average=True) == 3 * 1000 * 4 + 1100 * 4 + 5 * 8
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10 * GIB)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    cpu = torch.device("cpu")
+    check_fits(PassBytes(0, GIB), 4, cpu, state=2 * GIB)  # 2 + 4 * 2 GiB = 10 GiB: fits
+    with pytest.raises(ConfigError, match=r"about 12.0 GiB .*; 2048 MiB of gradients and "
+                                          r"optimiser state\).*batch_size \(--batch-size\) 4 or "
+                                          r"less"):
+        check_fits(PassBytes(0, GIB), 5, cpu, state=2 * GIB)
+    with pytest.raises(ConfigError, match=r"^training this model would need about 11.0 GiB on "
+                                          r"cpu for its gradients and optimiser state alone, and "
+                                          r"10.0 GiB is available: use fewer --layers$"):
+        check_fits(PassBytes(0, GIB), 1, cpu, state=11 * GIB, smaller="fewer --layers")
+    with pytest.raises(ConfigError, match=r"about 11.0 GiB .* state alone"):  # without a pass
+        check_fits(PassBytes(0, 0), 1, cpu, state=11 * GIB)
+    check_fits(PassBytes(0, 0), 1, cpu, state=9 * GIB)
+
+
+def test_a_model_too_large_to_train_is_refused_before_it_is_built(monkeypatch):
+    # lm train --layers 100000 (2 * 10^10 parameters) built for minutes until the system
+    # killed it; it is counted on the meta device and refused in seconds
+    monkeypatch.setattr(memory, "available_memory", lambda device: 10 * GIB)
+    built = []
+
+    def build(k):
+        built.append(torch.empty(0).device.type)  # where each build runs
+        return torch.nn.Sequential(*(torch.nn.Linear(1000, 1000) for _ in range(k)))
+
+    # 1,001,000 parameters a layer, 16 bytes each with gradients and AdamW: 670 layers fit
+    memory.check_model_fits(build, 670, torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"^this model \(671,671,000 parameters\) would need "
+                                          r"about 10.0 GiB on cpu for its weights, gradients and "
+                                          r"optimiser state alone, and 10.0 GiB is available: "
+                                          r"use fewer --layers$"):
+        memory.check_model_fits(build, 671, torch.device("cpu"), smaller="fewer --layers")
+    assert set(built) == {"meta"}
+    with pytest.raises(ConfigError, match="about 12.5 GiB"):  # the average's copy
+        memory.check_model_fits(build, 671, torch.device("cpu"), average=True)
+
+
+def test_every_language_model_is_counted_on_the_meta_device_in_a_fresh_process():
+    # the many-body branch computed a constant at import with a default-device tensor's
+    # .item(): imported first under torch.device("meta") (the invertible model's build), it
+    # failed, and the check was skipped
+    import subprocess
+    import sys
+
+    code = ("import torch\n"
+            "from flowattn.lm.config import LMConfig\n"
+            "from flowattn.lm.model import build_model\n"
+            "with torch.device('meta'):\n"
+            "    m = build_model(LMConfig(vocab_size=65, attention='contractive-l2', "
+            "invertible=True, layers=2))\n"
+            "print(sum(p.numel() for p in m.parameters()))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert int(done.stdout) > 0
+
+
+def test_lm_train_refuses_a_model_too_large_to_train_before_writing_anything(tmp_path, capsys,
+                                                                           monkeypatch):
+    from flowattn.cli import main
+
+    # 200 layers (36 M parameters, 0.5 GiB to train) against 100 MiB: small enough that the
+    # model would still be built in a second if the check were gone
+    monkeypatch.setattr(memory, "available_memory", lambda device: 100 * 2**20)
+    out = tmp_path / "run"
+    corpus = tmp_path / "text.txt"
+    corpus.write_text("abcdefgh " * 400)
+    assert main(["lm", "train", "--data", str(corpus), "--layers", "200", "--steps", "1",
+                 "--out", str(out), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "for its weights, gradients and optimiser state alone" in err, err
+    assert "use a smaller --dim or fewer --layers" in err and len(err.splitlines()) == 1
+    assert not out.exists()
 
 
 @pytest.mark.parametrize("changes", [{"hidden": 64}, {"flow": "cnf", "divergence": "hutchinson"}],
@@ -205,12 +293,13 @@ def test_pass_bytes_draws_the_same_random_numbers_in_both_passes():
 def test_a_resumed_run_is_checked_too(tmp_path, monkeypatch):
     fit_tiny(tmp_path / "run", steps=2)
     monkeypatch.setattr(memory, "available_memory", lambda device: 1000)
-    with pytest.raises(ConfigError, match="a training step would need"):
+    with pytest.raises(ConfigError, match="training this model would need"):  # the state
         fit(out=tmp_path / "run", resume=True, flags={"steps": 4}, progress=False,
             tensorboard=False, plots=False)
 
 
 def test_a_language_model_run_that_would_not_fit_is_refused(tmp_path, monkeypatch):
+    from flowattn.lm import train as lm_train
     from flowattn.lm.config import LMRunConfig
     from flowattn.lm.train import train
 
@@ -225,6 +314,9 @@ def test_a_language_model_run_that_would_not_fit_is_refused(tmp_path, monkeypatc
         return 1000
 
     monkeypatch.setattr(memory, "available_memory", available)
+    # no room for a batch (the model's weights and training state left out: tested above)
+    monkeypatch.setattr(lm_train, "check_model_fits", lambda *args, **kwargs: None)
+    monkeypatch.setattr(lm_train, "state_bytes", lambda model, average=False: 0)
     with pytest.raises(ConfigError, match=r"batch_size \(--batch-size\) .*"
                                           r"--block-size, --dim or --layers"):
         train(config, tmp_path / "lm", progress=False, tensorboard=False)

@@ -61,8 +61,10 @@ def _shifted_sum_bound(profile, lipschitz: float, steps: int = 10000, reach: int
     increased by the grid's worst case, ``lipschitz`` (a bound on the sum's slope) times half
     the spacing. The terms beyond |m| = ``reach`` are below exp(-reach^2 / 4) and added.
     """
-    t = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64)
-    m = torch.arange(-reach, reach + 1, dtype=torch.float64)
+    # on the host whatever the default device (the module may first be imported under
+    # torch.device("meta"), where a model's size is counted)
+    t = torch.linspace(0.0, 1.0, steps + 1, dtype=torch.float64, device="cpu")
+    m = torch.arange(-reach, reach + 1, dtype=torch.float64, device="cpu")
     total = profile(m[:, None] + t[None, :]).sum(0).max().item()
     return total + lipschitz * 0.5 / steps + 2 * math.exp(-reach * reach / 4)
 

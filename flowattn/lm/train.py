@@ -26,7 +26,7 @@ from ..training.checkpoint import read_model, unbuildable
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
-from ..training.memory import check_fits, pass_bytes
+from ..training.memory import check_fits, check_model_fits, pass_bytes, state_bytes
 from ..training.run import data_fingerprint, plan_run
 from .config import DEFAULT_CORPUS, LMConfig, LMRunConfig
 from .data import CharCorpus, CharVocab, check_block_size, eval_windows, get_batch, load_corpus
@@ -56,6 +56,10 @@ class LMTask:
         self.corpus = load_corpus(data.data, data.data_format, data.val_data, vocab=vocab)
         check_block_size(self.corpus, net.block_size)
         self.model_config = LMConfig(vocab_size=self.corpus.vocab.size, **net.to_dict())
+        check_model_fits(lambda k: build_model(LMConfig(**{**self.model_config.to_dict(),
+                                                             "layers": k})),
+                         net.layers, dist.device, average=train.ema is not None,
+                         smaller="a smaller --dim or fewer --layers")
         torch.manual_seed(train.seed)  # identical initial weights in every process
         self.model = build_model(self.model_config).to(dist.device)
         if train.compile:
@@ -79,8 +83,9 @@ class LMTask:
     def check_memory(self) -> None:
         """Refuse a batch whose training step would not fit in the device's memory
         (:mod:`flowattn.training.memory`): the tensors a sequence's loss saves for the
-        backward pass, times the sequences of this process's step, and what the pass saves
-        whatever its batch."""
+        backward pass, times the sequences of this process's step, what the pass saves
+        whatever its batch, and the gradients and optimiser state."""
+        state = state_bytes(self.model, self.config.train.ema is not None)
         block = self.config.network.block_size
         x, y = (t.to(self.dist.device) for t in
                 (self.corpus.train[:block].unsqueeze(0), self.corpus.train[1:block + 1]
@@ -88,7 +93,8 @@ class LMTask:
         saved = pass_bytes(self.model,
                            lambda k: self.model(x.repeat(k, 1), y.repeat(k, 1))[1]["loss"])
         check_fits(saved, self.config.train.batch_size, self.dist.device,
-                   processes=self.dist.world, hints=("a smaller --block-size, --dim or --layers",))
+                   processes=self.dist.world, hints=("a smaller --block-size, --dim or --layers",),
+                   state=state)
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         cfg = self.config

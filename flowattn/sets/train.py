@@ -39,7 +39,7 @@ from ..training.cli import counted
 from ..training.device import check_compilable
 from ..training.distributed import Distributed
 from ..training.loop import train as train_loop
-from ..training.memory import check_fits, pass_bytes
+from ..training.memory import check_fits, pass_bytes, state_bytes
 from ..training.run import data_fingerprint, plan_run
 from ..validation import trusted_inputs
 from .boltzmann import regularised_energy
@@ -368,7 +368,8 @@ class SetsTask:
             hints.append("--divergence hutchinson (one probe per set instead of one backward "
                          "pass per dimension)")
         check_fits(saved, items, self.dist.device, processes=self.dist.world, what=what,
-                   hints=tuple(hints))
+                   hints=tuple(hints),
+                   state=state_bytes(self.flow, self.config.train.ema is not None))
 
     def batch(self, generator: torch.Generator, dist: Distributed):
         size = self.config.train.batch_size

@@ -9,12 +9,16 @@ left on its device.
 
 The saved tensors are measured on passes of one and of two items: the difference is what each
 item adds, the rest what a pass saves whatever its batch (tensors made from the weights). The
-estimate of a step's peak is ``PEAK_FACTOR`` times the saved tensors: the backward pass holds
-its gradients beside them. Measured on a CPU over three training steps (loss, backward,
-AdamW) at batches of hundreds of items: the rise of the peak resident memory was 1.27-1.34
-times the saved tensors for the sets' flows (the default, the large preset, a continuous flow
-with the EGNN field) and 1.39-1.54 for the language models (dot product, contractive,
-invertible).
+estimate of a step's peak is ``PEAK_FACTOR`` times the saved tensors (the backward pass holds
+its gradients beside them). Measured on a CPU over three training steps (loss, backward, AdamW)
+at batches of hundreds of items: the rise of the peak resident memory was 1.27-1.34 times the
+saved tensors for the sets' flows (the default, the large preset, a continuous flow with the
+EGNN field) and 1.39-1.54 for the language models (dot product, contractive, invertible).
+
+Added to it is what training holds whatever the batch: a gradient and AdamW's two moments per
+trainable parameter, and the parameter average (:func:`state_bytes`). A language model whose
+weights and state alone do not fit is refused before it is built (:func:`check_model_fits`,
+which counts it on torch's meta device).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from torch import nn
 from ..errors import ConfigError
 
 __all__ = ["saved_bytes", "pass_bytes", "PassBytes", "available_memory", "check_fits",
-           "PEAK_FACTOR"]
+           "check_model_fits", "state_bytes", "PEAK_FACTOR"]
 
 PEAK_FACTOR = 2.0
 
@@ -140,6 +144,63 @@ def _host_available(root: Path = Path("/")) -> int | None:
     return min(amounts) if amounts else None
 
 
+def state_bytes(model: nn.Module, average: bool = False) -> int:
+    """The bytes training allocates beside ``model``'s weights, whatever the batch: a gradient
+    and AdamW's two moments for every trainable parameter, and with ``average`` the parameter
+    average's copy of the parameters and buffers.
+
+    Examples:
+        >>> state_bytes(nn.Linear(10, 100))  # 1,100 float32 parameters, three copies
+        13200
+    """
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    return 3 * trainable + (held if average else 0)
+
+
+def check_model_fits(build: Callable[[int], nn.Module], layers: int, device: torch.device, *,
+                     average: bool = False, smaller: str = "") -> None:
+    """Refuse a model of ``layers`` identical layers whose weights, gradients and optimiser
+    state (:func:`state_bytes`) would not fit on ``device``, before it is built. ``build(k)``
+    builds the model with k layers; it is built with one and with two on torch's meta device,
+    which allocates nothing, and the bytes are extrapolated to ``layers`` (each layer adds the
+    same): a model of 10^5 layers is refused at once, where building it took minutes and all
+    the memory. A model that cannot be built there (an initialisation that reads values) is not
+    checked; the random streams are left as they were.
+
+    Raises:
+        ConfigError: naming the parameters, the estimate, the memory available and
+            ``smaller`` (the settings that make the model smaller, as their flags).
+
+    Examples:
+        >>> build = lambda k: nn.Sequential(*(nn.Linear(10, 10) for _ in range(k)))
+        >>> check_model_fits(build, 4, torch.device("cpu"))  # 440 parameters: fits anywhere
+    """
+    free = available_memory(device)
+    if free is None:
+        return
+    counts = []  # (parameters, bytes of the weights and of their training state)
+    for k in (1, 2):
+        try:
+            with torch.random.fork_rng(devices=[]), torch.device("meta"):
+                model = build(k)
+        except (RuntimeError, NotImplementedError):  # e.g. .item() of a meta tensor
+            return
+        held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+        counts.append((sum(p.numel() for p in model.parameters()),
+                       held + state_bytes(model, average)))
+    (count, need), (count2, need2) = counts
+    count, need = count + (layers - 1) * (count2 - count), need + (layers - 1) * (need2 - need)
+    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    if need * sharing > free:
+        raise ConfigError(
+            f"this model ({count:,} parameters) would need about {_amount(need * sharing)} on "
+            f"{device} for its weights, gradients and optimiser state alone"
+            + (f" ({sharing} processes on this host)" if sharing > 1 else "")
+            + f", and {_amount(free)} is available"
+            + (f": use {smaller}" if smaller else ""))
+
+
 def available_memory(device: torch.device) -> int | None:
     """Bytes free for tensors on ``device``; None where it cannot be told (then no check).
 
@@ -156,46 +217,67 @@ def available_memory(device: torch.device) -> int | None:
 
 
 def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes: int = 1,
-               what: str = "batch_size", hints: tuple[str, ...] = ()) -> None:
-    """Refuse a step of ``items`` items that would not fit, ``saved`` what its pass saves.
+               what: str = "batch_size", hints: tuple[str, ...] = (), state: int = 0,
+               smaller: str = "") -> None:
+    """Refuse a step of ``items`` items that would not fit, ``saved`` what its pass saves and
+    ``state`` what training holds whatever the batch (:func:`state_bytes`).
 
     The step's items are shared out over ``processes`` data-parallel processes, each holding
     at most ceil(items / processes) of them, and a process's peak is taken as
-    ``PEAK_FACTOR * (saved.fixed + saved.per_item * its items)``. On the CPU, processes
-    started by ``torchrun`` on one machine share its memory, so their number there
-    (``LOCAL_WORLD_SIZE``) multiplies the need.
+    ``state + PEAK_FACTOR * (saved.fixed + saved.per_item * its items)``. On the CPU,
+    processes started by ``torchrun`` on one machine share its memory, so their number there
+    (``LOCAL_WORLD_SIZE``) multiplies the need. With ``saved`` zero only the state is checked
+    (before a pass is measured: a model too large to train is refused without one).
 
     Raises:
         ConfigError: naming the estimate, the memory available, the largest ``what`` (a count
             for the whole step, like ``items``; a setting's name, shown with its flag) that
-            fits and ``hints`` (other ways to need less, each as its flag would give it).
+            fits and ``hints`` (other ways to need less, each as its flag would give it); where
+            the state alone does not fit, ``smaller`` (the settings that make a model smaller).
 
     Examples:
         >>> check_fits(PassBytes(0, 1000), 64, torch.device("cpu"))  # 96 kB: fits anywhere
     """
     free = available_memory(device)
     fixed, per_item = saved
-    if free is None or fixed + per_item <= 0:
+    if free is None or fixed + per_item + state <= 0:
         return
     sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
     each = -(-items // processes)
-    need = PEAK_FACTOR * (fixed + per_item * each) * sharing
+    need = (state + PEAK_FACTOR * (fixed + per_item * each)) * sharing
     if need <= free:
         return
-    room = free / (PEAK_FACTOR * sharing) - fixed  # bytes a process has for its items
-    fits = int(room // per_item) * processes if per_item > 0 and room > 0 else 0
     gib, mib = 2**30, 2**20
+    if state * sharing >= free or fixed + per_item <= 0:  # the model cannot train at all
+        raise ConfigError(
+            f"training this model would need about {_amount(state * sharing)} on "
+            f"{device} for its gradients and optimiser state alone"
+            + (f" ({sharing} processes on this host)" if sharing > 1 else "")
+            + f", and {_amount(free)} is available" + (f": use {smaller}" if smaller else ""))
+    room = (free / sharing - state) / PEAK_FACTOR - fixed  # bytes a process has for its items
+    fits = int(room // per_item) * processes if per_item > 0 and room > 0 else 0
     named = " + ".join(f"{name} (--{name.replace('_', '-')})" for name in what.split(" + "))
     advice = [f"{named} {fits:,} or less" if fits >= 1 else
               f"less memory per item ({named} 1 alone needs "
-              f"{PEAK_FACTOR * (fixed + per_item) * sharing / gib:.1f} GiB)", *hints]
+              f"{(state + PEAK_FACTOR * (fixed + per_item)) * sharing / gib:.1f} GiB)", *hints]
     raise ConfigError(
         f"a training step would need about {need / gib:.1f} GiB on {device} "
         f"({_size(per_item)} saved for the backward pass per item, {each:,} items"
         + (f" in each of {processes} processes" if processes > 1 else "")
         + (f", and {_size(fixed)} whatever the batch" if fixed >= mib else "")
+        + (f"; {_size(state)} of gradients and optimiser state" if state >= mib else "")
         + (f"; {sharing} processes on this host" if sharing > 1 else "")
         + f"), and {free / gib:.1f} GiB is available: use " + "; or ".join(advice))
+
+
+def _amount(count: float) -> str:
+    """A byte count in GiB, or as :func:`_size` below one GiB (where GiB would read "0.0").
+
+    Examples:
+        >>> _amount(3 * 2**30), _amount(5 * 2**20)
+        ('3.0 GiB', '5 MiB')
+    """
+    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else _size(count)
 
 
 def _size(count: float) -> str:
