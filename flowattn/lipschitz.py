@@ -210,8 +210,19 @@ def check_certificate_precision(*weights: Tensor) -> None:
                 "certificate is then evaluated in float32)")
 
 
+def _check_matrix(w: Tensor, name: str) -> bool:
+    """Refuse a ``w`` of fewer than two dimensions (a norm ``name`` of matrices was asked for);
+    True if its matrices are empty (every norm of them is 0)."""
+    if not isinstance(w, Tensor) or w.dim() < 2:
+        got = f"shape {tuple(w.shape)}" if isinstance(w, Tensor) else type(w).__name__
+        raise InputError(f"{name} takes a matrix or a batch of them, got {got}")
+    return w.shape[-1] == 0 or w.shape[-2] == 0
+
+
 def matrix_inf_norm(w: Tensor) -> Tensor:
     """||W||_inf = max_i sum_j |W_ij| (over the last two dimensions)."""
+    if _check_matrix(w, "matrix_inf_norm"):
+        return w.abs().sum(dim=(-2, -1))  # 0, with the derivative of the empty sum
     return w.abs().sum(dim=-1).amax(dim=-1)
 
 
@@ -232,6 +243,8 @@ def spectral_norm_exact(w: Tensor) -> Tensor:
         >>> float(spectral_norm_exact(w))
         4.0
     """
+    if _check_matrix(w, "spectral_norm_exact"):
+        return w.abs().sum(dim=(-2, -1))
     tall = w.shape[-1] <= w.shape[-2]
     try:
         with torch.no_grad():
@@ -286,6 +299,8 @@ def spectral_norm_bound(w: Tensor, squarings: int = 10) -> Tensor:
         >>> 4.0 <= b < 4.0 * (1 + 1e-5)
         True
     """
+    if _check_matrix(w, "spectral_norm_bound"):
+        return w.abs().sum(dim=(-2, -1))
     if squarings < 1:
         raise InputError(f"squarings must be >= 1, got {squarings}")
     tall = w.shape[-1] <= w.shape[-2]
@@ -1229,7 +1244,22 @@ def lipschitz_lower_bound(
 
     Returns:
         (best norm found, the input X that reached it).
+
+    Raises:
+        InputError: a ``shape`` that is not two positive integers (N, D), ``restarts`` below 1,
+            ``steps`` below 0 or a learning rate that is not a finite number > 0.
+        NonFiniteError: if the Jacobian's norm is NaN or Inf at every point tried.
+
+    Examples:
+        >>> lipschitz_lower_bound(lambda x: 3 * x, (2, 2), restarts=1, steps=0)[0]  # linear
+        3.0
     """
+    if not (isinstance(shape, (tuple, list, torch.Size)) and len(shape) == 2):
+        raise InputError(f"shape must be (N, D), two integers, got {shape!r}")
+    shape = (check_count(shape[0], "shape's N"), check_count(shape[1], "shape's D"))
+    restarts, steps = check_count(restarts, "restarts"), check_count(steps, "steps", low=0)
+    if isinstance(lr, bool) or not isinstance(lr, numbers.Real) or not 0 < lr < math.inf:
+        raise InputError(f"lr must be a finite number > 0, got {lr!r}")
     if generator is None:
         generator = torch.Generator().manual_seed(0)
     best, best_x = -math.inf, None
@@ -1242,7 +1272,12 @@ def lipschitz_lower_bound(
             value = jacobian_norm(f, x, p, create_graph=True)
             if value.item() > best and math.isfinite(value.item()):
                 best, best_x = value.item(), x.detach().clone()
+            if not value.requires_grad:  # the Jacobian does not depend on X (f is linear)
+                break
             opt.zero_grad()
             (-value).backward()
             opt.step()
+    if best_x is None:
+        raise NonFiniteError(f"the Jacobian's {_norm_name(p, mixed=True)} norm was NaN or Inf "
+                             f"at every one of the {restarts * (steps + 1)} points tried")
     return best, best_x

@@ -8,7 +8,7 @@ import scipy.special as scipy_special  # the Lambert W oracle (scipy is in [test
 import torch
 
 from flowattn import lipschitz
-from flowattn.errors import InputError
+from flowattn.errors import InputError, NonFiniteError
 from flowattn.lipschitz import (
     PowerIteration,
     centernorm_lipschitz_bound,
@@ -280,6 +280,44 @@ def test_lipschitz_lower_bound_recovers_the_constant_of_a_known_map():
                                     steps=200)
     assert 2.9 < best <= 3.0 + 1e-12
     assert x.shape == (2, 2)
+
+
+@pytest.mark.parametrize("norm", [spectral_norm_exact, spectral_norm_bound, matrix_inf_norm])
+def test_matrix_norms_refuse_a_vector_and_give_zero_for_empty_matrices(norm):
+    # a vector raised an IndexError inside, an empty matrix too
+    with pytest.raises(InputError, match=f"^{norm.__name__} takes a matrix or a batch of them, "
+                                         r"got shape \(5,\)$"):
+        norm(torch.randn(5))
+    w = torch.randn(2, 0, 3, requires_grad=True)
+    value = norm(w)
+    assert value.shape == (2,) and not value.any()
+    value.sum().backward()
+    assert w.grad.shape == w.shape
+
+
+def test_lipschitz_lower_bound_of_a_linear_map_is_its_norm():
+    # its Jacobian does not depend on X: there was no gradient to follow, and a RuntimeError
+    m = torch.tensor([[1.0, -2.0], [0.5, 3.0]], dtype=torch.float64)
+    best, x = lipschitz_lower_bound(lambda x: x @ m, (3, 2), "inf", restarts=2, steps=5)
+    assert best == pytest.approx(5.0) and x.shape == (3, 2)  # |-2| + 3: column 2 of m
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"shape": (3, 4, 2)}, r"shape must be \(N, D\), two integers, got \(3, 4, 2\)"),
+    ({"shape": (0, 4)}, "shape's N must be an integer >= 1, got 0"),
+    ({"restarts": 0}, "restarts must be an integer >= 1, got 0"),  # returned (-inf, None)
+    ({"steps": -1}, "steps must be an integer >= 0, got -1"),  # returned (-inf, None)
+    ({"lr": float("nan")}, "lr must be a finite number > 0, got nan"),
+])
+def test_lipschitz_lower_bound_refuses_bad_settings(kwargs, message):
+    shape = kwargs.pop("shape", (2, 2))
+    with pytest.raises(InputError, match=f"^{message}$"):
+        lipschitz_lower_bound(torch.tanh, shape, **kwargs)
+
+
+def test_lipschitz_lower_bound_says_when_no_point_gave_a_finite_norm():
+    with pytest.raises(NonFiniteError, match="NaN or Inf at every one of the 4 points tried"):
+        lipschitz_lower_bound(lambda x: x * x * math.nan, (2, 2), restarts=2, steps=1)
 
 
 @pytest.mark.parametrize("dim", [2, 3, 8])

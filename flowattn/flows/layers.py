@@ -33,7 +33,7 @@ from nflows.transforms import (
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..validation import check_sets, present_weights
+from ..validation import check_count, check_sets, present_weights
 from .base import set_dims
 from .geometry import checked_inputs, full_precision
 from .splines import rational_quadratic
@@ -98,7 +98,7 @@ class ActNorm(_InitialisedOnce, Transform):
         super().__init__()
         if eps is not None and not (math.isfinite(eps) and eps >= 0):
             raise InputError(f"eps must be a finite number >= 0, got {eps}")
-        self.dim = dim
+        self.dim = check_count(dim, "dim")
         self.zero_com = bool(zero_com)
         self.eps = eps
         self.log_scale = nn.Parameter(torch.zeros(dim))
@@ -276,7 +276,7 @@ class EquivariantLinear(Transform):
 
     def __init__(self, dim: int, zero_com: bool = False):
         super().__init__()
-        self.dim, self.zero_com = dim, zero_com
+        self.dim, self.zero_com = check_count(dim, "dim"), zero_com
         self.deviation = _LUMatrix(dim)
         self.mean = None if zero_com else _LUMatrix(dim)
 

@@ -402,3 +402,11 @@ def test_a_set_flow_refuses_a_width_that_is_not_a_positive_integer(dim):
     base = set_flow(dim=2, blocks=1, heads=1)
     with pytest.raises(InputError, match="dim must be an integer >= 1"):
         SetFlow(base.transform, dim=dim)
+
+
+@pytest.mark.parametrize("layer", [ActNorm, EquivariantLinear])
+@pytest.mark.parametrize("dim", [0, -2, 2.5, True])
+def test_element_wise_layers_refuse_a_width_that_is_not_a_positive_integer(layer, dim):
+    # a width 0 was built (and 2.5 failed inside torch.zeros)
+    with pytest.raises(InputError, match=f"^dim must be an integer >= 1, got {dim!r}$"):
+        layer(dim)
