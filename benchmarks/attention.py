@@ -33,6 +33,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
+from entry import positive_int, run_main
 from machine import cpu_name
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import benchmark
@@ -158,7 +159,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--min-run-time", type=float, default=1.0)
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, help="intra-op threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="one short round, small shapes")
     parser.add_argument("--shape", type=int, nargs=4, metavar=("B", "N", "D", "H"),
                         help="time this shape instead of the default ones")
@@ -205,4 +206,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -43,6 +43,7 @@ import statistics
 import time
 
 import torch
+from entry import run_main
 from machine import cpu_name
 
 from flowattn.attention import L2MHA, InducedL2MHA
@@ -229,4 +230,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

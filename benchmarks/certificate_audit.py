@@ -23,12 +23,12 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from entry import positive_int, run_main
 from machine import cpu_name
 
 from flowattn.attention import (
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--restarts", type=int, default=4)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -266,4 +266,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

@@ -23,6 +23,7 @@ import statistics
 import time
 
 import torch
+from entry import positive_int, run_main
 
 from flowattn.flows.continuous.cnf import CNF
 from flowattn.flows.continuous.fields import AttentionField, DotProductField
@@ -129,7 +130,7 @@ def main() -> None:
     parser.add_argument("--train-size", type=int, default=4096)
     parser.add_argument("--test-size", type=int, default=1024)
     parser.add_argument("--window", type=int, default=20, help="steps averaged at start/end")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="skip the start-of-training NLL")
@@ -192,4 +193,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

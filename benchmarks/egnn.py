@@ -33,6 +33,7 @@ from unittest import mock
 
 import interleaved
 import torch
+from entry import run_main
 
 from flowattn import passes
 from flowattn.flows import EGNNField
@@ -123,4 +124,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -44,6 +44,8 @@ import json
 import math
 from pathlib import Path
 
+from entry import positive_int, run_main
+
 from flowattn.sets.train import fit
 from flowattn.training.metrics import read_metrics
 
@@ -128,7 +130,7 @@ def main() -> None:
                         "resumed from its folder keeps its own)")
     parser.add_argument("--val-sets", type=int, default=1000, help="E-NF: 1000")
     parser.add_argument("--checkpoint-every", type=int, default=250)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--device", default="cpu", help="where every model trains and is "
                         "scored: cpu, cuda, cuda:N or auto (a run resumed from its folder keeps "
                         "its own)")
@@ -186,4 +188,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -18,6 +18,7 @@ import resource
 import time
 
 import torch
+from entry import positive_int, run_main
 
 from flowattn.flows import LogDetOptions, set_flow
 from flowattn.flows.residual import InvertibleResidual
@@ -45,7 +46,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=2, action="append", metavar=("N", "D"))
     parser.add_argument("--sets", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--only", choices=("exact", "probes"),
                         help="one path, one shape: then the peak resident memory is its own")
     args = parser.parse_args()
@@ -68,4 +69,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

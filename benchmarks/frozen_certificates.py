@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+from entry import positive_int, run_main
 from machine import cpu_name
 
 from flowattn.attention import ContractiveL2MHA, frozen_certificates
@@ -93,7 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, help="intra-op threads (default: torch's)")
     parser.add_argument("--data", type=Path, default=DATA, help="Tiny Shakespeare input.txt")
     parser.add_argument("--quick", action="store_true", help="one round")
     args = parser.parse_args()
@@ -133,4 +134,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -12,6 +12,7 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
+from entry import positive_int
 from machine import cpu_name
 
 __all__ = ["add_timing_arguments", "start", "timed"]
@@ -22,7 +23,7 @@ def add_timing_arguments(parser: argparse.ArgumentParser, rounds: int, repeats: 
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--rounds", type=int, default=rounds)
     parser.add_argument("--repeats", type=int, default=repeats, help="calls timed per round")
-    parser.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
+    parser.add_argument("--threads", type=positive_int, help="intra-op threads (default: torch's)")
 
 
 def start(parser: argparse.ArgumentParser, args: argparse.Namespace,

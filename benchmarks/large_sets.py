@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from entry import positive_int, run_main
+
 #: named model settings of ``flowattn sets fit``; one more interaction is one more entry
 VARIANTS: dict[str, dict] = {
     "attention": {"flow": "resflow", "interaction": "attention"},
@@ -200,7 +202,7 @@ def main() -> None:
                         "evaluated sets (default: %(default)s)")
     parser.add_argument("--steps", type=int, default=3, help="timed training steps after one "
                         "warm-up step (default: %(default)s)")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-memory-gib", type=float, default=8.0, help="skip a size whose "
                         "predicted peak exceeds this (default: %(default)s)")
@@ -266,4 +268,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -77,6 +77,7 @@ from pathlib import Path
 from unittest import mock
 
 import torch
+from entry import positive_int, run_main
 from machine import cpu_name
 
 from flowattn.attention import shared_certificates
@@ -802,7 +803,7 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, help="override the number of training steps")
     parser.add_argument("--data", type=Path, default=DATA, help="Tiny Shakespeare input.txt")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-lm")
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
+    parser.add_argument("--threads", type=positive_int, help="torch CPU threads")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dim", type=int, help="model width (default 128; 512 on a GPU)")
     parser.add_argument("--heads", type=int, help="heads (default 4)")
@@ -870,4 +871,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from entry import positive_int, run_main
 from lm import NANOGPT, VARIANTS  # the LM benchmark's configurations
 from machine import cpu_name
 
@@ -100,7 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--models", nargs="+", default=names, choices=names)
     parser.add_argument("--rounds", type=int, default=6, help="rounds of steps per model")
     parser.add_argument("--steps", type=int, default=4, help="steps per round and optimiser")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch threads")
     parser.add_argument("--ema", type=float, default=0.999,
                         help="decay of the moving average timed after the fused step")
     args = parser.parse_args(argv)
@@ -146,4 +147,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -17,6 +17,7 @@ import argparse
 import time
 
 import torch
+from entry import run_main
 
 from flowattn.data.partition import FLOOR_SETTINGS, system_floor
 
@@ -53,4 +54,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -27,6 +27,7 @@ import time
 import weakref
 
 import torch
+from entry import positive_int, run_main
 from torch import nn
 
 from flowattn.attention import ContractiveL2MHA
@@ -654,7 +655,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small settings")
     parser.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS))
-    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=positive_int, default=None,
+                        help="torch intra-op threads")
     parser.add_argument("--reference", default=None,
                         help="path holding the Residual Flows package `resflows`, timed alongside")
     parser.add_argument("--before", default=None,
@@ -686,4 +688,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -41,6 +41,7 @@ from unittest import mock
 
 import interleaved
 import torch
+from entry import run_main
 
 from flowattn.attention import ContractiveL2MHA
 from flowattn.attention import l2 as l2_module
@@ -160,4 +161,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+from entry import positive_int, run_main
 
 from flowattn.data import DATASETS, load_dataset
 from flowattn.sets import SetsRunConfig, fit, load_flow
@@ -129,7 +130,7 @@ def main() -> None:
                         "(default: its own, 1500 but for the presets)")
     parser.add_argument("--num-train", type=int)
     parser.add_argument("--blocks", type=int)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=positive_int, default=1)
     parser.add_argument("--baseline-seconds", type=float, help="training time of nflows-maf "
                         "(default: the train_seconds of the variant before it on the data)")
     parser.add_argument("--orders", type=int, default=10, help="random element orders "
@@ -201,4 +202,4 @@ def baseline_row(data: str, seconds: float | None, num_train: int | None,
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

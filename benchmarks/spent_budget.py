@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import torch
+from entry import run_main
 
 from flowattn.attention.contractive import ContractiveAttention
 from flowattn.data import load_dataset
@@ -95,4 +96,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 
+from entry import run_main
+
 COMMANDS = {
     "python -c pass": [sys.executable, "-c", "pass"],
     "python -c 'import torch'": [sys.executable, "-c", "import torch"],
@@ -54,4 +56,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -19,6 +19,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 
 
 def _script(name: str):
+    if str(BENCHMARKS) not in sys.path:  # the scripts import their neighbours (entry, machine)
+        sys.path.insert(0, str(BENCHMARKS))
     spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
@@ -452,3 +454,21 @@ def test_certificate_audit_runs_every_family_and_reports_a_certificate_below_a_n
     capsys.readouterr()
     assert audit.main([*small, "--families", "mlp"]) == 1
     assert "VIOLATION mlp: " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["bound_tightness.py", "--sizes", "0"],
+     "bound_tightness.py: error: sequence length must be an integer >= 1, got 0"),
+    (["sets.py", "--data", "bogus"], "sets.py: error: unknown data set 'bogus'"),
+    (["attention.py", "--threads", "-1"],
+     "attention.py: error: argument --threads: expected an integer >= 1, got -1"),
+])
+def test_a_benchmark_script_refuses_bad_input_in_one_line(argv, message):
+    # flowattn's refusals were tracebacks, a thread count of -1 torch's RuntimeError
+    import subprocess
+
+    done = subprocess.run([sys.executable, str(BENCHMARKS / argv[0]), *argv[1:]],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-2000:]
+    lines = done.stderr.strip().splitlines()
+    assert lines[-1].startswith(message) and "Traceback" not in done.stderr, done.stderr[-2000:]
