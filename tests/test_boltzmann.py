@@ -401,10 +401,13 @@ def _energy_task(settings):
 def test_the_memory_check_of_training_by_energy_counts_and_names_its_samples(
         small_particles, monkeypatch):
     from flowattn.errors import ConfigError
+    from flowattn.sets import train as sets_train
     from flowattn.training import memory
 
     task = _energy_task({"energy_weight": 0.5, "energy_samples": 5})
     monkeypatch.setattr(memory, "available_memory", lambda device: 1.0)
+    # no room for a batch (the flow's gradients and optimiser state left out)
+    monkeypatch.setattr(sets_train, "state_bytes", lambda model, average=False: 0)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     with pytest.raises(ConfigError, match=r", 13 items\).*use less memory per item "
                                           r"\(batch_size \(--batch-size\) \+ "
