@@ -38,7 +38,8 @@ def run_main(main: Callable[[], int | None]) -> None:
     try:
         status = main()
     except FlowattnError as err:
-        print(f"{name}: error: {err}", file=sys.stderr)
+        message = " ".join(str(err).split("\n"))  # one line, as the flowattn command prints it
+        print(f"{name}: error: {message}", file=sys.stderr)
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)

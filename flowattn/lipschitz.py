@@ -210,19 +210,19 @@ def check_certificate_precision(*weights: Tensor) -> None:
                 "certificate is then evaluated in float32)")
 
 
-def _check_matrix(w: Tensor, name: str) -> bool:
+def _empty_norm(w: Tensor, name: str) -> Tensor | None:
     """Refuse a ``w`` of fewer than two dimensions (a norm ``name`` of matrices was asked for);
-    True if its matrices are empty (every norm of them is 0)."""
+    for empty matrices their norm, 0 (with the derivative of an empty sum), else None."""
     if not isinstance(w, Tensor) or w.dim() < 2:
         got = f"shape {tuple(w.shape)}" if isinstance(w, Tensor) else type(w).__name__
         raise InputError(f"{name} takes a matrix or a batch of them, got {got}")
-    return w.shape[-1] == 0 or w.shape[-2] == 0
+    return w.abs().sum(dim=(-2, -1)) if w.shape[-1] == 0 or w.shape[-2] == 0 else None
 
 
 def matrix_inf_norm(w: Tensor) -> Tensor:
     """||W||_inf = max_i sum_j |W_ij| (over the last two dimensions)."""
-    if _check_matrix(w, "matrix_inf_norm"):
-        return w.abs().sum(dim=(-2, -1))  # 0, with the derivative of the empty sum
+    if (zero := _empty_norm(w, "matrix_inf_norm")) is not None:
+        return zero
     return w.abs().sum(dim=-1).amax(dim=-1)
 
 
@@ -243,8 +243,8 @@ def spectral_norm_exact(w: Tensor) -> Tensor:
         >>> float(spectral_norm_exact(w))
         4.0
     """
-    if _check_matrix(w, "spectral_norm_exact"):
-        return w.abs().sum(dim=(-2, -1))
+    if (zero := _empty_norm(w, "spectral_norm_exact")) is not None:
+        return zero
     tall = w.shape[-1] <= w.shape[-2]
     try:
         with torch.no_grad():
@@ -299,8 +299,8 @@ def spectral_norm_bound(w: Tensor, squarings: int = 10) -> Tensor:
         >>> 4.0 <= b < 4.0 * (1 + 1e-5)
         True
     """
-    if _check_matrix(w, "spectral_norm_bound"):
-        return w.abs().sum(dim=(-2, -1))
+    if (zero := _empty_norm(w, "spectral_norm_bound")) is not None:
+        return zero
     if squarings < 1:
         raise InputError(f"squarings must be >= 1, got {squarings}")
     tall = w.shape[-1] <= w.shape[-2]

@@ -153,9 +153,23 @@ def state_bytes(model: nn.Module, average: bool = False) -> int:
         >>> state_bytes(nn.Linear(10, 100))  # 1,100 float32 parameters, three copies
         13200
     """
-    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
-    return 3 * trainable + (held if average else 0)
+    trainable = _bytes(p for p in model.parameters() if p.requires_grad)
+    return 3 * trainable + (_weight_bytes(model) if average else 0)
+
+
+def _weight_bytes(model: nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers."""
+    return _bytes((*model.parameters(), *model.buffers()))
+
+
+def _bytes(tensors: Iterable[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _sharing(device: torch.device) -> int:
+    """The processes that share ``device``'s memory: on the CPU those ``torchrun`` started on
+    this host (``LOCAL_WORLD_SIZE``), on an accelerator one."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
 
 
 def check_model_fits(build: Callable[[int], nn.Module], layers: int, device: torch.device, *,
@@ -186,12 +200,11 @@ def check_model_fits(build: Callable[[int], nn.Module], layers: int, device: tor
                 model = build(k)
         except (RuntimeError, NotImplementedError):  # e.g. .item() of a meta tensor
             return
-        held = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
         counts.append((sum(p.numel() for p in model.parameters()),
-                       held + state_bytes(model, average)))
+                       _weight_bytes(model) + state_bytes(model, average)))
     (count, need), (count2, need2) = counts
     count, need = count + (layers - 1) * (count2 - count), need + (layers - 1) * (need2 - need)
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    sharing = _sharing(device)
     if need * sharing > free:
         raise ConfigError(
             f"this model ({count:,} parameters) would need about {_amount(need * sharing)} on "
@@ -226,8 +239,8 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
     at most ceil(items / processes) of them, and a process's peak is taken as
     ``state + PEAK_FACTOR * (saved.fixed + saved.per_item * its items)``. On the CPU,
     processes started by ``torchrun`` on one machine share its memory, so their number there
-    (``LOCAL_WORLD_SIZE``) multiplies the need. With ``saved`` zero only the state is checked
-    (before a pass is measured: a model too large to train is refused without one).
+    (``LOCAL_WORLD_SIZE``) multiplies the need. Where the state alone does not fit, the
+    message says so and names ``smaller`` instead of a batch size.
 
     Raises:
         ConfigError: naming the estimate, the memory available, the largest ``what`` (a count
@@ -242,13 +255,13 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
     fixed, per_item = saved
     if free is None or fixed + per_item + state <= 0:
         return
-    sharing = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if device.type == "cpu" else 1
+    sharing = _sharing(device)
     each = -(-items // processes)
     need = (state + PEAK_FACTOR * (fixed + per_item * each)) * sharing
     if need <= free:
         return
     gib, mib = 2**30, 2**20
-    if state * sharing >= free or fixed + per_item <= 0:  # the model cannot train at all
+    if state * sharing >= free:  # the model cannot train at all, whatever its batch
         raise ConfigError(
             f"training this model would need about {_amount(state * sharing)} on "
             f"{device} for its gradients and optimiser state alone"
