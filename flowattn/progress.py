@@ -104,16 +104,16 @@ def _interactive(stream: TextIO) -> bool:
     return (callable(isatty) and bool(isatty())) or type(stream).__module__.startswith("ipykernel")
 
 
-def progress_range(steps: int, desc: str, enabled: bool = True, first: int = 0
-                   ) -> Iterator[int]:
-    """``range(first, first + steps)`` with a :class:`Progress` report of ``steps`` steps (for
-    samplers and other long loops).
+def progress_range(steps: int, desc: str, enabled: bool = True, first: int = 0,
+                   unit: str = "step") -> Iterator[int]:
+    """``range(first, first + steps)`` with a :class:`Progress` report of ``steps`` steps, each
+    counted as one ``unit`` (for samplers and other long loops).
 
     Examples:
         >>> sum(progress_range(4, "demo", enabled=False))
         6
     """
-    bar = Progress(steps, 0, desc, enabled=enabled)
+    bar = Progress(steps, 0, desc, enabled=enabled, unit=unit)
     try:
         for t in range(first, first + steps):
             yield t

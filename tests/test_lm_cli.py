@@ -84,6 +84,19 @@ def test_sample_continues_the_prompt_with_characters_of_the_vocabulary(trained, 
     assert again == text
 
 
+def test_sample_reports_the_tokens_drawn_on_stderr_unless_told_not_to(trained, capsys):
+    # a long draw (--max-new-tokens 10^8) ran for hours without a word
+    out, _ = trained
+    code, stdout, err = run(capsys, "lm", "sample", "--checkpoint", out, "--max-new-tokens",
+                            "12", "--json")
+    assert code == 0 and len(last_json(stdout)["text"]) == 13
+    assert err.startswith("sampling: token 12/12 (100%)"), err  # the closing line of a log
+    assert "s/token" in err
+    code, stdout, err = run(capsys, "lm", "sample", "--checkpoint", out, "--max-new-tokens",
+                            "12", "--no-progress", "--json")
+    assert code == 0 and err == ""
+
+
 def test_invert_check_reconstructs_embeddings_of_an_invertible_lm_below_1e_4(
     corpus, tmp_path, capsys
 ):

@@ -1300,7 +1300,7 @@ def test_sample_refuses_a_draw_that_would_not_fit_in_memory_before_drawing(tmp_p
                    str(out)) == 2  # 2 x 100 x 8 x 2 x 4 = 12,800 bytes
     err = capsys.readouterr().err.strip()
     assert err.startswith("flowattn sets sample: error: 100 sets of 8 elements in R^2 take "
-                          "0.0 GiB as they are drawn and written, and 0.0 GiB is available")
+                          "12.5 KiB as they are drawn and written, and 9.8 KiB is available")
     assert "--num, --set-size" in err and not out.exists()
     assert run_cli("sample", "--checkpoint", str(tiny_run), "--num", "50", "--out",
                    str(out)) == 0  # 6,400 bytes

@@ -183,6 +183,8 @@ def _add_sample(sub) -> None:
     p.add_argument("--seed", type=seed, default=0, help="(default: %(default)s)")
     p.add_argument("--device", default="cpu", help="(default: cpu)")
     add_threads(p)
+    p.add_argument("--no-progress", action="store_true", help="no report of the characters "
+                   "drawn (on standard error: a bar on a terminal, else a line a minute)")
     p.add_argument("--json", action="store_true", help="last stdout line: a JSON object")
     p.set_defaults(handler=_sample)
 
@@ -209,7 +211,7 @@ def _sample(args: argparse.Namespace) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     unknown = () if vocab.unknown_id is None else (vocab.unknown_id,)  # U+FFFD: never drawn
     out = model.generate(idx, args.max_new_tokens, args.temperature, args.top_k, generator,
-                         exclude=unknown)
+                         exclude=unknown, progress=not args.no_progress)
     text = vocab.decode(out[0])
     _emit({"prompt": args.prompt, "text": text}, args.json, [text])
     return 0

@@ -18,6 +18,7 @@ from ..attention import (
     shared_certificates,
 )
 from ..errors import InputError
+from ..progress import progress_range
 from ..validation import check_count, check_deferred, trusted_inputs
 from .config import INITS, LMConfig
 
@@ -509,12 +510,15 @@ class _CharLM(nn.Module):
         top_k: int | None = None,
         generator: torch.Generator | None = None,
         exclude: Sequence[int] = (),
+        progress: bool = False,
     ) -> Tensor:
         """Extend ``idx`` (B, T) by sampling ``max_new_tokens`` tokens, one at a time, each from
         the model's distribution given the last ``block_size`` tokens (temperature-scaled,
         optionally restricted to the ``top_k`` most likely), never one of the ids in
         ``exclude`` (such as a vocabulary's unknown-character id). Draws are made on the CPU
-        from ``generator``, so that a seed gives the same text on every device."""
+        from ``generator``, so that a seed gives the same text on every device. ``progress``
+        reports the tokens drawn on standard error (a bar on a terminal, else a line a
+        minute)."""
         if not (math.isfinite(temperature) and temperature > 0):
             raise InputError(f"temperature must be a positive number, got {temperature}")
         if top_k is not None and top_k < 1:
@@ -526,7 +530,7 @@ class _CharLM(nn.Module):
             raise InputError(f"exclude holds ids outside [0, {vocab}): {exclude}")
         if len(exclude) == vocab:
             raise InputError("exclude holds every token id: nothing is left to sample")
-        for _ in range(max_new_tokens):
+        for _ in progress_range(max_new_tokens, "sampling", progress, unit="token"):
             logits, _ = self(idx[:, -self.config.block_size :])
             logits = logits[:, -1, :]
             if exclude:

@@ -277,15 +277,15 @@ def _check_samples_fit(num: int, set_size: int, dim: int, device) -> None:
     together (on ``device``, then as the written array on the host), 4 bytes a number each."""
     import torch
 
-    from ..training.memory import available_memory
+    from ..training.memory import available_memory, byte_amount
 
     needed = 2 * num * set_size * dim * 4
     for where in {device, torch.device("cpu")}:
         free = available_memory(where)
         if free is not None and needed > free:
             raise InputError(f"{counted(num, 'set')} of {counted(set_size, 'element')} in "
-                             f"R^{dim} take {needed / 2**30:,.1f} GiB as they are drawn and "
-                             f"written, and {free / 2**30:,.1f} GiB is available ({where}): "
+                             f"R^{dim} take {byte_amount(needed)} as they are drawn and "
+                             f"written, and {byte_amount(free)} is available ({where}): "
                              "draw fewer or smaller sets per call (--num, --set-size; calls "
                              "with other --seed values draw other sets)")
 

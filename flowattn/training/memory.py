@@ -34,7 +34,7 @@ from torch import nn
 from ..errors import ConfigError
 
 __all__ = ["saved_bytes", "pass_bytes", "PassBytes", "available_memory", "check_fits",
-           "check_model_fits", "state_bytes", "PEAK_FACTOR"]
+           "check_model_fits", "state_bytes", "byte_amount", "PEAK_FACTOR"]
 
 PEAK_FACTOR = 2.0
 
@@ -207,10 +207,10 @@ def check_model_fits(build: Callable[[int], nn.Module], layers: int, device: tor
     sharing = _sharing(device)
     if need * sharing > free:
         raise ConfigError(
-            f"this model ({count:,} parameters) would need about {_amount(need * sharing)} on "
+            f"this model ({count:,} parameters) would need about {byte_amount(need * sharing)} on "
             f"{device} for its weights, gradients and optimiser state alone"
             + (f" ({sharing} processes on this host)" if sharing > 1 else "")
-            + f", and {_amount(free)} is available"
+            + f", and {byte_amount(free)} is available"
             + (f": use {smaller}" if smaller else ""))
 
 
@@ -263,10 +263,10 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
     gib, mib = 2**30, 2**20
     if state * sharing >= free:  # the model cannot train at all, whatever its batch
         raise ConfigError(
-            f"training this model would need about {_amount(state * sharing)} on "
+            f"training this model would need about {byte_amount(state * sharing)} on "
             f"{device} for its gradients and optimiser state alone"
             + (f" ({sharing} processes on this host)" if sharing > 1 else "")
-            + f", and {_amount(free)} is available" + (f": use {smaller}" if smaller else ""))
+            + f", and {byte_amount(free)} is available" + (f": use {smaller}" if smaller else ""))
     room = (free / sharing - state) / PEAK_FACTOR - fixed  # bytes a process has for its items
     fits = int(room // per_item) * processes if per_item > 0 and room > 0 else 0
     named = " + ".join(f"{name} (--{name.replace('_', '-')})" for name in what.split(" + "))
@@ -283,14 +283,14 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
         + f"), and {free / gib:.1f} GiB is available: use " + "; or ".join(advice))
 
 
-def _amount(count: float) -> str:
+def byte_amount(count: float) -> str:
     """A byte count in GiB, or as :func:`_size` below one GiB (where GiB would read "0.0").
 
     Examples:
-        >>> _amount(3 * 2**30), _amount(5 * 2**20)
+        >>> byte_amount(3 * 2**30), byte_amount(5 * 2**20)
         ('3.0 GiB', '5 MiB')
     """
-    return f"{count / 2**30:.1f} GiB" if count >= 2**30 else _size(count)
+    return f"{count / 2**30:,.1f} GiB" if count >= 2**30 else _size(count)
 
 
 def _size(count: float) -> str:
