@@ -38,8 +38,7 @@ def run_main(main: Callable[[], int | None]) -> None:
     try:
         status = main()
     except FlowattnError as err:
-        message = " ".join(str(err).split("\n"))  # one line, as the flowattn command prints it
-        print(f"{name}: error: {message}", file=sys.stderr)
+        print(f"{name}: error: {err.line()}", file=sys.stderr)  # as the flowattn command does
         sys.exit(err.exit_code)
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)

@@ -90,8 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except FlowattnError as err:
         if debug:
             traceback.print_exc()
-        message = " ".join(str(err).split("\n"))
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {err.line()}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt as err:
         if debug:

@@ -46,10 +46,15 @@ __all__ = [
 class FlowattnError(Exception):
     """Base class of every error flowattn raises on purpose.
 
-    ``exit_code`` is the status the command line exits with when it reports the error.
+    ``exit_code`` is the status the command line exits with when it reports the error, and
+    :meth:`line` the message it prints.
     """
 
     exit_code: int = 2
+
+    def line(self) -> str:
+        """The message on one line (its line breaks as spaces), as a command reports it."""
+        return " ".join(str(self).split("\n"))
 
 
 class InputError(FlowattnError, ValueError):

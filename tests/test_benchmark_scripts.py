@@ -456,6 +456,22 @@ def test_certificate_audit_runs_every_family_and_reports_a_certificate_below_a_n
     assert "VIOLATION mlp: " in capsys.readouterr().out
 
 
+def test_a_benchmark_script_reports_a_refusal_of_several_lines_on_one_line(capsys,
+                                                                            monkeypatch):
+    entry = _script("entry")
+    from flowattn.errors import ConfigError
+
+    monkeypatch.setattr(sys, "argv", ["demo.py"])
+
+    def refuse():
+        raise ConfigError("first\nsecond")
+
+    with pytest.raises(SystemExit) as exit_:
+        entry.run_main(refuse)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == "demo.py: error: first second\n"
+
+
 @pytest.mark.parametrize("argv, message", [
     (["bound_tightness.py", "--sizes", "0"],
      "bound_tightness.py: error: sequence length must be an integer >= 1, got 0"),

@@ -1358,6 +1358,21 @@ def test_every_library_error_is_a_flowattn_error_and_debug_shows_the_traceback(t
     assert code == 2 and "Traceback" in err
 
 
+def test_a_refusal_of_several_lines_is_reported_on_one_line(tmp_path, capsys, monkeypatch):
+    import flowattn.sets.cli as sets_cli
+
+    err = ConfigError("bad setting\n  in the file\nat line 2")
+    assert err.line() == "bad setting   in the file at line 2"
+
+    def refuse(args):
+        raise err
+
+    monkeypatch.setattr(sets_cli, "_sample", refuse)
+    line = one_line(capsys, "sets", "sample", "--checkpoint", tmp_path, "--num", "1",
+                    "--out", tmp_path / "s.npz")
+    assert line == "flowattn sets sample: error: bad setting   in the file at line 2"
+
+
 def test_the_command_line_starts_without_importing_torch():
     script = ("import sys; from flowattn.cli import build_parser; build_parser(); "
               "print(sorted(m for m in ('torch', 'numpy', 'flowattn.flows') "

@@ -260,7 +260,7 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
     need = (state + PEAK_FACTOR * (fixed + per_item * each)) * sharing
     if need <= free:
         return
-    gib, mib = 2**30, 2**20
+    mib = 2**20
     if state * sharing >= free:  # the model cannot train at all, whatever its batch
         raise ConfigError(
             f"training this model would need about {byte_amount(state * sharing)} on "
@@ -272,15 +272,15 @@ def check_fits(saved: PassBytes, items: int, device: torch.device, *, processes:
     named = " + ".join(f"{name} (--{name.replace('_', '-')})" for name in what.split(" + "))
     advice = [f"{named} {fits:,} or less" if fits >= 1 else
               f"less memory per item ({named} 1 alone needs "
-              f"{(state + PEAK_FACTOR * (fixed + per_item)) * sharing / gib:.1f} GiB)", *hints]
+              f"{byte_amount((state + PEAK_FACTOR * (fixed + per_item)) * sharing)})", *hints]
     raise ConfigError(
-        f"a training step would need about {need / gib:.1f} GiB on {device} "
+        f"a training step would need about {byte_amount(need)} on {device} "
         f"({_size(per_item)} saved for the backward pass per item, {each:,} items"
         + (f" in each of {processes} processes" if processes > 1 else "")
         + (f", and {_size(fixed)} whatever the batch" if fixed >= mib else "")
         + (f"; {_size(state)} of gradients and optimiser state" if state >= mib else "")
         + (f"; {sharing} processes on this host" if sharing > 1 else "")
-        + f"), and {free / gib:.1f} GiB is available: use " + "; or ".join(advice))
+        + f"), and {byte_amount(free)} is available: use " + "; or ".join(advice))
 
 
 def byte_amount(count: float) -> str:
