@@ -15,7 +15,7 @@ from flowattn.data import dw4_energy, load_npz
 from flowattn.data.partition import harmonic_log_partition
 from flowattn.errors import InputError
 from flowattn.flows import set_flow
-from flowattn.flows.builders import SetFlow
+from flowattn.flows.setflow import SetFlow
 from flowattn.sets import SetsRunConfig, fit, load_flow
 from flowattn.sets.boltzmann import BoltzmannSample, boltzmann_sample, boltzmann_summary
 from flowattn.training.device import NO_COMPILER, cpp_compiler

@@ -7,8 +7,9 @@ import torch
 
 from flowattn.cli import main
 from flowattn.sets import SetsRunConfig
+from flowattn.sets.budget import eval_batch_size
 from flowattn.sets.plots import sample_count
-from flowattn.sets.train import INIT_SETS, SetsTask, eval_batch_size
+from flowattn.sets.train import INIT_SETS, SetsTask
 from flowattn.training.distributed import Distributed
 
 

@@ -269,7 +269,7 @@ MUTANTS = [
            "logdet = (n - 1) * self.deviation.log_abs_det()",
            "logdet = n * self.deviation.log_abs_det()",
            ("tests/flows/test_equivariant.py::test_logdet_equals_brute_force_jacobian",)),
-    Edited("flowattn/flows/builders.py", "SetFlow without its standardisation's log-det",
+    Edited("flowattn/flows/setflow.py", "SetFlow without its standardisation's log-det",
            "        logdet = scale_logdet + logdet\n",
            "        logdet = 0 * scale_logdet + logdet\n",
            ("tests/flows/test_standardisation.py::test_log_likelihood_of_rescaled_and_shifted_"

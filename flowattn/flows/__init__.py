@@ -14,7 +14,8 @@ The layers of the package, each using only those below it:
   :mod:`~flowattn.flows.layers` -- exact layers (ActNorm, equivariant linear, set location);
   :mod:`~flowattn.flows.pairs` -- pair splines (every pair of particles moved along its axis);
   :mod:`~flowattn.flows.continuous` -- continuous flows and their vector fields;
-* :mod:`~flowattn.flows.builders` -- :class:`SetFlow`, :func:`set_flow`, :func:`sequence_flow`;
+* :mod:`~flowattn.flows.setflow` -- :class:`SetFlow`, the flow object;
+  :mod:`~flowattn.flows.builders` -- :func:`set_flow`, :func:`sequence_flow`;
   :mod:`~flowattn.flows.coupling` -- :class:`SetCoupling` (splines conditioned by attention
   over the set) and :func:`coupling_flow`.
 
@@ -22,7 +23,7 @@ Estimators, inverses and helpers are imported from their own modules
 (``from flowattn.flows.logdet import series_logdet``).
 """
 
-from .builders import SetFlow, sequence_flow, set_flow
+from .builders import sequence_flow, set_flow
 from .continuous import CNF, AttentionField, DotProductField, EGNNField
 from .coupling import SetCoupling, coupling_flow
 from .inverse import InverseOptions
@@ -31,6 +32,7 @@ from .logdet import LogDetOptions
 from .monotone import InverseMonotoneResidual, MonotoneResidual
 from .pairs import PairSplines
 from .residual import InvertibleResidual, TransformerResidualPair
+from .setflow import SetFlow
 
 __all__ = [
     # residual blocks and their options

@@ -46,9 +46,9 @@ from torch import Tensor, nn
 from ..attention import DotProductMHA
 from ..errors import InputError
 from ..validation import check_deferred, present_weights, trusted_inputs
-from .builders import SetFlow
 from .geometry import checked_inputs, full_precision, subtract_mean
 from .layers import ActNorm, EquivariantLinear, SetLocation, size_features
+from .setflow import SetFlow
 from .splines import UNIT_SLOPE, rational_quadratic
 
 __all__ = ["SetCoupling", "coupling_flow", "coupling_stack"]

@@ -55,7 +55,7 @@ def points_only() -> Iterator[None]:
     Sampling wants the points alone, and the log-det of an inverse is a series of Jacobian
     products (at evaluation accuracy up to a hundred per block, each holding a batch's N x N
     attention weights), which costs far more than the fixed-point solve itself and is what
-    limits the set size a sample can have. :meth:`~flowattn.flows.builders.SetFlow.sample`
+    limits the set size a sample can have. :meth:`~flowattn.flows.setflow.SetFlow.sample`
     enters it; a caller that needs log-densities of samples must not.
 
     Examples:

@@ -29,9 +29,9 @@ from torch import Tensor
 
 from ..data.particles import pairwise_distances
 from ..errors import InputError, NonFiniteError
-from ..flows.builders import SetFlow
 from ..flows.continuous.cnf import CNF
 from ..flows.geometry import probe_stream
+from ..flows.setflow import SetFlow
 from ..importance import event_kl, kish_ess, log_mean_weight, self_normalised_mean
 from ..progress import progress_batches
 

@@ -594,9 +594,10 @@ def build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
 def _build_flow(flow: SetsFlow, dim: int, set_size: int, zero_com: bool) -> Any:
     from nflows.transforms import CompositeTransform
 
-    from ..flows.builders import SetFlow, set_flow
+    from ..flows.builders import set_flow
     from ..flows.layers import SetLocation
     from ..flows.logdet import LogDetOptions
+    from ..flows.setflow import SetFlow
 
     if flow.flow == "coupling":
         return _build_coupling(flow, dim, zero_com)

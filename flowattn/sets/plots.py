@@ -12,7 +12,8 @@ import torch  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from ..data import PARTICLE_SYSTEMS, SetData, pairwise_distances  # noqa: E402
-from ..flows.builders import SetFlow  # noqa: E402
+from ..flows.setflow import SetFlow  # noqa: E402
+from .budget import eval_batch_size  # noqa: E402
 
 __all__ = ["plot_run", "plot_sets", "plot_particles", "draw_samples", "sample_count"]
 
@@ -34,7 +35,7 @@ def draw_samples(flow: SetFlow, like: SetData, count: int, seed: int) -> tuple[T
 
 def sample_count(count: int, set_size: int) -> int:
     """Sets to draw for a plot: ``count``, capped like an evaluation batch (sets x N² <= 2^22,
-    :func:`~flowattn.sets.train.eval_batch_size`), and at least 6.
+    :func:`~flowattn.sets.budget.eval_batch_size`), and at least 6.
 
     Inverting a residual flow also computes its log-det, estimated by a probe series for
     N D > 512 at seconds per set of N = 1000 (and attention holds sets x N² weights): 500
@@ -44,8 +45,6 @@ def sample_count(count: int, set_size: int) -> int:
         >>> sample_count(500, 55), sample_count(500, 1000), sample_count(500, 10_000)
         (500, 6, 6)
     """
-    from .train import eval_batch_size  # the same budget of sets x N² as evaluation
-
     return min(count, max(6, eval_batch_size(count, set_size)))
 
 

@@ -29,10 +29,10 @@ from ..data import (
 )
 from ..errors import ConfigError, DataError, NonFiniteError
 from ..flows.base import sample_standard_normal, set_dims
-from ..flows.builders import SetFlow
 from ..flows.coupling import SetCoupling
 from ..flows.geometry import probe_stream
 from ..flows.residual import InvertibleResidual
+from ..flows.setflow import SetFlow
 from ..progress import progress_batches
 from ..training.checkpoint import read_model, unbuildable
 from ..training.cli import counted
@@ -43,6 +43,7 @@ from ..training.memory import check_fits, pass_bytes, state_bytes
 from ..training.run import data_fingerprint, plan_run
 from ..validation import trusted_inputs
 from .boltzmann import regularised_energy
+from .budget import eval_batch_size
 from .config import (
     SetsRunConfig,
     build_flow,
@@ -51,7 +52,7 @@ from .config import (
     resolved_interaction,
 )
 
-__all__ = ["SetsTask", "fit", "evaluate", "eval_batch_size", "load_flow"]
+__all__ = ["SetsTask", "fit", "evaluate", "load_flow"]
 
 
 class _LogProb(nn.Module):
@@ -204,24 +205,6 @@ def _sampling_errors(nll: float, dims: float, moments: list[float],
 
 #: sets whose centroids initialise the centroid flow's ActNorm when batches are smaller
 INIT_SETS = 64
-
-#: element pairs (sets x N²) scored at once in evaluation: 256 sets up to N = 128
-EVAL_PAIRS = 2**22
-
-
-def eval_batch_size(batch_size: int, set_size: int) -> int:
-    """Sets per evaluation batch: ``batch_size``, capped so that sets x N² <= 2^22.
-
-    An estimated log-det multiplies each attention block's (B, H, N, N) matrices by a round of
-    probes at once (:func:`~flowattn.flows.logdet.precise_series_logdet`): 256 sets of
-    N = 1000 would hold 4 GiB per probe in such a tensor, 4 sets hold 16 MiB. Sets of up to
-    128 elements keep 256.
-
-    Examples:
-        >>> eval_batch_size(256, 55), eval_batch_size(256, 1000), eval_batch_size(256, 10_000)
-        (256, 4, 1)
-    """
-    return max(1, min(batch_size, EVAL_PAIRS // (set_size * set_size)))
 
 
 def _data_spec(train: SetData) -> dict:
