@@ -38,9 +38,9 @@ from machine import cpu_name
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import benchmark
 
-from flowattn import lipschitz
 from flowattn.attention import L2MHA, ContractiveL2MHA, DotProductMHA, dot_product, l2
 from flowattn.attention.contractive import ContractiveAttention
+from flowattn.lipschitz import lambertw, norms
 
 SHAPES = [(32, 128, 128, 8), (8, 512, 256, 8)]  # (B, N, D, H)
 
@@ -66,7 +66,7 @@ class _W0ThroughIterations:
     """Lambert W_0 differentiated through its Halley iterations, as before
     :func:`flowattn.lipschitz.lambertw0` had its closed-form derivative (same values)."""
 
-    halley = staticmethod(lipschitz._LambertW0.forward)
+    halley = staticmethod(lambertw._LambertW0.forward)
 
     @staticmethod
     def apply(x, iterations):
@@ -103,7 +103,7 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
         "L2MHA reference": L2MHA(dim, heads, fused=False),
         "ContractiveL2MHA": contractive,
         "ContractiveL2MHA, SVD norms": Patched(
-            contractive, lipschitz, svd_norm, name="spectral_norm_exact"),
+            contractive, norms, svd_norm, name="spectral_norm_exact"),
         # as before c / bound went into W^O: F's output divided by the bound
         "ContractiveL2MHA, output divided": Patched(
             contractive, ContractiveL2MHA, ContractiveAttention._divided, name="_divided"),
@@ -111,9 +111,9 @@ def modules(dim: int, heads: int, second_order: bool) -> dict[str, torch.nn.Modu
         # W_0 of the offsets' weighted count, differentiated every step) and the mixed norm
         "ContractiveL2MHA, LM": lm,
         "ContractiveL2MHA, LM, W0 through its iterations": Patched(
-            lm, lipschitz, _W0ThroughIterations, name="_LambertW0"),
+            lm, lambertw, _W0ThroughIterations, name="_LambertW0"),
         "ContractiveL2MHA, LM, SVD norms": Patched(
-            lm, lipschitz, svd_norm, name="spectral_norm_exact"),
+            lm, norms, svd_norm, name="spectral_norm_exact"),
     }
 
 

@@ -446,7 +446,7 @@ def test_closed_form_products_match_cpu_and_autograd(kind: str):
     torch.testing.assert_close(actual["vjp"], auto, rtol=RTOL, atol=ATOL)
 
 
-# ----------------------------------------------------------------------------- lipschitz.py
+# ----------------------------------------------------------------------------- flowattn.lipschitz
 
 
 def test_lambert_w_and_phi_inverse_match_cpu_with_their_derivatives():
@@ -520,7 +520,7 @@ def l2_weights(device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
 
 
 def test_certificate_functions_match_cpu_on_device_weights():
-    """lipschitz.py's bounds with weights (and counts, margins) on the device."""
+    """flowattn.lipschitz's bounds with weights (and counts, margins) on the device."""
 
     def results(device: torch.device) -> Results:
         wq, wv, wo = l2_weights(device)

@@ -7,11 +7,11 @@ import pytest
 import scipy.special as scipy_special  # the Lambert W oracle (scipy is in [test])
 import torch
 
-from flowattn import lipschitz
 from flowattn.errors import InputError, NonFiniteError
 from flowattn.lipschitz import (
     PowerIteration,
     centernorm_lipschitz_bound,
+    core,
     jacobian,
     jacobian_norm,
     l2_attention_bound,
@@ -29,6 +29,8 @@ from flowattn.lipschitz import (
     spectral_norm_bound,
     spectral_norm_exact,
 )
+from flowattn.lipschitz import norms as matrix_norms
+from flowattn.lipschitz.attention import _pairwise_spectral
 
 
 def test_lambertw0_matches_scipy_to_1e12_relative_on_0_to_1e6():
@@ -154,7 +156,7 @@ def test_pairwise_head_norms_are_the_norms_of_every_product():
     # Gamma_hk = ||A_h A_k^T||_2, here from blocks of one Gram matrix: against each product
     g = torch.Generator().manual_seed(6)
     a = torch.randn(3, 4, 5, generator=g, dtype=torch.float64)
-    gamma = lipschitz._pairwise_spectral(a)
+    gamma = _pairwise_spectral(a)
     for h in range(3):
         for k in range(3):
             expected = torch.linalg.svdvals(a[h] @ a[k].T)[0]
@@ -220,7 +222,7 @@ def test_certificates_from_squarings_are_above_and_within_1e6_of_the_exact_ones(
             used[_name] += 1
             return _function(w)
 
-        monkeypatch.setattr(lipschitz, function.__name__, counted)
+        monkeypatch.setattr(matrix_norms, function.__name__, counted)
     g = torch.Generator().manual_seed(11)
     w_q, w_v = (torch.randn(3, 12, 4, generator=g, dtype=torch.float64) for _ in range(2))
     w_o = torch.randn(12, 12, generator=g, dtype=torch.float64)
@@ -533,7 +535,7 @@ def _column_block_values(n: int, u: torch.Tensor, w: torch.Tensor) -> torch.Tens
     spread = w * torch.sqrt(torch.log(max(m, 1) / w.clamp_min(1e-300)).clamp_min(0))
     pull = torch.clamp(spread / (1 + s + w), max=math.sqrt(c))
     g = 2 * (1 - p) * u**2
-    return p * lipschitz._rank_one_bracket(g, g, 2 * u * pull)
+    return p * core._rank_one_bracket(g, g, 2 * u * pull)
 
 
 def test_rank_one_bracket_is_the_supremum_of_a_column_block_over_the_pull():
@@ -549,7 +551,7 @@ def test_rank_one_bracket_is_the_supremum_of_a_column_block_over_the_pull():
     ops[..., 1, 0] = h * torch.sin(theta)
     ops[..., 1, 1] = 1
     brute = torch.linalg.matrix_norm(ops, 2).amax(-1)
-    closed = lipschitz._rank_one_bracket(g[..., 0], g[..., 0], h[..., 0])
+    closed = core._rank_one_bracket(g[..., 0], g[..., 0], h[..., 0])
     step = h[..., 0] * 2 * math.pi / 4000  # the circle between the angles
     assert (closed >= brute - 1e-12).all()
     assert (closed <= brute + step + 1e-12).all()
@@ -557,13 +559,13 @@ def test_rank_one_bracket_is_the_supremum_of_a_column_block_over_the_pull():
     # away from 0 (at g = 1, h = 1: sqrt(2) against 2)
     assert closed.le(torch.clamp((1 - g[..., 0]).abs(), min=1) + h[..., 0] + 1e-12).all()
     one = torch.ones((), dtype=torch.float64)
-    assert lipschitz._rank_one_bracket(one, one, one).item() == pytest.approx(math.sqrt(2))
+    assert core._rank_one_bracket(one, one, one).item() == pytest.approx(math.sqrt(2))
     # an interval of g: at least the value at every g inside it (convex in g: an end)
     lows, highs = torch.tensor([0.2, 0.9, 1.5]).double(), torch.tensor([0.8, 2.5, 3.0]).double()
     inside = lows[:, None] + (highs - lows)[:, None] * torch.linspace(0, 1, 101).double()
     for reach in (0.0, 0.3, 1.2):
-        both = lipschitz._rank_one_bracket(lows, highs, torch.full_like(lows, reach))
-        each = lipschitz._rank_one_bracket(inside, inside, torch.full_like(inside, reach))
+        both = core._rank_one_bracket(lows, highs, torch.full_like(lows, reach))
+        each = core._rank_one_bracket(inside, inside, torch.full_like(inside, reach))
         assert (both[:, None] >= each - 1e-12).all()
     # and the real blocks: random b, e in R^5 and weights P, never above the bracket
     gen = torch.Generator().manual_seed(11)
@@ -576,7 +578,7 @@ def test_rank_one_bracket_is_the_supremum_of_a_column_block_over_the_pull():
     blocks = torch.eye(5, dtype=torch.float64) - 2 * a[:, :, None] * b[:, None, :]
     norms = torch.linalg.matrix_norm(blocks, 2)
     g_ = 2 * (1 - p[:, 0]) * b.norm(dim=1) ** 2
-    assert (norms <= lipschitz._rank_one_bracket(g_, g_, 2 * b.norm(dim=1) * e.norm(dim=1))
+    assert (norms <= core._rank_one_bracket(g_, g_, 2 * b.norm(dim=1) * e.norm(dim=1))
             + 1e-10).all()
 
 
@@ -587,7 +589,7 @@ def test_core_column_constant_values():
     # C_N = c_2 + (N - 1) kappa_N: the cells' brackets are at least the pointwise supremum
     # and at most 5 % above it
     for n, value in zip((2, 8, 64), values[1:].tolist(), strict=True):
-        kappa = (value - lipschitz._diagonal_block_constant(n)) / (n - 1)
+        kappa = (value - core._diagonal_block_constant(n)) / (n - 1)
         pointwise = _column_block_pointwise_sup(n)
         assert pointwise <= kappa <= 1.05 * pointwise, (n, kappa, pointwise)
     # the block with u = 0 (k on top of i) alone: P = 1/2 at N = 2, so kappa_N >= 1/2
@@ -598,12 +600,12 @@ def test_core_column_constant_values():
     for n in (3, 8, 33):
         c = phi_inverse(n - 1).item()
         ranks = min(n - 1, 16)
-        blocks = lipschitz._column_block_supremum(n - 2, c, None, tuple(range(ranks)))
+        blocks = core._column_block_supremum(n - 2, c, None, tuple(range(ranks)))
         for q, block in enumerate(blocks):
             pointwise = _column_block_pointwise_sup(n, q)
             assert pointwise <= block <= 1.05 * pointwise, (n, q, block, pointwise)
         assert blocks == sorted(blocks, reverse=True)
-        expected = (lipschitz._diagonal_block_constant(n) + sum(blocks)
+        expected = (core._diagonal_block_constant(n) + sum(blocks)
                     + (n - 1 - ranks) * blocks[-1])
         assert l2_core_column_constant(n, full=True).item() == pytest.approx(expected, rel=1e-12)
     with pytest.raises(InputError, match="without offsets"):
@@ -615,7 +617,7 @@ def test_diagonal_block_constant_is_attained_and_never_exceeded():
     # midway between two equal clusters at squared distance 1 + c_2 / 2 (N - 1 even); c_2 is
     # below 1 + 2c, which bounds P_kk and the covariance apart
     for n in (3, 9, 33):
-        c2 = lipschitz._diagonal_block_constant(n)
+        c2 = core._diagonal_block_constant(n)
         assert c2 < 1 + 2 * phi_inverse(n - 1).item()
         u = math.sqrt(1 + c2 / 2)
         z = torch.zeros(n, 2, dtype=torch.float64)
@@ -632,7 +634,7 @@ def test_diagonal_block_constant_is_attained_and_never_exceeded():
     g = torch.Generator().manual_seed(11)
     for n in (2, 5, 12):
         for margin in (None, 1.5):
-            c2 = lipschitz._diagonal_block_constant(n, margin)
+            c2 = core._diagonal_block_constant(n, margin)
             for d in (1, 3):
                 for scale in (0.3, 1.0, 2.0):
                     z = scale * torch.randn(n, d, generator=g, dtype=torch.float64)
@@ -641,7 +643,7 @@ def test_diagonal_block_constant_is_attained_and_never_exceeded():
                         assert torch.linalg.matrix_norm(jac[k, :, k, :], 2).item() <= c2
     # the self-offset: k weighted e^{-B} against the others attains c_2 with S = (N - 1) e^B
     n, margin = 5, 1.5
-    c2 = lipschitz._diagonal_block_constant(n, margin)
+    c2 = core._diagonal_block_constant(n, margin)
     u = math.sqrt(1 + c2 / 2)
     z = torch.zeros(n, 1, dtype=torch.float64)
     z[1:, 0] = u * torch.tensor([1.0, -1.0, 1.0, -1.0], dtype=torch.float64)
@@ -676,15 +678,15 @@ def test_row_constant_values_and_threshold():
         if n <= 6:
             assert row == 1 + 4 * c.item()
         else:
-            assert row == pytest.approx(2 * lipschitz._diagonal_block_constant(n) - 1, rel=1e-12)
+            assert row == pytest.approx(2 * core._diagonal_block_constant(n) - 1, rel=1e-12)
             assert row < 1 + 4 * c.item()
     # with a logit margin B the count is S = (N - 1) e^B
     c = logit_margin_constant(4, 1.0)
     assert l2_core_row_constant(c).item() == pytest.approx(
-        2 * lipschitz._diagonal_block_constant(4, 1.0) - 1, rel=1e-12)
+        2 * core._diagonal_block_constant(4, 1.0) - 1, rel=1e-12)
     # the threshold is the derivation's: the lower pieces stay below the closed form's peak
     # from S = 5.7320... on (and only there: the gap grows with S above 2/3)
-    assert _row_pieces_gap(lipschitz._ROW_THRESHOLD) >= 0
+    assert _row_pieces_gap(core._ROW_THRESHOLD) >= 0
     assert _row_pieces_gap(5.72) < 0 < _row_pieces_gap(5.74)
     # differentiable in c (weighted counts of learnt offsets reach it)
     c = phi_inverse(torch.tensor([3.0, 7.0, 31.0], dtype=torch.float64)).requires_grad_()
@@ -768,11 +770,9 @@ def test_core_column_constant_rounds_a_drifting_margin_up_to_a_cached_one():
     # a learnt margin moves a little at every training step: the constant is evaluated for the
     # margin rounded up to a multiple of 1/64 (a bound for every smaller margin), so nearby
     # margins reuse one evaluation of the grid
-    from flowattn.lipschitz import _core_column_constant
-
-    start = _core_column_constant.cache_info().misses
+    start = core._core_column_constant.cache_info().misses
     values = {l2_core_column_constant(6, 2.0 + k / 1000).item() for k in range(1, 16)}
-    assert _core_column_constant.cache_info().misses - start <= 1
+    assert core._core_column_constant.cache_info().misses - start <= 1
     assert values == {l2_core_column_constant(6, 2 + 1 / 64).item()}
     assert l2_core_column_constant(6, 2.0).item() < values.pop()
 
@@ -979,6 +979,6 @@ def test_a_failed_spectral_norm_says_why(monkeypatch):
     monkeypatch.setattr(torch.linalg, "eigh", fails)
     monkeypatch.setattr(torch.linalg, "matrix_norm", fails)
     with pytest.raises(NonFiniteError, match="holding NaN or Inf"):
-        lipschitz.spectral_norm_exact(torch.tensor([[1.0, float("inf")], [0.0, 1.0]]))
+        spectral_norm_exact(torch.tensor([[1.0, float("inf")], [0.0, 1.0]]))
     with pytest.raises(torch.linalg.LinAlgError, match="did not converge"):
-        lipschitz.spectral_norm_exact(torch.eye(3))
+        spectral_norm_exact(torch.eye(3))

@@ -17,7 +17,8 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..errors import InputError
-from ..lipschitz import _norm_name, check_counts
+from ..lipschitz import check_counts
+from ..lipschitz.checks import norm_name
 from ..validation import assert_finite
 from .masking import keys_per_row
 from .projections import Projection
@@ -205,7 +206,7 @@ def _divisor(bound: Tensor) -> Tensor:
 
 class ContractiveAttention(nn.Module):
     """Base of the contractive attention modules; a subclass sets ``attention`` (F), ``coeff``,
-    ``norm`` (normalised by ``_norm_name(..., mixed=True)``) and ``output_dropout``."""
+    ``norm`` (normalised by ``norm_name(..., mixed=True)``) and ``output_dropout``."""
 
     attention: nn.Module
     coeff: float
@@ -226,7 +227,7 @@ class ContractiveAttention(nn.Module):
             raise InputError(f"coeff must lie in (0, 1) for a contraction, got {coeff}")
         if not 0.0 <= output_dropout < 1.0:
             raise InputError(f"output_dropout must lie in [0, 1), got {output_dropout}")
-        self.coeff, self.norm = coeff, _norm_name(norm, mixed=True)
+        self.coeff, self.norm = coeff, norm_name(norm, mixed=True)
         self.output_dropout = output_dropout
 
     def _divided(self, x: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
@@ -348,7 +349,7 @@ class ContractiveAttention(nn.Module):
         Lip_other(f) <= coeff * bound_other(n) / bound_own(1): valid, though loose.
         """
         n = check_counts(n)
-        norm = self.norm if norm is None else _norm_name(norm, mixed=True)
+        norm = self.norm if norm is None else norm_name(norm, mixed=True)
         if self.only_norm is not None and norm != self.only_norm:
             raise InputError(f"{type(self).__name__} is certified in the norm "
                              f"'{self.only_norm}' only, got norm={norm!r}")

@@ -9,12 +9,12 @@ from torch import Tensor, nn
 
 from ..errors import InputError
 from ..lipschitz import (
-    _norm_name,
     check_certificate_precision,
     check_counts,
     matrix_inf_norm,
     spectral_norm_exact,
 )
+from ..lipschitz.checks import norm_name
 from ..validation import check_heads, check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -163,7 +163,7 @@ class ScaledCosineMHA(nn.Module):
         check_certificate_precision(self.w_q, self.w_k, self.w_v, self.w_o)
         if isinstance(n, range):
             n = torch.tensor(list(n))
-        norm = _norm_name(norm, mixed=method == "tight")
+        norm = norm_name(norm, mixed=method == "tight")
         wq, wk, wv = (self.head_weights(w) for w in (self.w_q, self.w_k, self.w_v))
         if method == "tight":
             return self._tight_bound(n, norm, wq, wk, wv)

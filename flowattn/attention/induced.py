@@ -15,7 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import InputError
-from ..lipschitz import _norm_name, induced_attention_bound
+from ..lipschitz import induced_attention_bound
+from ..lipschitz.checks import norm_name
 from ..validation import check_heads, check_output, check_sets
 from .contractive import ContractiveAttention
 from .dot_product import merge_heads, split_heads
@@ -154,7 +155,7 @@ class InducedL2MHA(nn.Module):
         """Certified bound on Lip_{2,inf}(F) for sets of ``n`` present elements
         (:func:`~flowattn.lipschitz.induced_attention_bound`); ``n`` an int, a range (a table)
         or a tensor of counts. Differentiable in the weights."""
-        if _norm_name(norm, mixed=True) != "2,inf":
+        if norm_name(norm, mixed=True) != "2,inf":
             raise InputError(
                 f"InducedL2MHA is certified in the mixed norm '2,inf' only, got norm={norm!r}"
             )

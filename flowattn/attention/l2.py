@@ -13,7 +13,9 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrizations, parametrize
 
 from ..errors import InputError
-from ..lipschitz import CERTIFICATES, _spectral_norm, l2_attention_bound
+from ..lipschitz import l2_attention_bound
+from ..lipschitz.attention import CERTIFICATES
+from ..lipschitz.norms import spectral_norm_function
 from ..passes import per_pass
 from ..validation import check_count, check_heads, check_output, check_sets, values_readable
 from .contractive import ContractiveAttention
@@ -296,7 +298,7 @@ class L2MHA(nn.Module):
         spectral_norms: str = "eigh",
     ):
         super().__init__()
-        _spectral_norm(spectral_norms)  # refuses an unknown name, as the certificate would
+        spectral_norm_function(spectral_norms)  # refuses an unknown name, as the certificate would
         self.spectral_norms = spectral_norms
         if offset_certificate not in OFFSET_CERTIFICATES:
             raise InputError(f"offset_certificate must be one of {OFFSET_CERTIFICATES}, got "

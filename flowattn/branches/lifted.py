@@ -15,7 +15,8 @@ from torch import Tensor, nn
 from ..attention import L2MHA, Projection
 from ..attention.contractive import ContractiveAttention
 from ..errors import InputError
-from ..lipschitz import _norm_name, spectral_norm_exact
+from ..lipschitz import spectral_norm_exact
+from ..lipschitz.checks import norm_name
 from ..validation import check_count, check_heads, check_sets
 from .mlp import LipSwish
 
@@ -99,7 +100,7 @@ class LiftedL2MHA(nn.Module):
     def lipschitz_bound(self, n: int | range | Tensor, norm: str | int = "2,inf") -> Tensor:
         """Certified bound on Lip_{2,inf}(F) for sets of ``n`` elements (an int, a range: a
         table, or a tensor of counts). Differentiable in the weights."""
-        if _norm_name(norm, mixed=True) != "2,inf":
+        if norm_name(norm, mixed=True) != "2,inf":
             raise InputError(
                 f"LiftedL2MHA is certified in the mixed norm '2,inf' only, got norm={norm!r}"
             )

@@ -9,7 +9,8 @@ from torch import Tensor, nn
 
 from ...attention import L2MHA, DotProductMHA
 from ...errors import InputError
-from ...lipschitz import _norm_name, matrix_inf_norm, spectral_norm_exact
+from ...lipschitz import matrix_inf_norm, spectral_norm_exact
+from ...lipschitz.checks import norm_name
 from ...validation import check_sets
 from ..geometry import project, set_times
 
@@ -148,7 +149,7 @@ class AttentionField(_StackedAttentionField):
         max_lipschitz: float | None = None,
     ):
         super().__init__(L2MHA, dim, heads, layers, hidden, time_hidden, causal, zero_com)
-        self.norm = _norm_name(norm)
+        self.norm = norm_name(norm)
         if max_lipschitz is not None and not (math.isfinite(max_lipschitz) and max_lipschitz > 0):
             raise InputError(f"max_lipschitz must be a finite number > 0, got {max_lipschitz!r}")
         self.max_lipschitz = max_lipschitz
