@@ -12,6 +12,7 @@ from flowattn.lipschitz import (
     PowerIteration,
     centernorm_lipschitz_bound,
     core,
+    induced_attention_bound,
     jacobian,
     jacobian_norm,
     l2_attention_bound,
@@ -982,3 +983,19 @@ def test_a_failed_spectral_norm_says_why(monkeypatch):
         spectral_norm_exact(torch.tensor([[1.0, float("inf")], [0.0, 1.0]]))
     with pytest.raises(torch.linalg.LinAlgError, match="did not converge"):
         spectral_norm_exact(torch.eye(3))
+
+
+@pytest.mark.parametrize("bound", ["l2", "induced"])
+def test_attention_certificates_refuse_weights_whose_shapes_disagree(bound):
+    # w_q, w_v (H, D, d) and w_o (D, D) with D = H d: any other combination is refused by name
+    def certificate(w_q, w_v, w_o):
+        if bound == "l2":
+            return l2_attention_bound(4, w_q, w_v, w_o, "inf")
+        return induced_attention_bound(4, 2, w_q, w_v, w_o)
+
+    w_q, w_v, w_o = torch.randn(2, 4, 2), torch.randn(2, 4, 2), torch.randn(4, 4)
+    assert torch.isfinite(certificate(w_q, w_v, w_o))
+    for wrong in ((w_q, torch.randn(2, 4, 3), w_o), (w_q, w_v, torch.randn(4, 5)),
+                  (torch.randn(2, 6, 2), torch.randn(2, 6, 2), torch.randn(6, 6))):
+        with pytest.raises(InputError, match="inconsistent weight shapes: w_q"):
+            certificate(*wrong)

@@ -128,13 +128,7 @@ def l2_attention_bound(
         raise InputError(f"method must be one of {CERTIFICATES}, got {method!r}")
     norm = norm_name(norm, mixed=method == "tight")
     spectral = spectral_norm_function(spectral_norms)
-    check_certificate_precision(w_q, w_v, w_o)
-    heads, dim, head_dim = w_q.shape
-    if w_v.shape != w_q.shape or w_o.shape != (dim, dim) or heads * head_dim != dim:
-        raise InputError(
-            f"inconsistent weight shapes: w_q {tuple(w_q.shape)}, w_v {tuple(w_v.shape)}, "
-            f"w_o {tuple(w_o.shape)}"
-        )
+    heads, dim, head_dim = _checked_weights(w_q, w_v, w_o)
     # Counts given as numbers (or host tensors) are checked and turned into the constants on
     # the host, then moved: no read back from the weights' device.
     w0_of_count = None
@@ -220,6 +214,17 @@ def induced_attention_bound(
         >>> bool(torch.isclose(b, 1 + induced_core_constant(2, 1)))
         True
     """
+    heads, dim, head_dim = _checked_weights(w_q, w_v, w_o)
+    rank_one = induced_core_constant(n, inducing).to(device=w_q.device, dtype=w_q.dtype)
+    m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
+    c = (rank_one / 4).unsqueeze(-1).expand(*rank_one.shape, heads)
+    return _mixed_norm_bound(c, w_q, m, spectral_norm_exact(w_q))
+
+
+def _checked_weights(w_q: Tensor, w_v: Tensor, w_o: Tensor) -> tuple[int, int, int]:
+    """(H, D, d) of the weights of H heads of width d (w_q, w_v: (H, D, d); w_o: (D, D),
+    D = H d), refused where the shapes disagree or the precision is too low for a
+    certificate."""
     check_certificate_precision(w_q, w_v, w_o)
     heads, dim, head_dim = w_q.shape
     if w_v.shape != w_q.shape or w_o.shape != (dim, dim) or heads * head_dim != dim:
@@ -227,10 +232,7 @@ def induced_attention_bound(
             f"inconsistent weight shapes: w_q {tuple(w_q.shape)}, w_v {tuple(w_v.shape)}, "
             f"w_o {tuple(w_o.shape)}"
         )
-    rank_one = induced_core_constant(n, inducing).to(device=w_q.device, dtype=w_q.dtype)
-    m = w_q.transpose(1, 2) @ w_v @ w_o.reshape(heads, head_dim, dim) / math.sqrt(head_dim)
-    c = (rank_one / 4).unsqueeze(-1).expand(*rank_one.shape, heads)
-    return _mixed_norm_bound(c, w_q, m, spectral_norm_exact(w_q))
+    return heads, dim, head_dim
 
 
 def _pairwise_spectral(a: Tensor,
