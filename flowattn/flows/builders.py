@@ -16,9 +16,7 @@ from ..branches import (
     RadialInteraction,
 )
 from ..errors import InputError
-from ..validation import (
-    check_count,
-)
+from ..validation import check_count
 from .coupling import SetCoupling
 from .inverse import InverseOptions
 from .layers import ActNorm, EquivariantLinear, SetLocation
